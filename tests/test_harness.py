@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from harness import RankError, RankTimeout, current_pool_pids, run_on_ranks
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from harness import RankError, run_on_ranks
 from models import MLPStack
 from parity import check_parity, random_batches
-from torch import nn
 
 
 def _average_gradients_by_hand(model: nn.Module) -> nn.Module:

@@ -5,6 +5,7 @@ imports. See README.md for the tour and DESIGN.md (in the shared folder) for the
 """
 
 from plait.contract import contract
+from plait.replicate import ReplicateModule, replicate
 
-__all__ = ["contract"]
+__all__ = ["ReplicateModule", "contract", "replicate"]
 __version__ = "0.1.0"

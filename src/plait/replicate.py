@@ -1,0 +1,289 @@
+"""``replicate``: composable data parallelism (DDP).
+
+Every rank holds the whole module. During backward, gradients are packed into buckets and
+each bucket is all-reduced asynchronously as soon as all of its gradients are ready, so
+communication overlaps the rest of backward; the end of backward waits for the buckets and
+writes the averaged gradients back into ``param.grad``.
+
+Contract:
+
+* Applied in place through ``@contract()``: names are unchanged, the module's class becomes
+  a subclass of ``ReplicateModule`` (so ``set_requires_gradient_sync`` / ``no_sync`` are
+  methods of the module itself).
+* At apply time rank 0's parameters and buffers are broadcast, so all replicas start equal.
+* Buckets hold parameters in reverse registration order (roughly the order backward
+  produces their gradients), capped at ``bucket_cap_mb``; the first bucket is capped at
+  1 MiB so that communication starts early. Buckets are launched strictly in order on every
+  rank, which keeps the sequence of collectives identical across ranks whatever order the
+  gradients arrive in.
+* Parameters that got no gradient in a step contribute zeros; each bucket carries one
+  count per parameter of how many ranks produced a gradient, so a parameter that no rank
+  used keeps ``grad=None`` exactly as in a single-process run (the optimizer then skips
+  it), while one used on some ranks gets the correct global average. Frozen parameters
+  (``requires_grad=False``) and ``ignored_params`` are not communicated at all.
+* ``set_requires_gradient_sync(False)`` (or ``with module.no_sync():``) skips all
+  communication: gradients accumulate locally, and the next synced backward reduces the
+  accumulated sum, one all-reduce per bucket.
+* ``reduce_dtype`` (e.g. ``torch.bfloat16``) is the dtype of the all-reduce; gradients are
+  cast back to the parameter dtype when written back.
+* Buffers are broadcast once at apply time only (torch's DDP re-broadcasts them every
+  forward; plait leaves that to the user, as running statistics rarely need it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from plait.contract import APIState, contract, get_registry
+from plait.hooks import queue_end_of_backward
+from plait.mesh import default_mesh, one_dim_group
+
+__all__ = ["ReplicateModule", "replicate"]
+
+_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+class _Bucket:
+    """Parameters whose gradients travel in one all-reduce, and that all-reduce's state."""
+
+    def __init__(self, params: list[nn.Parameter], reduce_dtype: torch.dtype) -> None:
+        self.params = params
+        self.reduce_dtype = reduce_dtype
+        self.offsets: list[int] = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel += p.numel()
+        self.numel = numel
+        self.ready = 0
+        self.flat: torch.Tensor | None = None
+        self.work: dist.Work | None = None
+
+    def launch(self, group: dist.ProcessGroup, world: int) -> None:
+        """Pack the gradients (zeros where missing) plus usage counts and start the reduce."""
+        # Layout: [grad_0 | grad_1 | ... | count_0, count_1, ...]
+        flat = torch.empty(
+            self.numel + len(self.params), dtype=self.reduce_dtype, device=self.params[0].device
+        )
+        used = []
+        for p, offset in zip(self.params, self.offsets, strict=True):
+            piece = flat[offset : offset + p.numel()]
+            if p.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(p.grad.reshape(-1))
+            used.append(p.grad is not None)
+        flat[self.numel :].copy_(torch.tensor(used, dtype=self.reduce_dtype))
+        # Pre-divide (as torch's DDP does) so low-precision reductions do not overflow.
+        flat[: self.numel].div_(world)
+        self.flat = flat
+        self.work = dist.all_reduce(flat, group=group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the reduce and write averaged gradients back into ``param.grad``."""
+        assert self.flat is not None and self.work is not None
+        self.work.wait()
+        flat, counts = self.flat, self.flat[self.numel :].tolist()
+        for p, offset, count in zip(self.params, self.offsets, counts, strict=True):
+            if count == 0:
+                continue  # no rank used this parameter: keep grad None, as one process would
+            reduced = flat[offset : offset + p.numel()].view(p.shape)
+            if p.grad is None:
+                p.grad = reduced.to(p.dtype)
+            else:
+                p.grad.copy_(reduced)
+        self.flat = None
+        self.work = None
+        self.ready = 0
+
+
+class ReplicateState(APIState):
+    """Per-``replicate`` state: the group, the buckets and where the current backward is."""
+
+    def __init__(self) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.world = 1
+        self.buckets: list[_Bucket] = []
+        self.bucket_of: dict[nn.Parameter, _Bucket] = {}
+        self.requires_gradient_sync = True
+        self.next_bucket = 0  # buckets before this one have been launched in this backward
+        self.in_backward = False  # the end-of-backward callback is queued
+
+    def on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.requires_gradient_sync:
+            return
+        if not self.in_backward:
+            self.in_backward = True
+            queue_end_of_backward(self.finish_backward)
+        self.bucket_of[param].ready += 1  # type: ignore[index]
+        self.launch_ready_buckets(force=False)
+
+    def launch_ready_buckets(self, force: bool) -> None:
+        """Launch buckets in order while they are complete (all of them when ``force``)."""
+        assert self.group is not None
+        while self.next_bucket < len(self.buckets):
+            bucket = self.buckets[self.next_bucket]
+            if not force and bucket.ready < len(bucket.params):
+                return
+            bucket.launch(self.group, self.world)
+            self.next_bucket += 1
+
+    def finish_backward(self) -> None:
+        with torch.profiler.record_function("plait.replicate.finish_backward"):
+            self.launch_ready_buckets(force=True)  # parameters that got no gradient this step
+            for bucket in self.buckets:
+                bucket.finish()
+        self.reset()
+
+    def reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready = 0
+            bucket.flat = bucket.work = None
+        self.next_bucket = 0
+        self.in_backward = False
+
+
+class ReplicateModule(nn.Module):
+    """Mixin the module's class gains under ``replicate`` (``isinstance`` checks work)."""
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Turn gradient all-reduce on or off (off: gradients accumulate locally).
+
+        With ``recurse``, also every ``replicate``-d submodule.
+        """
+        modules = self.modules() if recurse else [self]
+        for module in modules:
+            state = replicate.state(module)
+            if state is not None:
+                state.requires_gradient_sync = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block; the next synced backward reduces."""
+        previous = replicate.state(self).requires_gradient_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(previous)
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _make_replicate_class(cls: type[nn.Module]) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"Replicate{cls.__name__}", (ReplicateModule, cls), {})
+    return _CLASS_CACHE[cls]
+
+
+def _validate(module: nn.Module, bucket_cap_mb: float, reduce_dtype: object) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replicate expects an nn.Module, got {type(module).__name__}")
+    for name, sub in module.named_modules():
+        registry = get_registry(sub)
+        if registry is not None and "fully_shard" in registry:
+            where = f"its submodule {name!r}" if name else "it"
+            raise RuntimeError(
+                f"replicate cannot be applied to {type(module).__name__}: {where} is already "
+                "managed by fully_shard. Use fully_shard with a 2-D mesh (HSDP) to combine "
+                "replication and sharding."
+            )
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise TypeError(f"replicate: bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"replicate: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    if reduce_dtype is not None and not (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"replicate: reduce_dtype must be a floating torch.dtype or None, got {reduce_dtype!r}"
+        )
+
+
+def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Make every rank's ``tensors`` equal to rank 0's, one broadcast per dtype and device."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in same_kind])
+            dist.broadcast(flat, group=group, group_src=0)
+            for t, piece in zip(same_kind, flat.split([t.numel() for t in same_kind]), strict=True):
+                t.copy_(piece.view_as(t))
+
+
+def _make_buckets(
+    params: list[nn.Parameter], cap_bytes: int, reduce_dtype: torch.dtype | None
+) -> list[_Bucket]:
+    """Pack ``params`` in order into buckets of one dtype and device, at most ``cap_bytes``."""
+    buckets: list[_Bucket] = []
+    current: list[nn.Parameter] = []
+    current_bytes = 0
+    limit = min(cap_bytes, _FIRST_BUCKET_BYTES)
+    for p in params:
+        dtype = reduce_dtype or p.dtype
+        nbytes = p.numel() * dtype.itemsize
+        same_kind = bool(current) and (reduce_dtype or current[0].dtype, current[0].device) == (
+            dtype,
+            p.device,
+        )
+        if current and (not same_kind or current_bytes + nbytes > limit):
+            buckets.append(_Bucket(current, reduce_dtype or current[0].dtype))
+            current, current_bytes, limit = [], 0, cap_bytes
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        buckets.append(_Bucket(current, reduce_dtype or current[0].dtype))
+    return buckets
+
+
+@contract(ReplicateState)
+def replicate(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    bucket_cap_mb: float = 25,
+    reduce_dtype: torch.dtype | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> nn.Module:
+    """Replicate ``module`` over the data-parallel group; see the module docstring."""
+    _validate(module, bucket_cap_mb, reduce_dtype)
+    state: ReplicateState = replicate.state(module)
+    group = one_dim_group(
+        mesh if mesh is not None else default_mesh(module, "replicate"), "replicate"
+    )
+    state.group = group
+    state.world = dist.get_world_size(group)
+
+    ignored = set(ignored_params or ())
+    _broadcast_from_rank0(
+        [p.detach() for p in module.parameters() if p not in ignored] + list(module.buffers()),
+        group,
+    )
+    trainable = [p for p in module.parameters() if p.requires_grad and p not in ignored]
+    state.buckets = _make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20), reduce_dtype)
+    for bucket in state.buckets:
+        for p in bucket.params:
+            state.bucket_of[p] = bucket
+            p.register_post_accumulate_grad_hook(state.on_grad_ready)
+
+    def reset_after_aborted_backward(*_: Any) -> None:
+        # A backward that raised never ran its end-of-backward callback; start clean.
+        # (Forwards run *inside* backward, e.g. checkpoint recomputation, must not reset.)
+        if state.in_backward and torch._C._current_graph_task_id() == -1:
+            state.reset()
+
+    module.register_forward_pre_hook(reset_after_aborted_backward)
+    module.__class__ = _make_replicate_class(type(module))
+    return module

@@ -1,0 +1,410 @@
+"""``plait.replicate``: parity with one process and with torch's DDP, accumulation, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from plait import contract
+from plait.replicate import ReplicateModule, replicate
+
+from harness import run_on_ranks
+from models import MLP, MLPStack
+from parity import check_parity, local_slice, random_batches
+
+WORLD_SIZES = [2, 4]
+
+
+@contextlib.contextmanager
+def recorded_all_reduces() -> Iterator[list[tuple[torch.dtype, int]]]:
+    """Record (dtype, numel) of every ``dist.all_reduce`` issued inside the block."""
+    calls: list[tuple[torch.dtype, int]] = []
+    original = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append((tensor.dtype, tensor.numel()))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
+
+
+def _train(model: nn.Module, batches, steps_rank_slice: bool, lr: float = 1e-2) -> list[float]:
+    """Plain AdamW training on this rank's slice (or the whole batch); returns local losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for inputs, targets in batches:
+        if steps_rank_slice:
+            inputs, targets = local_slice(inputs, rank, world), local_slice(targets, rank, world)
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _assert_same_params(a: nn.Module, b: nn.Module, atol: float = 1e-6) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-5, msg=f"parameter {name}")
+
+
+# --- parity -----------------------------------------------------------------------------
+
+
+def _parity_with_reference_and_ddp(bucket_cap_mb: float) -> int:
+    batches = random_batches(5, 16, 8, 8)
+    check_parity(lambda: MLPStack(4), lambda m: replicate(m, bucket_cap_mb=bucket_cap_mb), batches)
+
+    torch.manual_seed(dist.get_rank())  # replicate must broadcast rank 0's init anyway
+    base = MLPStack(4)
+    ours = replicate(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
+    theirs = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
+    our_losses = _train(ours, batches, steps_rank_slice=True)
+    their_losses = _train(theirs, batches, steps_rank_slice=True)
+    assert our_losses == pytest.approx(their_losses, abs=1e-6)
+    _assert_same_params(ours, theirs.module)
+    return len(replicate.state(ours).buckets)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parity_with_single_process_and_torch_ddp(world_size: int) -> None:
+    run_on_ranks(world_size, _parity_with_reference_and_ddp, 25)
+
+
+def test_parity_with_many_small_buckets() -> None:
+    # a cap below one parameter's size puts (almost) every parameter in its own bucket
+    buckets = run_on_ranks(2, _parity_with_reference_and_ddp, 1e-4)
+    assert buckets[0] >= 10
+
+
+def _replicas_start_equal() -> list[float]:
+    torch.manual_seed(100 + dist.get_rank())  # deliberately different initialisations
+    model = MLPStack(2)
+    model.register_buffer("counter", torch.full((3,), float(dist.get_rank())))
+    replicate(model)
+    return [p.sum().item() for p in model.parameters()] + model.counter.tolist()
+
+
+def test_rank0_parameters_and_buffers_are_broadcast_at_apply_time() -> None:
+    values = run_on_ranks(4, _replicas_start_equal)
+    assert all(v == values[0] for v in values)
+    assert values[0][-3:] == [0.0, 0.0, 0.0]
+
+
+# --- unused and frozen parameters ------------------------------------------------------
+
+
+class WithDeadBranch(nn.Module):
+    """A model with a branch no rank ever uses (its grads must stay None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = MLPStack(2)
+        self.dead = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _parity_with_unused_branch() -> None:
+    check_parity(
+        WithDeadBranch, lambda m: replicate(m, bucket_cap_mb=1e-4), random_batches(4, 8, 8, 8)
+    )
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_globally_unused_parameters_keep_no_gradient(world_size: int) -> None:
+    run_on_ranks(world_size, _parity_with_unused_branch)
+
+
+class RankDependentBranch(nn.Module):
+    """Each rank takes a different branch: gradients of both must still be averaged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.even = nn.Linear(8, 8)
+        self.odd = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branch = self.even if dist.get_rank() % 2 == 0 else self.odd
+        return branch(torch.relu(self.stem(x)))
+
+
+def _branch_per_rank_matches_ddp() -> None:
+    batches = random_batches(4, 8, 8, 8)
+    base = RankDependentBranch()
+    ours = replicate(copy.deepcopy(base), bucket_cap_mb=1e-4)
+    theirs = DDP(copy.deepcopy(base), find_unused_parameters=True, bucket_cap_mb=1e-4)
+    _train(ours, batches, steps_rank_slice=True)
+    _train(theirs, batches, steps_rank_slice=True)
+    _assert_same_params(ours, theirs.module)
+
+
+def test_branch_taken_by_some_ranks_matches_torch_ddp() -> None:
+    run_on_ranks(2, _branch_per_rank_matches_ddp)
+
+
+def _freeze_stem(model: MLPStack) -> MLPStack:
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _parity_with_frozen_params() -> int:
+    with recorded_all_reduces() as calls:
+        check_parity(
+            lambda: _freeze_stem(MLPStack(3)), lambda m: replicate(m), random_batches(3, 8, 8, 8)
+        )
+    trainable = sum(p.numel() for p in _freeze_stem(MLPStack(3)).parameters() if p.requires_grad)
+    # check_parity all-reduces one loss per step; the rest are the gradient buckets
+    grad_numel = sum(n for _, n in calls if n > 1)
+    n_params = sum(1 for p in _freeze_stem(MLPStack(3)).parameters() if p.requires_grad)
+    assert grad_numel == 3 * (trainable + n_params), "frozen parameters must not be reduced"
+    return grad_numel
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_frozen_parameters_are_skipped(world_size: int) -> None:
+    run_on_ranks(world_size, _parity_with_frozen_params)
+
+
+# --- gradient accumulation ---------------------------------------------------------------
+
+
+def _accumulate_over_microbatches(use_context: bool) -> list[int]:
+    counts: list[int] = []
+
+    def step(model: nn.Module, inputs, targets, loss_fn) -> torch.Tensor:
+        total = torch.zeros(())
+        micro = list(zip(inputs.chunk(4), targets.chunk(4), strict=True))
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            sync: Callable[[], Any]
+            if isinstance(model, ReplicateModule):
+                if use_context:
+                    sync = contextlib.nullcontext if last else model.no_sync
+                else:
+                    model.set_requires_gradient_sync(last)
+                    sync = contextlib.nullcontext
+            else:
+                sync = contextlib.nullcontext
+            with recorded_all_reduces() as calls, sync():
+                loss = loss_fn(model(x), y) / len(micro)
+                loss.backward()
+            if isinstance(model, ReplicateModule):
+                counts.append(len(calls))
+            total += loss.detach()
+        return total
+
+    check_parity(
+        lambda: MLPStack(3),
+        lambda m: replicate(m, bucket_cap_mb=1e-3),
+        random_batches(3, 32, 8, 8),
+        step=step,
+    )
+    model = replicate(MLPStack(3), bucket_cap_mb=1e-3)
+    return [len(replicate.state(model).buckets), *counts]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize(
+    "use_context", [False, True], ids=["set_requires_gradient_sync", "no_sync"]
+)
+def test_gradient_accumulation_reduces_once_per_synced_step(
+    world_size: int, use_context: bool
+) -> None:
+    result = run_on_ranks(world_size, _accumulate_over_microbatches, use_context)[0]
+    n_buckets, counts = result[0], result[1:]
+    assert n_buckets > 1
+    # 3 steps x 4 microbatches: no collective in the first three, one per bucket in the last
+    assert counts == [0, 0, 0, n_buckets] * 3
+
+
+# --- reduce dtype --------------------------------------------------------------------------
+
+
+def _parity_with_bf16_reduce() -> list[torch.dtype]:
+    with recorded_all_reduces() as calls:
+        check_parity(
+            lambda: MLPStack(3),
+            lambda m: replicate(m, reduce_dtype=torch.bfloat16),
+            random_batches(3, 16, 8, 8),
+            atol=2e-2,
+            rtol=2e-2,
+        )
+    return sorted({dtype for dtype, n in calls if n > 1}, key=str)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_dtype_is_used_for_the_all_reduce(world_size: int) -> None:
+    dtypes = run_on_ranks(world_size, _parity_with_bf16_reduce)[0]
+    assert dtypes == [torch.bfloat16]
+
+
+def _bf16_grads_equal_hand_computed() -> float:
+    # Hand-computed oracle: each rank's local gradient cast to bf16, divided by the world
+    # size in bf16, summed in fp32 over ranks (exact for two bf16 addends) and cast back.
+    torch.manual_seed(0)
+    model = replicate(MLP(8, 16), reduce_dtype=torch.bfloat16)
+    reference = MLP(8, 16)
+    reference.load_state_dict({k: v for k, v in model.state_dict().items()})
+    inputs, targets = random_batches(1, 8, 8, 8)[0]
+    nn.functional.mse_loss(
+        model(local_slice(inputs, dist.get_rank(), 2)), local_slice(targets, dist.get_rank(), 2)
+    ).backward()
+    expected: dict[str, torch.Tensor] = {}
+    for rank in range(2):
+        reference.zero_grad()
+        nn.functional.mse_loss(
+            reference(local_slice(inputs, rank, 2)), local_slice(targets, rank, 2)
+        ).backward()
+        for name, p in reference.named_parameters():
+            piece = (p.grad.to(torch.bfloat16) / 2).float()
+            expected[name] = expected.get(name, torch.zeros_like(piece)) + piece
+    worst = 0.0
+    for name, p in model.named_parameters():
+        want = expected[name].to(torch.bfloat16).float()
+        worst = max(worst, (p.grad - want).abs().max().item())
+    return worst
+
+
+def test_bf16_reduce_matches_hand_computed_gradients() -> None:
+    assert run_on_ranks(2, _bf16_grads_equal_hand_computed) == [0.0, 0.0]
+
+
+# --- overlap -------------------------------------------------------------------------------
+
+
+def _events_of_one_backward() -> list[str]:
+    events: list[str] = []
+    model = MLPStack(6, dim=64, hidden=256)
+    replicate(model, bucket_cap_mb=0.1)
+    # the first block's input gradient is the last piece of compute of the backward
+    model.blocks[0].in_proj.register_full_backward_hook(lambda *_: events.append("last_compute"))
+    original = dist.all_reduce
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        events.append("all_reduce")
+        return original(*args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        x = torch.randn(4, 64, requires_grad=True)
+        model(x).sum().backward()
+    finally:
+        dist.all_reduce = original
+    return events
+
+
+def test_early_buckets_are_reduced_while_backward_still_runs() -> None:
+    events = run_on_ranks(2, _events_of_one_backward)[0]
+    assert events.count("all_reduce") > 2
+    assert events.index("all_reduce") < events.index("last_compute")
+    launched_early = events[: events.index("last_compute")].count("all_reduce")
+    assert launched_early >= events.count("all_reduce") - 1
+
+
+# --- behaviour and errors -----------------------------------------------------------------
+
+
+def _state_and_class() -> tuple[bool, list[str], bool]:
+    model = MLPStack(2)
+    names = [n for n, _ in model.named_parameters()]
+    replicate(model)
+    ok_names = [n for n, _ in model.named_parameters()] == names
+    registry = contract.get_registry(model)
+    assert registry is not None
+    return (
+        isinstance(model, ReplicateModule) and isinstance(model, MLPStack),
+        list(registry),
+        ok_names,
+    )
+
+
+def test_module_keeps_names_and_gains_the_replicate_methods() -> None:
+    is_both, registry, ok_names = run_on_ranks(2, _state_and_class)[0]
+    assert is_both and registry == ["replicate"] and ok_names
+
+
+def _errors() -> list[str]:
+    messages = []
+    mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+
+    @contract()
+    def fully_shard(module: nn.Module) -> nn.Module:  # stands in for plait's fully_shard
+        return module
+
+    sharded = MLPStack(2)
+    fully_shard(sharded.blocks[0])
+    cases: list[tuple[type[Exception], Callable[[], Any]]] = [
+        (ValueError, lambda: replicate(MLP(), mesh=mesh_2d)),
+        (TypeError, lambda: replicate(MLP(), mesh="dp")),
+        (TypeError, lambda: replicate(MLP(), bucket_cap_mb="25")),
+        (ValueError, lambda: replicate(MLP(), bucket_cap_mb=0)),
+        (TypeError, lambda: replicate(MLP(), reduce_dtype=torch.int32)),
+        (TypeError, lambda: replicate("model")),
+        (RuntimeError, lambda: replicate(sharded)),
+    ]
+    for kind, call in cases:
+        with pytest.raises(kind) as info:
+            call()
+        messages.append(str(info.value))
+    model = replicate(MLP())
+    with pytest.raises(AssertionError, match="replicate has already been applied"):
+        replicate(model)
+    # the 2-D mesh's named dimension is a valid data-parallel group
+    replicate(MLP(), mesh=mesh_2d["dp"])
+    return messages
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    messages = run_on_ranks(4, _errors)[0]
+    assert "needs a 1-D mesh" in messages[0] and 'mesh["dp"]' in messages[0]
+    assert "DeviceMesh" in messages[1]
+    assert "bucket_cap_mb must be a number" in messages[2]
+    assert "must be positive" in messages[3]
+    assert "reduce_dtype" in messages[4]
+    assert "expects an nn.Module" in messages[5]
+    assert "'blocks.0' is already managed by fully_shard" in messages[6]
+
+
+def _recovers_after_failed_backward() -> None:
+    model = replicate(MLPStack(2), bucket_cap_mb=1e-4)
+    out = model(torch.randn(4, 8))
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward failed")
+
+    # the first block's weight gradient comes last, after some buckets were launched
+    handle = model.blocks[0].in_proj.weight.register_hook(fail)
+    with pytest.raises(ValueError, match="backward failed"):
+        out.sum().backward()
+    assert replicate.state(model).in_backward  # the end-of-backward callback never ran
+    handle.remove()
+    model.zero_grad()
+    x = local_slice(torch.randn(8, 8), dist.get_rank(), 2)
+    model(x).sum().backward()
+    assert not replicate.state(model).in_backward
+    grads = [p.grad.clone() for p in model.parameters()]
+    gathered = [torch.cat([g.flatten() for g in grads]) for _ in range(2)]
+    dist.all_gather(gathered, torch.cat([g.flatten() for g in grads]))
+    assert torch.equal(gathered[0], gathered[1]), "gradients were not averaged"
+
+
+def test_failed_backward_leaves_no_stale_state() -> None:
+    run_on_ranks(2, _recovers_after_failed_backward)
