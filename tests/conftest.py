@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from harness import shutdown_pools
 
 
