@@ -94,11 +94,8 @@ class _Bucket:
         for p, offset, count in zip(self.params, self.offsets, counts, strict=True):
             if count == 0:
                 continue  # no rank used this parameter: keep grad None, as one process would
-            reduced = flat[offset : offset + p.numel()].view(p.shape)
-            if p.grad is None:
-                p.grad = reduced.to(p.dtype)
-            else:
-                p.grad.copy_(reduced)
+            # The gradient becomes a view of the reduced bucket (no copy) when dtypes agree.
+            p.grad = flat[offset : offset + p.numel()].view(p.shape).to(p.dtype)
         self.flat = None
         self.work = None
         self.ready = 0

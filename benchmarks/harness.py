@@ -1,0 +1,182 @@
+"""Side-by-side benchmark runner: plait's modes beside torch's, interleaved, with repeats.
+
+One invocation launches ``nproc`` CPU ranks (gloo, one thread each). Every rank builds all
+requested modes up front (same model, same data, same AdamW step), then runs ``repeats``
+rounds; each round visits every mode once, in an order rotated from round to round so no
+mode always runs first or last, and times ``steps`` training steps of it. A step's time is
+the slowest rank's. Modes marked ``single_process`` (the ``single`` baseline: one process,
+the local batch) run on rank 0 while the other ranks wait.
+
+Peak live tensor memory is measured separately, per mode, on fresh models run for two
+untimed steps under ``LiveTensorBytes`` (it slows ops down, so it never overlaps timing).
+
+The report gives, per mode: median step time, min-max, tokens/s, ratio to ``single``, ratio
+to the torch counterpart, and peak live MiB on the busiest rank; as JSON and Markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.memory import LiveTensorBytes
+from plait.train.model import GPTConfig
+
+Step = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    nproc: int = 2
+    repeats: int = 5
+    steps: int = 4
+    warmup: int = 2
+    batch: int = 8  # sequences per rank (the local batch)
+    gpt: GPTConfig = field(default_factory=GPTConfig)
+    microbatches: int = 8  # pipeline modes only
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A named way to train the benchmark model; ``build`` returns one training step."""
+
+    name: str
+    build: Callable[[BenchConfig], Step]
+    single_process: bool = False
+    torch_counterpart: str | None = None
+
+
+def launch(cfg: BenchConfig, modes: list[Mode]) -> dict[str, Any]:
+    """Run ``modes`` on ``cfg.nproc`` fresh ranks; return rank 0's report."""
+    with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
+        out = os.path.join(tmp, "report.json")
+        store = os.path.join(tmp, "store")
+        mp.spawn(_rank_main, args=(cfg, modes, store, out), nprocs=cfg.nproc, join=True)
+        with open(out) as f:
+            report: dict[str, Any] = json.load(f)
+    return report
+
+
+def _rank_main(rank: int, cfg: BenchConfig, modes: list[Mode], store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=cfg.nproc,
+        timeout=timedelta(minutes=10),
+    )
+    try:
+        times = _time_modes(cfg, modes)
+        peaks = {m.name: _peak_bytes(cfg, m) for m in modes}
+        if rank == 0:
+            report = _report(cfg, modes, times, peaks)
+            with open(out, "w") as f:
+                json.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _runs_here(mode: Mode) -> bool:
+    return not mode.single_process or dist.get_rank() == 0
+
+
+def _time_modes(cfg: BenchConfig, modes: list[Mode]) -> dict[str, list[float]]:
+    steps = {m.name: m.build(cfg) for m in modes if _runs_here(m)}
+    for m in modes:
+        dist.barrier()
+        if _runs_here(m):
+            for _ in range(cfg.warmup):
+                steps[m.name]()
+    times: dict[str, list[float]] = {m.name: [] for m in modes}
+    for round_ in range(cfg.repeats):
+        shift = round_ % len(modes)
+        for m in modes[shift:] + modes[:shift]:
+            dist.barrier()
+            local = torch.zeros(cfg.steps, dtype=torch.float64)
+            if _runs_here(m):
+                for i in range(cfg.steps):
+                    start = time.perf_counter()
+                    steps[m.name]()
+                    local[i] = time.perf_counter() - start
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+            times[m.name] += local.tolist()
+    return times
+
+
+def _peak_bytes(cfg: BenchConfig, mode: Mode) -> int:
+    peak = torch.zeros(1, dtype=torch.int64)
+    dist.barrier()
+    if _runs_here(mode):
+        with LiveTensorBytes() as tracker:
+            step = mode.build(cfg)
+            step()
+            step()
+        peak[0] = tracker.peak
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+def _report(
+    cfg: BenchConfig, modes: list[Mode], times: dict[str, list[float]], peaks: dict[str, int]
+) -> dict[str, Any]:
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    tokens_per_step = cfg.batch * cfg.gpt.seq_len
+    rows = []
+    for m in modes:
+        med = medians[m.name]
+        ranks = 1 if m.single_process else cfg.nproc
+        row = {
+            "mode": m.name,
+            "median_s": med,
+            "min_s": min(times[m.name]),
+            "max_s": max(times[m.name]),
+            "tokens_per_s": tokens_per_step * ranks / med,
+            "vs_single": med / medians["single"] if "single" in medians else None,
+            "torch_counterpart": m.torch_counterpart,
+            "vs_torch": (
+                med / medians[m.torch_counterpart] if m.torch_counterpart in medians else None
+            ),
+            "peak_mib_per_rank": peaks[m.name] / 2**20,
+            "step_times_s": times[m.name],
+        }
+        if m.torch_counterpart in peaks:
+            row["mem_vs_torch"] = peaks[m.name] / max(peaks[m.torch_counterpart], 1)
+        rows.append(row)
+    config = asdict(cfg)
+    return {"config": config, "modes": rows, "markdown": markdown_table(rows)}
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| mode | median step (ms) | min-max (ms) | tokens/s | vs single | vs torch | "
+        "peak MiB/rank | mem vs torch |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        versus = _ratio(r["vs_torch"])
+        if r["torch_counterpart"] and r["vs_torch"] is not None:
+            versus += f" ({r['torch_counterpart']})"
+        lines.append(
+            f"| {r['mode']} | {r['median_s'] * 1e3:.1f} | "
+            f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{_ratio(r['vs_single'])} | {versus} | {r['peak_mib_per_rank']:.1f} | "
+            f"{_ratio(r.get('mem_vs_torch'))} |"
+        )
+    return "\n".join(lines)

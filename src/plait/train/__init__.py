@@ -1,0 +1,1 @@
+"""The pieces of the ``plait`` training command (the model lives here so benchmarks share it)."""
