@@ -59,7 +59,7 @@ class RegistryItem:
 
 _P = ParamSpec("_P")
 _S = TypeVar("_S", covariant=True)
-_M = TypeVar("_M", nn.Module, list[nn.Module])
+_M = TypeVar("_M", bound=nn.Module | list[nn.Module])
 
 
 class ComposableAPI(Protocol, Generic[_P, _S]):

@@ -1,0 +1,279 @@
+"""``fully_shard``: sharded data parallelism (FSDP / ZeRO-3) as a composable API.
+
+``fully_shard(module)`` makes the parameters of ``module`` that no inner ``fully_shard``
+call owns into one *unit*: between uses each rank holds only its ``Shard(0)`` chunk of
+each parameter (as a DTensor parameter); the unit is all-gathered just before its forward
+and its backward and freed after; its gradients are reduce-scattered so each rank keeps
+the averaged gradient of its own chunk. The module stays the same object, keeps every
+name, and becomes an instance of ``FSDPModule`` (torch's method names).
+
+Where plait differs from torch, on purpose: ``deepcopy`` of a sharded module raises
+(deepcopy the model before sharding); a parameter no rank used in a step keeps
+``grad=None`` exactly as in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from plait.contract import contract, get_registry
+from plait.fsdp.group import FSDPParamGroup
+from plait.fsdp.param import FSDPParam, Location
+from plait.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.state import FSDPState
+from plait.mesh import default_mesh
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the unshard."""
+
+    def __init__(self, unit: FSDPParamGroup | None) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            self._unit.wait_for_unshard()
+            self._unit = None
+
+
+def fsdp_states_in(module: nn.Module) -> list[FSDPState]:
+    """The ``fully_shard`` states in ``module``'s subtree, in pre-order (module first)."""
+    states: list[FSDPState] = []
+    for m in module.modules():
+        state = fully_shard.state(m)
+        if state is not None and all(state is not s for s in states):  # lists share one
+            states.append(state)
+    return states
+
+
+class FSDPModule(nn.Module):
+    """Mixin the module's class gains under ``fully_shard`` (``isinstance`` works)."""
+
+    def _fsdp_state(self) -> FSDPState:
+        state: FSDPState = fully_shard.state(self)
+        return state
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        return fsdp_states_in(self) if recurse else [self._fsdp_state()]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters; with ``async_op`` return a handle to wait on."""
+        unit = self._fsdp_state().unit
+        if unit is not None:
+            unit.unshard(async_op=async_op)
+        return UnshardHandle(unit) if async_op else None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module holds the sharded ones again."""
+        unit = self._fsdp_state().unit
+        if unit is not None:
+            unit.reshard()
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Off: gradients accumulate unsharded and unreduced until it is turned back on."""
+        for state in self._states(recurse):
+            if state.unit is not None:
+                state.unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        for state in self._states(recurse):
+            if state.unit is not None:
+                state.unit.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the next backward leaves its gradient reductions in flight (accumulation).
+
+        They are completed at the next forward or backward, before the optimizer needs them.
+        """
+        self._fsdp_state().is_last_backward = is_last_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these units (asynchronously) right after this one, in forward."""
+        self._fsdp_state().forward_prefetch = _prefetch_states(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these units (asynchronously) right after this one, in backward."""
+        self._fsdp_state().backward_prefetch = _prefetch_states(modules)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise RuntimeError(
+            f"deepcopy of a fully_shard-ed module ({type(self).__name__}) is not supported: its "
+            "parameters are shards tied to communication state. Deepcopy the model before "
+            "calling fully_shard, or save and load a state_dict."
+        )
+
+
+def _prefetch_states(modules: list[FSDPModule]) -> list[FSDPState]:
+    states = []
+    for m in modules:
+        state = fully_shard.state(m) if isinstance(m, nn.Module) else None
+        if state is None:
+            raise ValueError(
+                f"prefetch targets must be fully_shard-ed modules, got {type(m).__name__}: "
+                "call fully_shard on it first"
+            )
+        states.append(state)
+    return states
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type[nn.Module]) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _CLASS_CACHE[cls]
+
+
+def _check_arguments(
+    modules: list[nn.Module], mesh: object, mp_policy: object, offload_policy: object
+) -> None:
+    for module in modules:
+        for name, sub in module.named_modules():
+            registry = get_registry(sub)
+            if registry is not None and "replicate" in registry:
+                where = f"its submodule {name!r}" if name else "it"
+                raise RuntimeError(
+                    f"fully_shard cannot be applied to {type(module).__name__}: {where} is "
+                    "already managed by replicate. Use fully_shard with a 2-D mesh (HSDP) to "
+                    "combine replication and sharding."
+                )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
+        raise NotImplementedError(
+            "fully_shard: 2-D meshes (HSDP) are not yet supported; pass a 1-D mesh"
+        )
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if mp_policy != MixedPrecisionPolicy():
+        raise NotImplementedError("fully_shard: mixed precision (mp_policy) is not yet supported")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
+        )
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError("fully_shard: CPU offload (offload_policy) is not yet supported")
+
+
+def _collect_params(
+    modules: list[nn.Module], ignored: set[nn.Parameter]
+) -> dict[nn.Parameter, list[Location]]:
+    """This unit's parameters with every place they are referenced from, in order."""
+    inner = [s for m in modules for s in fsdp_states_in(m)]
+    owned_by_inner = {p.sharded: s for s in inner if s.unit is not None for p in s.unit.params}
+    found: dict[nn.Parameter, list[Location]] = {}
+    for module in modules:
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for name, param in sub._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                owner = owned_by_inner.get(param)
+                if owner is not None:
+                    assert owner.module is not None
+                    if not any(sub is m for m in owner.module.modules()):
+                        raise ValueError(
+                            f"fully_shard: parameter {fqn!r} is shared with another fully_shard "
+                            f"unit ({type(owner.module).__name__}); a parameter can belong to one "
+                            "unit only. Put both users of the parameter inside the same unit."
+                        )
+                    continue
+                _check_shardable(fqn, param)
+                locations = found.setdefault(param, [])
+                if all(loc.module is not sub or loc.name != name for loc in locations):
+                    locations.append(Location(sub, name, fqn))
+    return found
+
+
+def _check_shardable(fqn: str, param: torch.Tensor) -> None:
+    if param.dim() == 0:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is 0-dim and cannot be sharded on dim 0: "
+            "store it with shape (1,), or pass it in ignored_params"
+        )
+    if not param.is_contiguous():
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is not contiguous (strides {param.stride()}): "
+            "make it contiguous before fully_shard (param.data = param.data.contiguous())"
+        )
+
+
+@contract(FSDPState)
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
+    ignored_params: Iterable[nn.Parameter] | None = None,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module``'s parameters over ``mesh``; see the module docstring."""
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    _check_arguments(modules, mesh, mp_policy, offload_policy)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            "fully_shard: reshard_after_forward must be True, False or None, got "
+            f"{reshard_after_forward!r}"
+        )
+    mesh = mesh if mesh is not None else default_mesh(modules[0], "fully_shard")
+    group = mesh.get_group()
+    assert isinstance(group, dist.ProcessGroup)
+    rank, world = mesh.get_local_rank(), mesh.size()
+
+    found = _collect_params(modules, set(ignored_params or ()))
+    dtypes = {p.dtype for p in found}
+    if len(dtypes) > 1:
+        raise NotImplementedError(
+            f"fully_shard: parameters of mixed dtypes {sorted(map(str, dtypes))} in one unit "
+            "are not yet supported"
+        )
+    params = [FSDPParam(p, locs, mesh, rank, world) for p, locs in found.items()]
+
+    state: FSDPState = fully_shard.state(modules[0])
+    state.module = modules[0]
+    state.reshard_after_forward = reshard_after_forward
+    state.unit = FSDPParamGroup(params, group, world) if params else None
+    for m in modules:
+        m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+        m.register_forward_hook(state.post_forward)
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` unshard and reshard like ``forward`` does."""
+    state = fully_shard.state(module)
+    if state is None:
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} is not fully_shard-ed; "
+            "call fully_shard on it first"
+        )
+    method: Callable[..., Any] = getattr(module, method_name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        replaced = state.pre_forward(module, args, kwargs)
+        if replaced is not None:
+            args, kwargs = replaced
+        return state.post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
