@@ -71,6 +71,7 @@ def check_parity(
     data_rank: int | None = None,
     data_world: int | None = None,
     loss_group: dist.ProcessGroup | None = None,
+    build_reference: Callable[[], nn.Module] | None = None,
     atol: float = 1e-6,
     rtol: float = 1e-5,
 ) -> ParityReport:
@@ -78,14 +79,16 @@ def check_parity(
 
     ``data_rank`` / ``data_world`` choose this rank's slice of each global batch (default:
     the global rank and world size); ``loss_group`` is the group over which local losses
-    are averaged (default: the world).
+    are averaged (default: the world). ``build_reference`` builds the reference model when
+    it must differ from ``build_model`` (e.g. edits the parallel copy only gets after
+    wrapping).
     """
     rank = dist.get_rank() if data_rank is None else data_rank
     world = dist.get_world_size() if data_world is None else data_world
     report = ParityReport()
 
     torch.manual_seed(seed)
-    reference = build_model()
+    reference = (build_reference or build_model)()
     torch.manual_seed(seed)
     parallel = parallelize(build_model())
     ref_opt = make_optimizer(reference.parameters())

@@ -4,8 +4,29 @@ The public vocabulary follows torch's composable APIs, so code moves over by cha
 imports. See README.md for the tour and DESIGN.md (in the shared folder) for the layout.
 """
 
+from plait.checkpoint import CheckpointError, checkpoint
 from plait.contract import contract
+from plait.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from plait.replicate import ReplicateModule, replicate
 
-__all__ = ["ReplicateModule", "contract", "replicate"]
+__all__ = [
+    "CPUOffloadPolicy",
+    "CheckpointError",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ReplicateModule",
+    "checkpoint",
+    "contract",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "replicate",
+]
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ Where plait differs from torch, on purpose: ``deepcopy`` of a sharded module rai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -63,6 +63,15 @@ class FSDPModule(nn.Module):
 
     def _states(self, recurse: bool) -> list[FSDPState]:
         return fsdp_states_in(self) if recurse else [self._fsdp_state()]
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module``'s, after taking in parameters replaced since ``fully_shard``.
+
+        So an optimizer built after such a replacement gets the sharded parameters.
+        """
+        for state in fsdp_states_in(self):
+            state.adopt_replacements()
+        return super().named_parameters(*args, **kwargs)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this unit's parameters; with ``async_op`` return a handle to wait on."""
@@ -179,7 +188,13 @@ def _collect_params(
 ) -> dict[nn.Parameter, list[Location]]:
     """This unit's parameters with every place they are referenced from, in order."""
     inner = [s for m in modules for s in fsdp_states_in(m)]
-    owned_by_inner = {p.sharded: s for s in inner if s.unit is not None for p in s.unit.params}
+    owned_by_inner = {
+        param: s
+        for s in inner
+        if s.unit is not None
+        for p in s.unit.params
+        for param in (p.sharded, p.original)
+    }
     found: dict[nn.Parameter, list[Location]] = {}
     for module in modules:
         for prefix, sub in module.named_modules(remove_duplicate=False):

@@ -115,5 +115,6 @@ class FSDPParamGroup:
                 p.accumulate_sharded_grad(out[p.offset : p.offset + p.padded_numel])
 
     @property
-    def reduce_pending(self) -> bool:
-        return self._reduce is not None
+    def busy(self) -> bool:
+        """An all-gather is in flight (the modules are about to receive full parameters)."""
+        return self._gather is not None

@@ -67,6 +67,7 @@ class FSDPParam:
     ) -> None:
         self.locations = locations
         self.fqn = locations[0].fqn
+        self.original = param  # the object modules held before fully_shard (for tie checks)
         self.mesh = mesh
         self.world = world
         self.shape = param.shape

@@ -103,8 +103,14 @@ class FSDPState(APIState):
                 f"first forward: {meta}. Call module.to_empty(device=...) and initialise them "
                 "(e.g. reset_parameters()) after fully_shard and before the first forward."
             )
-        for p in self.unit.params:
-            p.adopt_replacement()
+        self.adopt_replacements()
+
+    def adopt_replacements(self) -> None:
+        """Take in parameters the user replaced on the modules while the unit is sharded."""
+        unit = self.unit
+        if unit is not None and unit.sharded_state is ShardedState.SHARDED and not unit.busy:
+            for p in unit.params:
+                p.adopt_replacement()
 
     # --- forward ---------------------------------------------------------------------------
 
