@@ -29,7 +29,9 @@ class LiveTensorBytes(TorchDispatchMode):
     def _track(self, t: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(t):  # e.g. DTensor: count its local tensors
             for name in t.__tensor_flatten__()[0]:
-                self._track(getattr(t, name))
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._track(inner)
             return
         if t.device.type == "meta":
             return

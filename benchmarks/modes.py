@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness import BenchConfig, Mode, Step
+from plait.checkpoint import checkpoint
+from plait.fsdp import fully_shard
 from plait.replicate import replicate
 from plait.train.model import GPT, lm_loss
 
@@ -56,15 +58,135 @@ def _torch_ddp(cfg: BenchConfig) -> Step:
     return training_step(DistributedDataParallel(_model(cfg)), cfg)
 
 
+# --- activation checkpointing (one process; "single" is the model without checkpointing) ---
+
+_MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+}
+
+
+def _ac_plait(cfg: BenchConfig) -> Step:
+    model = _model(cfg)
+    for block in model.blocks:
+        checkpoint(block)
+    return training_step(model, cfg)
+
+
+def _ac_plait_selective(cfg: BenchConfig) -> Step:
+    model = _model(cfg)
+    for block in model.blocks:
+        checkpoint(block, policy=_MATMULS)
+    return training_step(model, cfg)
+
+
+def _ac_torch(cfg: BenchConfig) -> Step:
+    from torch.distributed._composable import checkpoint as torch_checkpoint
+
+    model = _model(cfg)
+    for block in model.blocks:
+        torch_checkpoint(block)
+    return training_step(model, cfg)
+
+
+# --- fully_shard ----------------------------------------------------------------------------
+
+
+def _shard_blocks(model: nn.Module, shard: object, reshard: bool) -> nn.Module:
+    for block in model.blocks:
+        shard(block, reshard_after_forward=reshard)  # type: ignore[operator]
+    shard(model, reshard_after_forward=reshard)  # type: ignore[operator]
+    return model
+
+
+def _torch_fully_shard() -> object:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    return torch_fully_shard
+
+
+def _fsdp(cfg: BenchConfig) -> Step:
+    return training_step(_shard_blocks(_model(cfg), fully_shard, True), cfg)
+
+
+def _fsdp_keep(cfg: BenchConfig) -> Step:
+    return training_step(_shard_blocks(_model(cfg), fully_shard, False), cfg)
+
+
+def _torch_fsdp(cfg: BenchConfig) -> Step:
+    return training_step(_shard_blocks(_model(cfg), _torch_fully_shard(), True), cfg)
+
+
+def _torch_fsdp_keep(cfg: BenchConfig) -> Step:
+    return training_step(_shard_blocks(_model(cfg), _torch_fully_shard(), False), cfg)
+
+
+class TinyLayers(nn.Module):
+    """64 tiny linear layers: compute is negligible, so a step measures per-unit overhead."""
+
+    def __init__(self, n: int = 64, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def _tiny_step(shard: object) -> Step:
+    torch.manual_seed(0)
+    model = _shard_blocks(TinyLayers(), shard, True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, 16)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _tiny_fsdp(cfg: BenchConfig) -> Step:
+    return _tiny_step(fully_shard)
+
+
+def _tiny_torch_fsdp(cfg: BenchConfig) -> Step:
+    return _tiny_step(_torch_fully_shard())
+
+
 MODES: dict[str, Mode] = {
     m.name: m
     for m in [
         Mode("single", _single, single_process=True),
         Mode("replicate", _replicate, torch_counterpart="torch_ddp"),
         Mode("torch_ddp", _torch_ddp),
+        Mode("ac_plait", _ac_plait, torch_counterpart="ac_torch"),
+        Mode("ac_plait_selective", _ac_plait_selective, torch_counterpart="ac_torch"),
+        Mode("ac_torch", _ac_torch),
+        Mode("fully_shard", _fsdp, torch_counterpart="torch_fully_shard"),
+        Mode("fully_shard_keep", _fsdp_keep, torch_counterpart="torch_fully_shard_keep"),
+        Mode("torch_fully_shard", _torch_fsdp),
+        Mode("torch_fully_shard_keep", _torch_fsdp_keep),
+        Mode("tiny64_fully_shard", _tiny_fsdp, torch_counterpart="tiny64_torch_fully_shard"),
+        Mode("tiny64_torch_fully_shard", _tiny_torch_fsdp),
     ]
 }
 
 SUITES: dict[str, list[str]] = {
     "replicate": ["single", "replicate", "torch_ddp"],
+    # run with --nproc 1 --layers 8: checkpointing is a single-process feature
+    "checkpoint": ["single", "ac_plait", "ac_torch", "ac_plait_selective"],
+    # "_keep" modes: reshard_after_forward=False; tiny64: per-unit CPU overhead
+    "fully_shard": [
+        "single",
+        "fully_shard",
+        "torch_fully_shard",
+        "fully_shard_keep",
+        "torch_fully_shard_keep",
+        "tiny64_fully_shard",
+        "tiny64_torch_fully_shard",
+    ],
 }
