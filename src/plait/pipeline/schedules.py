@@ -1,0 +1,351 @@
+"""Pipeline schedules as pure functions: (ranks, stages, microbatches) -> per-rank actions.
+
+No process group, no tensors: each generator returns the compute order of every rank
+(F / B, or F / I / W for split backward), the same on every rank, so a schedule can be
+printed, validated and simulated anywhere. Two passes lower it for the runtime:
+:func:`add_communication` (sends and receives between ranks) and :func:`add_fsdp_actions`
+(unshard, reshard, gradient reduction). :func:`generate` dispatches by torch's names.
+
+Microbatches: every schedule accepts any ``n_microbatches >= 1``. The interleaved ones run
+microbatches depth-first in ``max(1, m // n_ranks)`` groups, each group through every local
+stage in turn (Megatron's order). torch requires equal groups (m a multiple of the group
+count) and then generates exactly this order; plait also takes other counts by making the
+first ``m % groups`` groups one microbatch larger. Larger groups first keeps the warm-up,
+sized by the first group, deadlock-free (checked exhaustively up to 8 ranks, 4 stages per
+rank, 32 microbatches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from plait.pipeline.actions import Action, ActionKind, Schedule, Style, stage_to_rank
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleSpec",
+    "add_communication",
+    "add_fsdp_actions",
+    "generate",
+    "gpipe",
+    "interleaved_1f1b",
+    "interleaved_zero_bubble",
+    "looped_bfs",
+    "one_f_one_b",
+    "schedule_spec",
+    "zbv_zero_bubble",
+]
+
+K = ActionKind
+
+
+def _run(stage: int, kind: ActionKind, microbatches: Iterable[int]) -> list[Action]:
+    return [Action(stage, kind, i) for i in microbatches]
+
+
+def _interleave(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then one forward and one backward at a time, then the rest."""
+    warmup = min(warmup, len(forwards))
+    order = forwards[:warmup]
+    for fwd, bwd in zip(forwards[warmup:], backwards, strict=False):
+        order += [fwd, bwd]
+    return order + backwards[len(forwards) - warmup :]
+
+
+def _delay_weights(order: list[Action], lag: int) -> list[Action]:
+    """Add the W of every I, ``lag`` I's later (to fill bubbles); left-overs go at the end."""
+    inputs = [a for a in order if a.kind is K.BACKWARD_INPUT]
+    weights = [Action(a.stage, K.BACKWARD_WEIGHT, a.microbatch) for a in inputs]
+    out: list[Action] = []
+    seen = 0
+    for action in order:
+        out.append(action)
+        if action.kind is K.BACKWARD_INPUT:
+            seen += 1
+            if seen > lag:
+                out.append(weights[seen - lag - 1])
+    return out + weights[max(0, len(inputs) - lag) :]
+
+
+def gpipe(n_ranks: int, n_microbatches: int) -> Schedule:
+    """All forwards, then all backwards; one stage per rank. Peak memory: every microbatch."""
+    m = range(n_microbatches)
+    return {r: _run(r, K.FORWARD, m) + _run(r, K.FULL_BACKWARD, m) for r in range(n_ranks)}
+
+
+def one_f_one_b(n_ranks: int, n_microbatches: int) -> Schedule:
+    """Rank r runs n_ranks - 1 - r warm-up forwards, then alternates F and B, then drains.
+
+    One stage per rank; at most n_ranks activations live on any rank.
+    """
+    m = range(n_microbatches)
+    return {
+        r: _interleave(_run(r, K.FORWARD, m), _run(r, K.FULL_BACKWARD, m), n_ranks - 1 - r)
+        for r in range(n_ranks)
+    }
+
+
+def _groups(n_ranks: int, m: int) -> list[int]:
+    """Microbatch group sizes for the interleaved schedules: max(1, m // n_ranks) groups of
+    near-equal size, larger first, so every group but a lone one has >= n_ranks."""
+    rounds = max(1, m // n_ranks)
+    size, extra = divmod(m, rounds)
+    return [size + 1] * extra + [size] * (rounds - extra)
+
+
+def _depth_first(rank: int, n_ranks: int, n_local: int, m: int, kind: ActionKind) -> list[Action]:
+    """Megatron's order of (local stage, microbatch): group after group, each group through
+    every local stage in turn (last stage first for backwards)."""
+    chunks = range(n_local) if kind is K.FORWARD else range(n_local - 1, -1, -1)
+    order: list[Action] = []
+    first = 0
+    for size in _groups(n_ranks, m):
+        for c in chunks:
+            order += _run(c * n_ranks + rank, kind, range(first, first + size))
+        first += size
+    return order
+
+
+def interleaved_1f1b(n_ranks: int, n_stages: int, n_microbatches: int) -> Schedule:
+    """Megatron's interleaved 1F1B: v = n_stages / n_ranks looped stages per rank.
+
+    Rank r warms up with (v - 1) * group + 2 * (n_ranks - 1 - r) forwards (group: the
+    first microbatch group's size), then alternates F and B in depth-first order. With
+    n_microbatches >= n_ranks and equal F / B costs per stage, the bubble fraction is
+    (p - 1) / (v * m + p - 1): 1F1B's idle time against v times the work per rank.
+    """
+    v, m = n_stages // n_ranks, n_microbatches
+    schedule: Schedule = {}
+    for r in range(n_ranks):
+        warmup = min(v * m, (v - 1) * _groups(n_ranks, m)[0] + 2 * (n_ranks - 1 - r))
+        fwd = _depth_first(r, n_ranks, v, m, K.FORWARD)
+        bwd = _depth_first(r, n_ranks, v, m, K.FULL_BACKWARD)
+        schedule[r] = _interleave(fwd, bwd, warmup)
+    return schedule
+
+
+def interleaved_zero_bubble(n_ranks: int, n_stages: int, n_microbatches: int) -> Schedule:
+    """Interleaved zero bubble (ZB1P): interleaved 1F1B with the backward split into I and W.
+
+    Warm-up is one forward per hop shorter than interleaved 1F1B ((v - 1) * group +
+    n_ranks - 1 - r), and rank r runs each W r I's after its I, so W's fill the time that
+    the next I waits for its gradient.
+    """
+    v, m = n_stages // n_ranks, n_microbatches
+    schedule: Schedule = {}
+    for r in range(n_ranks):
+        warmup = min(v * m, (v - 1) * _groups(n_ranks, m)[0] + n_ranks - 1 - r)
+        fwd = _depth_first(r, n_ranks, v, m, K.FORWARD)
+        bwd = _depth_first(r, n_ranks, v, m, K.BACKWARD_INPUT)
+        schedule[r] = _delay_weights(_interleave(fwd, bwd, warmup), lag=r)
+    return schedule
+
+
+def looped_bfs(n_ranks: int, n_stages: int, n_microbatches: int) -> Schedule:
+    """Breadth-first: per local stage every forward; then per local stage, last first,
+    every backward (last microbatch first)."""
+    m = range(n_microbatches)
+    schedule: Schedule = {}
+    for r in range(n_ranks):
+        stages = range(r, n_stages, n_ranks)
+        schedule[r] = [a for s in stages for a in _run(s, K.FORWARD, m)]
+        schedule[r] += [a for s in reversed(stages) for a in _run(s, K.FULL_BACKWARD, reversed(m))]
+    return schedule
+
+
+class _VRank:
+    """Emits one rank's ZB-V actions, counting microbatches per (local stage, kind)."""
+
+    def __init__(self, rank: int, n_ranks: int) -> None:
+        self.stages = (rank, 2 * n_ranks - 1 - rank)  # down the V, then back up
+        self.counts: dict[tuple[int, ActionKind], int] = {}
+        self.actions: list[Action] = []
+
+    def count(self, chunk: int, kind: ActionKind) -> int:
+        return self.counts.get((chunk, kind), 0)
+
+    def emit(self, *steps: tuple[int, ActionKind]) -> None:
+        for chunk, kind in steps:
+            mb = self.count(chunk, kind)
+            self.counts[chunk, kind] = mb + 1
+            self.actions.append(Action(self.stages[chunk], kind, mb))
+
+
+def zbv_zero_bubble(n_ranks: int, n_microbatches: int) -> Schedule:
+    """ZB-V (zero-bubble paper, section 6): two stages per rank in a V, backward split I / W.
+
+    Rank r holds stages r and 2 * n_ranks - 1 - r ("v" placement). The phases follow the
+    paper's figure for n = max(n_microbatches, 2 * n_ranks - 1) microbatches; the actions
+    of padding microbatches are then dropped. With F, I and W of equal cost and
+    n_microbatches >= 2 * n_ranks - 1, each rank idles only the n_ranks - 1 units of
+    start-up and drain that no schedule avoids, and holds at most 2 * n_ranks half-size
+    activations: 1F1B's memory.
+    """
+    p, n = n_ranks, max(n_microbatches, 2 * n_ranks - 1)
+    fwd, inp, wgt = K.FORWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
+    schedule: Schedule = {}
+    for r in range(p):
+        v = _VRank(r, p)
+        for _ in range(2 * (p - r) - 1):  # fill the way down
+            v.emit((0, fwd))
+        for _ in range(r):
+            v.emit((1, fwd), (0, fwd))
+        for _ in range(p - r):  # the first gradients come back up
+            v.emit((1, fwd), (1, inp), (1, wgt))
+        while v.count(0, fwd) < n or v.count(1, fwd) < v.count(0, fwd):  # steady state
+            if v.count(0, fwd) < n:
+                v.emit((0, fwd))
+            v.emit((0, inp), (0, wgt), (1, fwd), (1, inp), (1, wgt))
+        for _ in range(r):  # drain: inputs first, weights fill the gaps
+            v.emit((0, inp), (1, inp))
+        for _ in range(p - r):
+            v.emit((0, inp), (0, wgt))
+        while v.count(1, wgt) < v.count(1, inp):
+            v.emit((1, wgt))
+        while v.count(0, wgt) < v.count(0, inp):
+            v.emit((0, wgt))
+        schedule[r] = [
+            a for a in v.actions if a.microbatch is not None and a.microbatch < n_microbatches
+        ]
+    return schedule
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A named schedule: its placement and how many stages each rank holds."""
+
+    name: str
+    style: Style
+    build: Callable[[int, int, int], Schedule]  # (n_ranks, n_stages, n_microbatches)
+    stages_per_rank: int | None  # None: any positive whole number
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("GPipe", "loop", lambda p, _s, m: gpipe(p, m), 1),
+        ScheduleSpec("1F1B", "loop", lambda p, _s, m: one_f_one_b(p, m), 1),
+        ScheduleSpec("Interleaved1F1B", "loop", interleaved_1f1b, None),
+        ScheduleSpec("LoopedBFS", "loop", looped_bfs, None),
+        ScheduleSpec("InterleavedZeroBubble", "loop", interleaved_zero_bubble, None),
+        ScheduleSpec("ZBVZeroBubble", "v", lambda p, _s, m: zbv_zero_bubble(p, m), 2),
+    )
+}
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registry entry for ``name``, case-insensitive; ValueError naming the known ones."""
+    by_lower = {key.lower(): spec for key, spec in SCHEDULES.items()}
+    if name.lower() not in by_lower:
+        raise ValueError(f"Unknown schedule {name!r}; known: {list(SCHEDULES)}")
+    return by_lower[name.lower()]
+
+
+def generate(
+    name: str,
+    n_ranks: int,
+    n_stages: int,
+    n_microbatches: int,
+    *,
+    communication: bool = False,
+    fsdp: bool = False,
+) -> Schedule:
+    """The schedule ``name`` (one of :data:`SCHEDULES`, case-insensitive) as per-rank actions.
+
+    Compute actions only unless ``communication`` (adds sends / receives) or ``fsdp`` (adds
+    UNSHARD / RESHARD / REDUCE_GRAD). Raises ValueError for an unknown name or an
+    impossible shape: fewer than one rank, stage or microbatch; ``n_stages`` not a multiple
+    of ``n_ranks``; a stages-per-rank count the schedule does not support (GPipe and 1F1B
+    hold one stage per rank, ZB-V exactly two).
+    """
+    spec = schedule_spec(name)
+    if min(n_ranks, n_stages, n_microbatches) < 1:
+        raise ValueError(
+            f"{spec.name} needs n_ranks, n_stages and n_microbatches >= 1, got "
+            f"n_ranks={n_ranks}, n_stages={n_stages}, n_microbatches={n_microbatches}"
+        )
+    fixed = spec.stages_per_rank
+    if fixed is not None and n_stages != fixed * n_ranks:
+        others = "; Interleaved1F1B, LoopedBFS and InterleavedZeroBubble hold any number"
+        raise ValueError(
+            f"{spec.name} holds {fixed} stage(s) per rank, so n_stages must be "
+            f"{fixed * n_ranks} for {n_ranks} ranks, got n_stages={n_stages}"
+            + (others if n_stages > n_ranks else "")
+        )
+    if n_stages % n_ranks:
+        raise ValueError(
+            f"{spec.name}: n_stages ({n_stages}) must be a multiple of n_ranks ({n_ranks}) "
+            "so that every rank holds the same number of stages"
+        )
+    schedule = spec.build(n_ranks, n_stages, n_microbatches)
+    if communication:
+        schedule = add_communication(schedule, n_ranks, spec.style)
+    return add_fsdp_actions(schedule) if fsdp else schedule
+
+
+def add_communication(
+    schedule: Schedule, n_ranks: int, style: Style, n_stages: int | None = None
+) -> Schedule:
+    """Insert the sends and receives a compute-only schedule needs between ranks.
+
+    After every F whose next stage lives on another rank: ``SEND_F``; after every B / I
+    whose previous stage lives on another rank: ``SEND_B``; right before every F / B / I
+    that consumes data from another rank: the matching ``RECV_F`` / ``RECV_B``. Neighbour
+    stages on the same rank (the turn of the V) exchange nothing. Because sends are
+    asynchronous and a receive sits right before its consumer, the result deadlocks only
+    if the compute schedule itself does. ``n_stages`` defaults to 1 + the largest stage.
+    """
+    if any(a.kind.is_comm for actions in schedule.values() for a in actions):
+        raise ValueError("add_communication: the schedule already has send / receive actions")
+    last = max((a.stage for acts in schedule.values() for a in acts), default=0)
+    n = last + 1 if n_stages is None else n_stages
+
+    def remote(stage: int, rank: int) -> bool:
+        return 0 <= stage < n and stage_to_rank(stage, n_ranks, style) != rank
+
+    out: Schedule = {}
+    for rank, actions in schedule.items():
+        out[rank] = []
+        for a in actions:
+            s, i = a.stage, a.microbatch
+            if a.kind is K.FORWARD and remote(s - 1, rank):
+                out[rank].append(Action(s, K.RECV_F, i))
+            if a.kind.produces_input_grad and remote(s + 1, rank):
+                out[rank].append(Action(s, K.RECV_B, i))
+            out[rank].append(a)
+            if a.kind is K.FORWARD and remote(s + 1, rank):
+                out[rank].append(Action(s, K.SEND_F, i))
+            if a.kind.produces_input_grad and remote(s - 1, rank):
+                out[rank].append(Action(s, K.SEND_B, i))
+    return out
+
+
+def add_fsdp_actions(schedule: Schedule) -> Schedule:
+    """Insert per-stage FSDP actions: ``UNSHARD`` right before a stage's first compute on
+    its rank, ``REDUCE_GRAD`` right after its last B / W, ``RESHARD`` right after its last
+    compute (after REDUCE_GRAD when they coincide). Works with or without communication.
+
+    A stage stays unsharded from its first to its last compute of the step: simple and
+    all-gathers once per step, at the price of holding every local stage's full
+    parameters through the middle of the schedule.
+    """
+    if any(a.kind.is_fsdp for actions in schedule.values() for a in actions):
+        raise ValueError("add_fsdp_actions: the schedule already has FSDP actions")
+    out: Schedule = {}
+    for rank, actions in schedule.items():
+        compute = [(n, a) for n, a in enumerate(actions) if a.kind.is_compute]
+        first = {a.stage: n for n, a in reversed(compute)}
+        last = {a.stage: n for n, a in compute}
+        grads = (K.FULL_BACKWARD, K.BACKWARD_WEIGHT)
+        last_grad = {a.stage: n for n, a in compute if a.kind in grads}
+        out[rank] = []
+        for n, a in enumerate(actions):
+            if first.get(a.stage) == n:
+                out[rank].append(Action(a.stage, K.UNSHARD))
+            out[rank].append(a)
+            if last_grad.get(a.stage) == n:
+                out[rank].append(Action(a.stage, K.REDUCE_GRAD))
+            if last.get(a.stage) == n:
+                out[rank].append(Action(a.stage, K.RESHARD))
+    return out
