@@ -29,7 +29,15 @@ from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, over
 
 from torch import nn
 
-__all__ = ["APIState", "ComposableAPI", "RegistryItem", "contract", "get_registry"]
+__all__ = [
+    "APIState",
+    "ComposableAPI",
+    "RegistryItem",
+    "contract",
+    "get_registry",
+    "refuse_if_managed",
+    "with_mixin",
+]
 
 # Keys in ``module.__dict__``; the dict travels with deepcopy and pickling like any attribute.
 _STATES_KEY = "_plait_api_states"
@@ -76,6 +84,34 @@ def get_registry(module: nn.Module) -> OrderedDict[str, RegistryItem] | None:
     """The APIs applied to ``module`` itself, in order of application, or ``None``."""
     registry: OrderedDict[str, RegistryItem] | None = module.__dict__.get(_REGISTRY_KEY)
     return registry
+
+
+def refuse_if_managed(module: nn.Module, api_name: str, other_api: str, fix: str) -> None:
+    """Raise if ``other_api`` was applied to ``module`` or any module inside it."""
+    for name, sub in module.named_modules():
+        registry = get_registry(sub)
+        if registry is not None and other_api in registry:
+            where = f"its submodule {name!r}" if name else "it"
+            raise RuntimeError(
+                f"{api_name} cannot be applied to {type(module).__name__}: {where} is already "
+                f"managed by {other_api}. {fix}"
+            )
+
+
+_MIXIN_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def with_mixin(module: nn.Module, mixin: type, prefix: str) -> None:
+    """Make ``module`` an instance of a subclass of both ``mixin`` and its own class.
+
+    The subclass (named ``prefix + ClassName``) is created once per pair and cached, so
+    ``isinstance`` works for both and every wrapped module of a class shares one type.
+    """
+    cls = type(module)
+    key = (mixin, cls)
+    if key not in _MIXIN_CLASSES:
+        _MIXIN_CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    module.__class__ = _MIXIN_CLASSES[key]
 
 
 def _root_modules(modules: nn.Module | Sequence[nn.Module], api_name: str) -> list[nn.Module]:

@@ -41,13 +41,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.contract import APIState, contract, get_registry
+from plait.contract import APIState, contract, refuse_if_managed, with_mixin
 from plait.hooks import queue_end_of_backward
 from plait.mesh import default_mesh, one_dim_group
 
 __all__ = ["ReplicateModule", "replicate"]
 
 _FIRST_BUCKET_BYTES = 1024 * 1024
+_HSDP_HINT = "Use fully_shard with a 2-D mesh (HSDP) to combine replication and sharding."
 
 
 class _Bucket:
@@ -174,27 +175,10 @@ class ReplicateModule(nn.Module):
             self.set_requires_gradient_sync(previous)
 
 
-_CLASS_CACHE: dict[type, type] = {}
-
-
-def _make_replicate_class(cls: type[nn.Module]) -> type:
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"Replicate{cls.__name__}", (ReplicateModule, cls), {})
-    return _CLASS_CACHE[cls]
-
-
 def _validate(module: nn.Module, bucket_cap_mb: float, reduce_dtype: object) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"replicate expects an nn.Module, got {type(module).__name__}")
-    for name, sub in module.named_modules():
-        registry = get_registry(sub)
-        if registry is not None and "fully_shard" in registry:
-            where = f"its submodule {name!r}" if name else "it"
-            raise RuntimeError(
-                f"replicate cannot be applied to {type(module).__name__}: {where} is already "
-                "managed by fully_shard. Use fully_shard with a 2-D mesh (HSDP) to combine "
-                "replication and sharding."
-            )
+    refuse_if_managed(module, "replicate", "fully_shard", _HSDP_HINT)
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         raise TypeError(f"replicate: bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
     if bucket_cap_mb <= 0:
@@ -282,5 +266,5 @@ def replicate(
             state.reset()
 
     module.register_forward_pre_hook(reset_after_aborted_backward)
-    module.__class__ = _make_replicate_class(type(module))
+    with_mixin(module, ReplicateModule, "Replicate")
     return module

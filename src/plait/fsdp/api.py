@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.contract import contract, get_registry
+from plait.contract import contract, refuse_if_managed, with_mixin
 from plait.fsdp.group import FSDPParamGroup
 from plait.fsdp.param import FSDPParam, Location
 from plait.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
@@ -143,28 +143,16 @@ def _prefetch_states(modules: list[FSDPModule]) -> list[FSDPState]:
     return states
 
 
-_CLASS_CACHE: dict[type, type] = {}
-
-
-def _fsdp_class(cls: type[nn.Module]) -> type:
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _CLASS_CACHE[cls]
-
-
 def _check_arguments(
     modules: list[nn.Module], mesh: object, mp_policy: object, offload_policy: object
 ) -> None:
     for module in modules:
-        for name, sub in module.named_modules():
-            registry = get_registry(sub)
-            if registry is not None and "replicate" in registry:
-                where = f"its submodule {name!r}" if name else "it"
-                raise RuntimeError(
-                    f"fully_shard cannot be applied to {type(module).__name__}: {where} is "
-                    "already managed by replicate. Use fully_shard with a 2-D mesh (HSDP) to "
-                    "combine replication and sharding."
-                )
+        refuse_if_managed(
+            module,
+            "fully_shard",
+            "replicate",
+            "Use fully_shard with a 2-D mesh (HSDP) to combine replication and sharding.",
+        )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
@@ -271,7 +259,7 @@ def fully_shard(
     for m in modules:
         m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(state.post_forward)
-        m.__class__ = _fsdp_class(type(m))
+        with_mixin(m, FSDPModule, "FSDP")
     return module
 
 
