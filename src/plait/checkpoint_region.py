@@ -36,6 +36,8 @@ from torch._C._autograd import _make_saved_tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from plait.hooks import traced
+
 __all__ = ["CheckpointError", "RecomputeOptions", "Region", "Replay"]
 
 
@@ -323,7 +325,7 @@ class Region:
         args, kwargs = self._inputs.restore()
         replay = Replay(self, backward_id)
         with ExitStack() as stack:
-            stack.enter_context(torch.profiler.record_function(f"checkpoint.recompute:{self.name}"))
+            stack.enter_context(traced(f"checkpoint.recompute:{self.name}"))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(replay.pack, _identity))
             stack.enter_context(torch.enable_grad())
             if self._rng is not None:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.contract import APIState, contract, refuse_if_managed, with_mixin
-from plait.hooks import queue_end_of_backward
+from plait.hooks import queue_end_of_backward, traced
 from plait.mesh import default_mesh, one_dim_group
 
 __all__ = ["ReplicateModule", "replicate"]
@@ -134,7 +134,7 @@ class ReplicateState(APIState):
             self.next_bucket += 1
 
     def finish_backward(self) -> None:
-        with torch.profiler.record_function("plait.replicate.finish_backward"):
+        with traced("plait.replicate.finish_backward"):
             self.launch_ready_buckets(force=True)  # parameters that got no gradient this step
             for bucket in self.buckets:
                 bucket.finish()

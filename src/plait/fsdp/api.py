@@ -181,7 +181,8 @@ def _collect_params(
         for s in inner
         if s.unit is not None
         for p in s.unit.params
-        for param in (p.sharded, p.original)
+        for param in (p.sharded, p.original())
+        if param is not None
     }
     found: dict[nn.Parameter, list[Location]] = {}
     for module in modules:

@@ -15,12 +15,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from plait.hooks import traced
+
 
 def all_gather_segments(
     padded_shards: Sequence[torch.Tensor], group: dist.ProcessGroup, world: int
 ) -> tuple[torch.Tensor, dist.Work | None]:
     """Start gathering every rank's segment; returns the (world, segment) output and work."""
-    with torch.profiler.record_function("plait.fsdp.all_gather"):
+    with traced("plait.fsdp.all_gather"):
         segment = torch.cat([t.reshape(-1) for t in padded_shards])
         out = segment.new_empty(world * segment.numel())
         work = dist.all_gather_single(out, segment, group=group, async_op=True)
@@ -31,7 +33,7 @@ def reduce_scatter_segments(
     matrix: torch.Tensor, group: dist.ProcessGroup
 ) -> tuple[torch.Tensor, dist.Work | None]:
     """Start summing ``matrix`` (world, n) over ranks; this rank receives its row."""
-    with torch.profiler.record_function("plait.fsdp.reduce_scatter"):
+    with traced("plait.fsdp.reduce_scatter"):
         out = matrix.new_empty(matrix.shape[1])
         work = dist.reduce_scatter_single(out, matrix.view(-1), group=group, async_op=True)
     return out, work

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from plait.fsdp.collectives import all_gather_segments, reduce_scatter_segments
 from plait.fsdp.param import FSDPParam
+from plait.hooks import traced
 
 
 class ShardedState(Enum):
@@ -64,7 +65,7 @@ class FSDPParamGroup:
         assert self._gather is not None
         gathered, work = self._gather
         self._gather = None
-        with torch.profiler.record_function("plait.fsdp.copy_out"):
+        with traced("plait.fsdp.copy_out"):
             if work is not None:
                 work.wait()
             for p in self.params:

@@ -18,6 +18,7 @@ during forward, see the re-gathered values during backward.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +45,18 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def make_dtensor(
-    local: torch.Tensor, mesh: DeviceMesh, shape: torch.Size, *, requires_grad: bool = False
-) -> DTensor:
-    """A ``Shard(0)`` DTensor of global ``shape`` around ``local``, without communication."""
-    spec = DTensorSpec(
-        mesh, (Shard(0),), tensor_meta=TensorMeta(shape, contiguous_strides(shape), local.dtype)
-    )
+def shard0_spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    """The (immutable, shareable) spec of a ``Shard(0)`` DTensor of global ``shape``."""
+    meta = TensorMeta(shape, contiguous_strides(shape), dtype)
+    return DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+
+
+def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
+    """A DTensor around ``local`` with a precomputed spec: no communication, no checks.
+
+    Built directly rather than through ``DTensor.from_local`` because gradients are
+    wrapped for every parameter at every step, and the public path costs far more.
+    """
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
@@ -67,7 +73,9 @@ class FSDPParam:
     ) -> None:
         self.locations = locations
         self.fqn = locations[0].fqn
-        self.original = param  # the object modules held before fully_shard (for tie checks)
+        # The object modules held before fully_shard, to detect ties with other units; weak,
+        # so the full-size tensor is freed unless something outside still uses it.
+        self.original = weakref.ref(param)
         self.mesh = mesh
         self.world = world
         self.shape = param.shape
@@ -89,8 +97,9 @@ class FSDPParam:
             padded[: self.local_rows].copy_(param[start : start + self.local_rows])
         self.padded = padded
         local = padded[: self.local_rows]
+        self.spec = shard0_spec(mesh, self.shape, self.dtype)
         self.sharded = nn.Parameter(
-            make_dtensor(local, mesh, self.shape), requires_grad=param.requires_grad
+            make_dtensor(local, self.spec), requires_grad=param.requires_grad
         )
         self.unsharded: nn.Parameter | None = None  # created on first unshard
         self.set_on_modules(self.sharded)
@@ -166,7 +175,7 @@ class FSDPParam:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""
         local = reduced[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
         if self.sharded.grad is None:
-            self.sharded.grad = make_dtensor(local.to(self.dtype), self.mesh, self.shape)
+            self.sharded.grad = make_dtensor(local.to(self.dtype), self.spec)
         else:
             grad = self.sharded.grad
             assert isinstance(grad, DTensor)

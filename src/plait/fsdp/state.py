@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plait.contract import APIState
 from plait.fsdp.group import FSDPParamGroup, ShardedState
-from plait.hooks import queue_end_of_backward
+from plait.hooks import queue_end_of_backward, traced
 
 
 class TrainingState(Enum):
@@ -65,6 +65,7 @@ class FSDPState(APIState):
         self.recording_order = False
         self.callback_queued = False
         self.is_last_backward = True
+        self.reducing: FSDPParamGroup | None = None  # the unit whose reduction is in flight
 
     @property
     def name(self) -> str:
@@ -139,7 +140,7 @@ class FSDPState(APIState):
         if self.unit is not None:
             if root.recording_order:
                 root.forward_order.append(self)
-            with torch.profiler.record_function("plait.fsdp.pre_forward"):
+            with traced("plait.fsdp.pre_forward"):
                 self.unit.wait_for_unshard()
                 for target in self.prefetch_targets(forward=True):
                     target.unit.unshard(async_op=True)  # type: ignore[union-attr]
@@ -202,7 +203,7 @@ class FSDPState(APIState):
             root.callback_queued = True
             queue_end_of_backward(root.finish_backward)
         if self.unit is not None:
-            with torch.profiler.record_function("plait.fsdp.pre_backward"):
+            with traced("plait.fsdp.pre_backward"):
                 self.unit.wait_for_unshard()
                 for target in self.prefetch_targets(forward=False):
                     target.unit.unshard(async_op=True)  # type: ignore[union-attr]
@@ -213,19 +214,20 @@ class FSDPState(APIState):
         if self.unit is None or self.backwards_owed == 0:
             return
         self.backwards_owed -= 1
-        with torch.profiler.record_function("plait.fsdp.post_backward"):
+        with traced("plait.fsdp.post_backward"):
             if self.unit.requires_gradient_sync:
-                assert self.root is not None
-                for state in self.root.all_states:  # keep one reduction in flight at most
-                    if state.unit is not None:
-                        state.unit.finish_reduce()
+                root = self.root
+                assert root is not None
+                if root.reducing is not None:  # keep one reduction in flight at most
+                    root.reducing.finish_reduce()
                 self.unit.reduce_grads()
+                root.reducing = self.unit
             if self.unit.reshard_after_backward:
                 self.unit.reshard()
 
     def finish_backward(self) -> None:
         """Root only: the end-of-backward callback (see the module docstring, step 5)."""
-        with torch.profiler.record_function("plait.fsdp.finish_backward"):
+        with traced("plait.fsdp.finish_backward"):
             for state in reversed(self.all_states):
                 if state.backwards_owed > 0:  # its inputs needed no gradient: reduce now
                     state.backwards_owed = 1
@@ -238,11 +240,10 @@ class FSDPState(APIState):
                 if state.unit.reshard_after_backward:
                     state.unit.reshard()
                 state.training_state = TrainingState.IDLE
+        if self.is_last_backward:
+            self.reducing = None
         self.callback_queued = False
         self.training_state = TrainingState.IDLE
-
-    def is_unsharded(self) -> bool:
-        return self.unit is not None and self.unit.sharded_state is ShardedState.UNSHARDED
 
 
 class _PostBackward(torch.autograd.Function):
