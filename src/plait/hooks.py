@@ -23,6 +23,15 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread.
+
+    Forwards run inside backward (activation-checkpoint recomputation) must not redo the
+    per-step work of an API's forward hooks.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
 _NO_LABEL = contextlib.nullcontext()
 
 

@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.contract import APIState, contract, refuse_if_managed, with_mixin
-from plait.hooks import queue_end_of_backward, traced
+from plait.hooks import in_backward, queue_end_of_backward, traced
 from plait.mesh import default_mesh, one_dim_group
 
 __all__ = ["ReplicateModule", "replicate"]
@@ -262,7 +262,7 @@ def replicate(
     def reset_after_aborted_backward(*_: Any) -> None:
         # A backward that raised never ran its end-of-backward callback; start clean.
         # (Forwards run *inside* backward, e.g. checkpoint recomputation, must not reset.)
-        if state.in_backward and torch._C._current_graph_task_id() == -1:
+        if state.in_backward and not in_backward():
             state.reset()
 
     module.register_forward_pre_hook(reset_after_aborted_backward)

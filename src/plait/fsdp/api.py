@@ -209,6 +209,10 @@ def _collect_params(
 
 
 def _check_shardable(fqn: str, param: torch.Tensor) -> None:
+    if param.numel() == 0:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} has no elements; pass it in ignored_params"
+        )
     if param.dim() == 0:
         raise ValueError(
             f"fully_shard: parameter {fqn!r} is 0-dim and cannot be sharded on dim 0: "

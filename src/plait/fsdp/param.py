@@ -76,11 +76,8 @@ class FSDPParam:
         # The object modules held before fully_shard, to detect ties with other units; weak,
         # so the full-size tensor is freed unless something outside still uses it.
         self.original = weakref.ref(param)
-        self.mesh = mesh
-        self.world = world
         self.shape = param.shape
         self.dtype = param.dtype
-        self.requires_grad = param.requires_grad
         self.rows = self.shape[0]
         self.row_numel = math.prod(self.shape[1:])
         self.numel = param.numel()
@@ -182,31 +179,41 @@ class FSDPParam:
             grad.to_local().add_(local)
 
 
-def copy_full_to_padded(full: torch.Tensor, dest: torch.Tensor, chunk_rows: int) -> None:
-    """Scatter ``full`` (rows, ...) into ``dest`` (world, chunk_rows * row_numel), zero-padded."""
-    world = dest.shape[0]
-    rows = full.shape[0]
-    blocks = dest.view(world, chunk_rows, -1)
-    flat_rows = full.reshape(rows, -1)
-    whole = rows // chunk_rows if chunk_rows else 0
+def _row_pairs(
+    full: torch.Tensor, padded: torch.Tensor, chunk_rows: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Matching views of ``full`` (rows, ...) and ``padded`` (world, chunk_rows * row_numel).
+
+    Returns ``(pairs, padding)``: each pair is a (full part, padded part) of the same
+    shape, together covering every row of ``full``; ``padding`` are the padded rows no
+    row of ``full`` maps to. At most two pairs, so a copy is at most two kernels.
+    """
+    world, rows = padded.shape[0], full.shape[0]
+    blocks = padded.view(world, chunk_rows, -1)
+    flat_rows = full.view(rows, -1)
+    whole = rows // chunk_rows
+    pairs = []
     if whole:
-        blocks[:whole].copy_(flat_rows[: whole * chunk_rows].view(whole, chunk_rows, -1))
+        pairs.append((flat_rows[: whole * chunk_rows].view(whole, chunk_rows, -1), blocks[:whole]))
+    padding = []
     if whole < world:
         tail = rows - whole * chunk_rows
-        blocks[whole, :tail].copy_(flat_rows[whole * chunk_rows :])
-        blocks[whole, tail:].zero_()
-        blocks[whole + 1 :].zero_()
+        pairs.append((flat_rows[whole * chunk_rows :], blocks[whole, :tail]))
+        padding = [blocks[whole, tail:], blocks[whole + 1 :]]
+    return pairs, padding
+
+
+def copy_full_to_padded(full: torch.Tensor, dest: torch.Tensor, chunk_rows: int) -> None:
+    """Scatter ``full`` (rows, ...) into ``dest`` (world, chunk_rows * row_numel), zero-padded."""
+    pairs, padding = _row_pairs(full.contiguous(), dest, chunk_rows)
+    for src_rows, dest_rows in pairs:
+        dest_rows.copy_(src_rows)
+    for rows in padding:
+        rows.zero_()
 
 
 def copy_padded_to_full(src: torch.Tensor, full: torch.Tensor, chunk_rows: int) -> None:
     """Gather ``src`` (world, chunk_rows * row_numel) into ``full`` (rows, ...)."""
-    world = src.shape[0]
-    rows = full.shape[0]
-    blocks = src.view(world, chunk_rows, -1)
-    flat_rows = full.view(rows, -1)
-    whole = rows // chunk_rows if chunk_rows else 0
-    if whole:
-        flat_rows[: whole * chunk_rows].view(whole, chunk_rows, -1).copy_(blocks[:whole])
-    if whole < world:
-        tail = rows - whole * chunk_rows
-        flat_rows[whole * chunk_rows :].copy_(blocks[whole, :tail])
+    pairs, _ = _row_pairs(full, src, chunk_rows)
+    for full_rows, src_rows in pairs:
+        full_rows.copy_(src_rows)

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plait.contract import APIState
 from plait.fsdp.group import FSDPParamGroup, ShardedState
-from plait.hooks import queue_end_of_backward, traced
+from plait.hooks import in_backward, queue_end_of_backward, traced
 
 
 class TrainingState(Enum):
@@ -41,10 +41,6 @@ class TrainingState(Enum):
     FORWARD = auto()
     PRE_BACKWARD = auto()
     POST_BACKWARD = auto()
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class FSDPState(APIState):
@@ -118,7 +114,7 @@ class FSDPState(APIState):
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if _in_backward():  # recomputation under activation checkpointing
+        if in_backward():  # recomputation under activation checkpointing
             if self.unit is not None:
                 self.unit.wait_for_unshard()
             return None
@@ -155,7 +151,7 @@ class FSDPState(APIState):
                 state.unit.finish_reduce()
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if _in_backward():
+        if in_backward():
             return output
         grad = torch.is_grad_enabled()
         if self.unit is not None and (not grad or self.reshard_after_forward):
