@@ -141,3 +141,23 @@ def random_batches(
         )
         for _ in range(steps)
     ]
+
+
+def train_local(model: nn.Module, batches: Sequence[Batch], steps_per_opt: int = 1) -> list[float]:
+    """AdamW on this rank's slice of each global batch (MSE loss); returns local losses.
+
+    The optimizer steps every ``steps_per_opt`` batches, so gradients of the batches in
+    between accumulate. For comparing two parallel wrappings with each other.
+    """
+    opt = default_optimizer(model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for i, (inputs, targets) in enumerate(batches):
+        out = model(local_slice(inputs, rank, world))
+        loss = nn.functional.mse_loss(out, local_slice(targets, rank, world))
+        loss.backward()
+        losses.append(loss.item())
+        if (i + 1) % steps_per_opt == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses

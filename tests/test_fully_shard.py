@@ -18,9 +18,10 @@ from torch.distributed.tensor import DTensor, Shard
 from plait.fsdp import FSDPModule, ShardedState, fully_shard, register_fsdp_forward_method
 from plait.train.model import GPT, GPTConfig, lm_loss
 
+from collective_spy import spy_collectives
 from harness import run_on_ranks
 from models import MLP, MLPStack
-from parity import check_parity, full_value, local_slice, random_batches
+from parity import check_parity, full_value, local_slice, random_batches, train_local
 
 WORLD_SIZES = [2, 4]
 # Dimensions that do not divide by 2 or 4; the 3-row bias is smaller than 4 ranks.
@@ -61,22 +62,6 @@ def _batches(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return random_batches(steps, 8, DIM, DIM)
 
 
-def _train_local(model: nn.Module, batches, steps_per_opt: int = 1) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        loss = nn.functional.mse_loss(
-            model(local_slice(x, rank, world)), local_slice(y, rank, world)
-        )
-        loss.backward()
-        losses.append(loss.item())
-        if (i + 1) % steps_per_opt == 0:
-            opt.step()
-            opt.zero_grad()
-    return losses
-
-
 def _assert_same_local_shards(ours: nn.Module, theirs: nn.Module) -> None:
     for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
         assert isinstance(p, DTensor) and isinstance(q, DTensor), name
@@ -92,9 +77,7 @@ def _parity_nested(raf: bool | None) -> None:
     base = _stack()
     ours = wrap_blocks(fully_shard, raf)(copy.deepcopy(base))
     theirs = wrap_blocks(torch_fully_shard, raf)(copy.deepcopy(base))
-    assert _train_local(ours, _batches()) == pytest.approx(
-        _train_local(theirs, _batches()), abs=1e-6
-    )
+    assert train_local(ours, _batches()) == pytest.approx(train_local(theirs, _batches()), abs=1e-6)
     _assert_same_local_shards(ours, theirs)
 
 
@@ -109,8 +92,8 @@ def _parity_every_leaf() -> None:
     base = _stack()
     ours = wrap_every_leaf(fully_shard)(copy.deepcopy(base))
     theirs = wrap_every_leaf(torch_fully_shard)(copy.deepcopy(base))
-    _train_local(ours, _batches())
-    _train_local(theirs, _batches())
+    train_local(ours, _batches())
+    train_local(theirs, _batches())
     _assert_same_local_shards(ours, theirs)
 
 
@@ -155,8 +138,8 @@ def _delayed_optimizer_step() -> None:
     base = _stack()
     ours = wrap_blocks(fully_shard)(copy.deepcopy(base))
     theirs = wrap_blocks(torch_fully_shard)(copy.deepcopy(base))
-    _train_local(ours, _batches(4), steps_per_opt=2)
-    _train_local(theirs, _batches(4), steps_per_opt=2)
+    train_local(ours, _batches(4), steps_per_opt=2)
+    train_local(theirs, _batches(4), steps_per_opt=2)
     _assert_same_local_shards(ours, theirs)
     reference = copy.deepcopy(base)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
@@ -178,23 +161,12 @@ def test_delayed_optimizer_step(world_size: int) -> None:
 
 @contextlib.contextmanager
 def count_collectives() -> Iterator[dict[str, int]]:
-    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
-    originals = {name: getattr(dist, name) for name in counts}
-
-    def spy(name: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in counts:
-        setattr(dist, name, spy(name))
-    try:
+    """Count the unit collectives issued inside the block (read the dict after it ends)."""
+    names = ("all_gather_single", "reduce_scatter_single")
+    counts = dict.fromkeys(names, 0)
+    with spy_collectives(*names) as calls:
         yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    counts.update({name: len(calls[name]) for name in names})
 
 
 def _delayed_reduce_scatter(k: int) -> list[int]:
@@ -280,8 +252,8 @@ def _mixture_of_experts() -> None:
     base = MixtureOfExperts()
     ours = _moe_wrap(fully_shard, own)(copy.deepcopy(base))
     theirs = _moe_wrap(torch_fully_shard, own)(copy.deepcopy(base))
-    _train_local(ours, _batches())
-    _train_local(theirs, _batches())
+    train_local(ours, _batches())
+    train_local(theirs, _batches())
     _assert_same_local_shards(ours, theirs)
     gathered = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(gathered, ours.expert.in_proj.weight.to_local().sum().reshape(1))

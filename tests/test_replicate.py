@@ -17,9 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from plait import contract
 from plait.replicate import ReplicateModule, replicate
 
+from collective_spy import spy_collectives
 from harness import run_on_ranks
 from models import MLP, MLPStack
-from parity import check_parity, local_slice, random_batches
+from parity import check_parity, local_slice, random_batches, train_local
 
 WORLD_SIZES = [2, 4]
 
@@ -27,34 +28,8 @@ WORLD_SIZES = [2, 4]
 @contextlib.contextmanager
 def recorded_all_reduces() -> Iterator[list[tuple[torch.dtype, int]]]:
     """Record (dtype, numel) of every ``dist.all_reduce`` issued inside the block."""
-    calls: list[tuple[torch.dtype, int]] = []
-    original = dist.all_reduce
-
-    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls.append((tensor.dtype, tensor.numel()))
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = spy
-    try:
-        yield calls
-    finally:
-        dist.all_reduce = original
-
-
-def _train(model: nn.Module, batches, steps_rank_slice: bool, lr: float = 1e-2) -> list[float]:
-    """Plain AdamW training on this rank's slice (or the whole batch); returns local losses."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for inputs, targets in batches:
-        if steps_rank_slice:
-            inputs, targets = local_slice(inputs, rank, world), local_slice(targets, rank, world)
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    with spy_collectives("all_reduce") as calls:
+        yield calls["all_reduce"]
 
 
 def _assert_same_params(a: nn.Module, b: nn.Module, atol: float = 1e-6) -> None:
@@ -73,8 +48,8 @@ def _parity_with_reference_and_ddp(bucket_cap_mb: float) -> int:
     base = MLPStack(4)
     ours = replicate(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
     theirs = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
-    our_losses = _train(ours, batches, steps_rank_slice=True)
-    their_losses = _train(theirs, batches, steps_rank_slice=True)
+    our_losses = train_local(ours, batches)
+    their_losses = train_local(theirs, batches)
     assert our_losses == pytest.approx(their_losses, abs=1e-6)
     _assert_same_params(ours, theirs.module)
     return len(replicate.state(ours).buckets)
@@ -150,8 +125,8 @@ def _branch_per_rank_matches_ddp() -> None:
     base = RankDependentBranch()
     ours = replicate(copy.deepcopy(base), bucket_cap_mb=1e-4)
     theirs = DDP(copy.deepcopy(base), find_unused_parameters=True, bucket_cap_mb=1e-4)
-    _train(ours, batches, steps_rank_slice=True)
-    _train(theirs, batches, steps_rank_slice=True)
+    train_local(ours, batches)
+    train_local(theirs, batches)
     _assert_same_params(ours, theirs.module)
 
 
