@@ -7,6 +7,9 @@ the report gives their ratio to it. Later capabilities add their modes and suite
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,59 +70,45 @@ _MATMULS = {
 }
 
 
-def _ac_plait(cfg: BenchConfig) -> Step:
+def _checkpoint_api(which: str) -> Callable[[nn.Module], object]:
+    if which == "torch":
+        from torch.distributed._composable import checkpoint as torch_checkpoint
+
+        return torch_checkpoint
+    return partial(checkpoint, policy=_MATMULS) if which == "selective" else checkpoint
+
+
+def _checkpointed(cfg: BenchConfig, which: str) -> Step:
+    """Every block checkpointed by ``which``: "plait", "selective" (plait) or "torch"."""
     model = _model(cfg)
+    apply = _checkpoint_api(which)
     for block in model.blocks:
-        checkpoint(block)
-    return training_step(model, cfg)
-
-
-def _ac_plait_selective(cfg: BenchConfig) -> Step:
-    model = _model(cfg)
-    for block in model.blocks:
-        checkpoint(block, policy=_MATMULS)
-    return training_step(model, cfg)
-
-
-def _ac_torch(cfg: BenchConfig) -> Step:
-    from torch.distributed._composable import checkpoint as torch_checkpoint
-
-    model = _model(cfg)
-    for block in model.blocks:
-        torch_checkpoint(block)
+        apply(block)
     return training_step(model, cfg)
 
 
 # --- fully_shard ----------------------------------------------------------------------------
 
 
-def _shard_blocks(model: nn.Module, shard: object, reshard: bool) -> nn.Module:
+def _shard_api(which: str) -> Callable[..., object]:
+    if which == "torch":
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        return torch_fully_shard
+    return fully_shard
+
+
+def _shard_blocks(model: nn.Module, which: str, reshard: bool) -> nn.Module:
+    """One unit per block plus the root, by ``which`` ("plait" or "torch")."""
+    shard = _shard_api(which)
     for block in model.blocks:
-        shard(block, reshard_after_forward=reshard)  # type: ignore[operator]
-    shard(model, reshard_after_forward=reshard)  # type: ignore[operator]
+        shard(block, reshard_after_forward=reshard)
+    shard(model, reshard_after_forward=reshard)
     return model
 
 
-def _torch_fully_shard() -> object:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    return torch_fully_shard
-
-
-def _fsdp(cfg: BenchConfig) -> Step:
-    return training_step(_shard_blocks(_model(cfg), fully_shard, True), cfg)
-
-
-def _fsdp_keep(cfg: BenchConfig) -> Step:
-    return training_step(_shard_blocks(_model(cfg), fully_shard, False), cfg)
-
-
-def _torch_fsdp(cfg: BenchConfig) -> Step:
-    return training_step(_shard_blocks(_model(cfg), _torch_fully_shard(), True), cfg)
-
-
-def _torch_fsdp_keep(cfg: BenchConfig) -> Step:
-    return training_step(_shard_blocks(_model(cfg), _torch_fully_shard(), False), cfg)
+def _sharded(cfg: BenchConfig, which: str, reshard: bool) -> Step:
+    return training_step(_shard_blocks(_model(cfg), which, reshard), cfg)
 
 
 class TinyLayers(nn.Module):
@@ -135,11 +124,11 @@ class TinyLayers(nn.Module):
         return x
 
 
-def _tiny_step(shard: object) -> Step:
+def _tiny(cfg: BenchConfig, which: str) -> Step:
     """Forward and backward only: the optimizer step (identical for both, and dominated by
     DTensor dispatch in AdamW) would hide the per-unit overhead this model measures."""
     torch.manual_seed(0)
-    model = _shard_blocks(TinyLayers(), shard, True)
+    model = _shard_blocks(TinyLayers(), which, True)
     x = torch.randn(8, 16)
 
     def step() -> None:
@@ -149,29 +138,37 @@ def _tiny_step(shard: object) -> Step:
     return step
 
 
-def _tiny_fsdp(cfg: BenchConfig) -> Step:
-    return _tiny_step(fully_shard)
-
-
-def _tiny_torch_fsdp(cfg: BenchConfig) -> Step:
-    return _tiny_step(_torch_fully_shard())
-
-
 MODES: dict[str, Mode] = {
     m.name: m
     for m in [
         Mode("single", _single, single_process=True),
         Mode("replicate", _replicate, torch_counterpart="torch_ddp"),
         Mode("torch_ddp", _torch_ddp),
-        Mode("ac_plait", _ac_plait, torch_counterpart="ac_torch"),
-        Mode("ac_plait_selective", _ac_plait_selective, torch_counterpart="ac_torch"),
-        Mode("ac_torch", _ac_torch),
-        Mode("fully_shard", _fsdp, torch_counterpart="torch_fully_shard"),
-        Mode("fully_shard_keep", _fsdp_keep, torch_counterpart="torch_fully_shard_keep"),
-        Mode("torch_fully_shard", _torch_fsdp),
-        Mode("torch_fully_shard_keep", _torch_fsdp_keep),
-        Mode("tiny64_fully_shard", _tiny_fsdp, torch_counterpart="tiny64_torch_fully_shard"),
-        Mode("tiny64_torch_fully_shard", _tiny_torch_fsdp),
+        Mode("ac_plait", partial(_checkpointed, which="plait"), torch_counterpart="ac_torch"),
+        Mode(
+            "ac_plait_selective",
+            partial(_checkpointed, which="selective"),
+            torch_counterpart="ac_torch",
+        ),
+        Mode("ac_torch", partial(_checkpointed, which="torch")),
+        Mode(
+            "fully_shard",
+            partial(_sharded, which="plait", reshard=True),
+            torch_counterpart="torch_fully_shard",
+        ),
+        Mode(
+            "fully_shard_keep",
+            partial(_sharded, which="plait", reshard=False),
+            torch_counterpart="torch_fully_shard_keep",
+        ),
+        Mode("torch_fully_shard", partial(_sharded, which="torch", reshard=True)),
+        Mode("torch_fully_shard_keep", partial(_sharded, which="torch", reshard=False)),
+        Mode(
+            "tiny64_fully_shard",
+            partial(_tiny, which="plait"),
+            torch_counterpart="tiny64_torch_fully_shard",
+        ),
+        Mode("tiny64_torch_fully_shard", partial(_tiny, which="torch")),
     ]
 }
 
