@@ -577,9 +577,11 @@ def _errors() -> list[str]:
 
     expect(RuntimeError, lambda: copy.deepcopy(model))
     expect(
-        NotImplementedError,
-        lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (2, 1))),
+        ValueError,
+        lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (2, 1, 1))),
     )
+    expect(ValueError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
+    expect(TypeError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward="yes"))
     return messages
 
 
@@ -592,7 +594,9 @@ def test_errors_name_the_problem_and_the_fix() -> None:
     assert "'weight' is not contiguous" in messages[4]
     assert "'scale' is 0-dim" in messages[5] and "ignored_params" in messages[5]
     assert "deepcopy" in messages[6] and "before calling fully_shard" in messages[6]
-    assert "2-D meshes (HSDP) are not yet supported" in messages[7]
+    assert "2-D (replicate, shard) for HSDP" in messages[7] and "3-D" in messages[7]
+    assert "reshard_after_forward=3 must divide the shard group size 2" in messages[8]
+    assert "an int (the group size" in messages[9]
 
 
 def _names_and_class() -> tuple[bool, list[str], list[str]]:

@@ -7,6 +7,9 @@ vocabulary: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``.
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -22,14 +25,18 @@ def module_device_type(module: nn.Module) -> str:
 
 
 def default_mesh(module: nn.Module, api_name: str) -> DeviceMesh:
-    """A 1-D mesh over the whole world on ``module``'s device type."""
+    """A 1-D mesh over the whole world on ``module``'s device type (meta: the accelerator
+    if there is one, else CPU)."""
     if not dist.is_initialized():
         raise RuntimeError(
             f"{api_name} needs an initialised default process group: call "
             "torch.distributed.init_process_group() first (torchrun sets up the environment), "
             "or pass mesh=..."
         )
-    return init_device_mesh(module_device_type(module), (dist.get_world_size(),))
+    device_type = module_device_type(module)
+    if device_type == "meta":  # built for deferred init: use the device it will live on
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def one_dim_group(mesh: object, api_name: str) -> dist.ProcessGroup:
@@ -49,3 +56,32 @@ def one_dim_group(mesh: object, api_name: str) -> dist.ProcessGroup:
     group = mesh.get_group()
     assert isinstance(group, dist.ProcessGroup)
     return group
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The compute device of ``mesh`` on this rank (the current CUDA device for "cuda")."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+_SUBGROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, int], dist.ProcessGroup]]
+_SUBGROUPS = weakref.WeakKeyDictionary()
+
+
+def subgroup(group: dist.ProcessGroup, index: int, size: int) -> dist.ProcessGroup:
+    """The ``index``-th block of ``size`` consecutive ranks of ``group`` (cached).
+
+    Only the block's own members take part in creating it, so ranks of other blocks (or
+    outside ``group``) need not call this at the same time.
+    """
+    cache = _SUBGROUPS.setdefault(group, {})
+    if (index, size) not in cache:
+        ranks = dist.get_process_group_ranks(group)[index * size : (index + 1) * size]
+        if ranks != sorted(ranks):
+            raise ValueError(f"subgroup: ranks {ranks} of the parent group must be increasing")
+        new = dist.new_group(ranks, use_local_synchronization=True)
+        assert isinstance(new, dist.ProcessGroup)
+        cache[(index, size)] = new
+    return cache[(index, size)]

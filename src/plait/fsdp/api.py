@@ -18,16 +18,15 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.contract import contract, refuse_if_managed, with_mixin
-from plait.fsdp.group import FSDPParamGroup
-from plait.fsdp.param import FSDPParam, Location
-from plait.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.group import FSDPParamGroup, Groups
+from plait.fsdp.param import FSDPParam, Location, ParamPolicy
+from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from plait.fsdp.state import FSDPState
-from plait.mesh import default_mesh
+from plait.mesh import default_mesh, mesh_device, subgroup
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -107,6 +106,25 @@ class FSDPModule(nn.Module):
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False defers the cross-replica all-reduce (the reduce-scatter still runs)."""
+        for state in self._states(recurse):
+            if state.unit is not None:
+                state.unit.requires_all_reduce = requires_all_reduce
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """As ``nn.Module._apply`` (``to_empty``, ``.to``, ...), keeping shards consistent.
+
+        Each ``fully_shard`` module re-points its own unit; inner ones do theirs when the
+        recursion reaches them.
+        """
+        out = super()._apply(fn, recurse)
+        unit = self._fsdp_state().unit
+        if unit is not None:
+            for p in unit.params:
+                p.reset_sharded()
+        return out
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward leaves its gradient reductions in flight (accumulation).
 
@@ -144,7 +162,11 @@ def _prefetch_states(modules: list[FSDPModule]) -> list[FSDPState]:
 
 
 def _check_arguments(
-    modules: list[nn.Module], mesh: object, mp_policy: object, offload_policy: object
+    modules: list[nn.Module],
+    mesh: object,
+    reshard_after_forward: object,
+    mp_policy: object,
+    offload_policy: object,
 ) -> None:
     for module in modules:
         refuse_if_managed(
@@ -155,20 +177,50 @@ def _check_arguments(
         )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
-        raise NotImplementedError(
-            "fully_shard: 2-D meshes (HSDP) are not yet supported; pass a 1-D mesh"
+    if isinstance(mesh, DeviceMesh) and mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard: mesh must be 1-D (sharding) or 2-D (replicate, shard) for HSDP, got "
+            f"a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}: slice it, e.g. "
+            'mesh["dp_shard"] or mesh["dp_replicate", "dp_shard"]'
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            "fully_shard: reshard_after_forward must be True, False, None or an int (the "
+            f"group size to reshard to after forward), got {reshard_after_forward!r}"
         )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    if mp_policy != MixedPrecisionPolicy():
-        raise NotImplementedError("fully_shard: mixed precision (mp_policy) is not yet supported")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
         )
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError("fully_shard: CPU offload (offload_policy) is not yet supported")
+
+
+def _make_groups(mesh: DeviceMesh, reshard_after_forward: bool | int | None) -> Groups:
+    """The shard / replicate / post-forward groups of ``mesh`` (shard = last dim)."""
+    shard = mesh.get_group(mesh.ndim - 1)
+    rank, world = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+    groups = Groups(shard, rank, world, replicate, mesh.size(0) if replicate is not None else 1)
+    k = reshard_after_forward
+    if isinstance(k, bool) or k is None or k in (1, world):
+        return groups
+    if k < 1 or world % k:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={k} must divide the shard group size {world} "
+            "(the group size parameters are resharded to after forward); use a divisor, "
+            "or True / False"
+        )
+    return Groups(
+        shard, rank, world, replicate, groups.replicate_world, subgroup(shard, rank // k, k), k
+    )
+
+
+def _resolve_reshard(value: bool | int | None, world: int) -> bool | None:
+    """The bool meaning of ``reshard_after_forward`` (an int other than 1 reshards)."""
+    if value is None or isinstance(value, bool):
+        return value
+    return value != 1 or world == 1
 
 
 def _collect_params(
@@ -230,37 +282,34 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: Iterable[nn.Parameter] | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh``; see the module docstring."""
     modules = [module] if isinstance(module, nn.Module) else list(module)
-    _check_arguments(modules, mesh, mp_policy, offload_policy)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            "fully_shard: reshard_after_forward must be True, False or None, got "
-            f"{reshard_after_forward!r}"
-        )
+    _check_arguments(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(modules[0], "fully_shard")
-    group = mesh.get_group()
-    assert isinstance(group, dist.ProcessGroup)
-    rank, world = mesh.get_local_rank(), mesh.size()
-
+    groups = _make_groups(mesh, reshard_after_forward)
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    policy = ParamPolicy(
+        mp_policy.param_dtype,
+        mp_policy.reduce_dtype,
+        mesh_device(mesh),
+        offload,
+        offload and offload_policy.pin_memory,  # type: ignore[attr-defined]
+    )
     found = _collect_params(modules, set(ignored_params or ()))
-    dtypes = {p.dtype for p in found}
-    if len(dtypes) > 1:
-        raise NotImplementedError(
-            f"fully_shard: parameters of mixed dtypes {sorted(map(str, dtypes))} in one unit "
-            "are not yet supported"
-        )
-    params = [FSDPParam(p, locs, mesh, rank, world) for p, locs in found.items()]
+    params = [
+        FSDPParam(p, locs, mesh, groups.rank, groups.world, policy) for p, locs in found.items()
+    ]
 
     state: FSDPState = fully_shard.state(modules[0])
     state.module = modules[0]
-    state.reshard_after_forward = reshard_after_forward
-    state.unit = FSDPParamGroup(params, group, world) if params else None
+    state.reshard_after_forward = _resolve_reshard(reshard_after_forward, groups.world)
+    state.mp_policy = mp_policy
+    state.unit = FSDPParamGroup(params, groups) if params else None
     for m in modules:
         m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(state.post_forward)

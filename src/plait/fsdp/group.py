@@ -1,60 +1,126 @@
 """A unit of ``fully_shard``: the parameters one call manages, communicated together.
 
-The unit owns the two state transitions and the gradient reduction:
+The unit owns the state transitions and the gradient reduction:
 
-* ``unshard`` issues one all-gather of every rank's segment (``async_op`` returns at once)
-  and ``wait_for_unshard`` copies the result into the unsharded parameters and puts them
-  on the modules;
+* ``unshard`` issues one all-gather of every rank's *segment* (its padded chunks back to
+  back, as bytes, so parameters of any dtypes travel together) and ``wait_for_unshard``
+  copies the result into the unsharded parameters and puts them on the modules;
 * ``reshard`` puts the sharded DTensor parameters back and frees the unsharded storage;
-* ``reduce_grads`` issues one reduce-scatter of the unsharded gradients (pre-divided by the
-  world size, so the result is the average) and ``finish_reduce`` adds this rank's part to
-  the sharded gradients. Each rank's row carries one count per parameter of how many ranks
-  produced a gradient, so a parameter no rank used keeps ``grad=None``, as in one process.
+  with a post-forward group (``reshard_after_forward=<int>``, ZeRO++ hpZ) resharding after
+  forward keeps this rank's block of the gathered rows instead, so that backward's
+  all-gather stays inside that smaller group;
+* ``reduce_grads`` issues one reduce-scatter per gradient dtype (pre-divided by the number
+  of data-parallel ranks, so the result is the average) and ``finish_reduce`` all-reduces
+  it across replicas (HSDP) and adds this rank's part to the sharded gradients. Each row
+  carries one count per parameter of how many ranks produced a gradient, so a parameter no
+  rank used keeps ``grad=None``, as in one process.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
 
-from plait.fsdp.collectives import all_gather_segments, reduce_scatter_segments
+from plait.fsdp.collectives import all_gather_segments, all_reduce_sum, reduce_scatter_segments
 from plait.fsdp.param import FSDPParam
 from plait.hooks import traced
 
 
 class ShardedState(Enum):
     SHARDED = auto()
+    SHARDED_POST_FORWARD = auto()  # only a block of the gathered rows kept (int reshard)
     UNSHARDED = auto()
 
 
+@dataclass(frozen=True)
+class Groups:
+    """The process groups a unit communicates over.
+
+    ``shard`` all-gathers and reduce-scatters (``rank`` / ``world`` are this rank's place
+    in it); ``replicate`` all-reduces gradients across shard groups (HSDP), ``None`` for a
+    1-D mesh; ``post_forward`` is the smaller group of ``reshard_after_forward=<int>``.
+    """
+
+    shard: dist.ProcessGroup
+    rank: int
+    world: int
+    replicate: dist.ProcessGroup | None = None
+    replicate_world: int = 1
+    post_forward: dist.ProcessGroup | None = None
+    post_forward_world: int = 1
+
+
+@dataclass
+class _Reduction:
+    """The gradients of the parameters of one reduce dtype, and the state of their reduction."""
+
+    params: list[FSDPParam]
+    offsets: list[int]
+    width: int
+    dtype: torch.dtype
+    partial: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced (HSDP)
+    inflight: tuple[torch.Tensor, dist.Work | None] | None = field(default=None, repr=False)
+
+
 class FSDPParamGroup:
-    def __init__(self, params: list[FSDPParam], group: dist.ProcessGroup, world: int) -> None:
+    def __init__(self, params: list[FSDPParam], groups: Groups) -> None:
         self.params = params
-        self.group = group
-        self.world = world
+        self.groups = groups
+        self.world = groups.world
+        # Widest dtypes first, so every parameter's byte offset is aligned for its dtype.
+        self.gather_order = sorted(params, key=lambda p: -p.param_dtype.itemsize)
         offset = 0
-        for p in params:
-            p.offset = offset
-            offset += p.padded_numel
-        self.segment_numel = offset
+        for p in self.gather_order:
+            p.gather_offset = offset
+            offset += p.gather_nbytes
+        align = self.gather_order[0].param_dtype.itemsize
+        self.segment_tail = -offset % align  # keeps every row of the gathered matrix aligned
+        self.segment_nbytes = offset + self.segment_tail
         self.sharded_state = ShardedState.SHARDED
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
         self.reshard_after_backward = True
-        self._gather: tuple[torch.Tensor, dist.Work | None] | None = None
-        self._reduce: tuple[torch.Tensor, dist.Work | None, torch.Tensor] | None = None
+        self._gather: tuple[torch.Tensor, dist.Work | None, bool] | None = None
+        self._post_forward_rows: torch.Tensor | None = None  # (world / k, segment) bytes
+        self._keep_block = False  # the next unshard feeds a post-forward reshard
+        self._reductions: dict[tuple[bool, ...], list[_Reduction]] = {}
+        self._reducing: list[_Reduction] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
 
     # --- unshard / reshard ---------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather unless the unit is unsharded or already being gathered."""
-        if self.sharded_state is ShardedState.SHARDED and self._gather is None:
-            self._gather = all_gather_segments(
-                [p.padded for p in self.params], self.group, self.world
-            )
+        if self.sharded_state is not ShardedState.UNSHARDED and self._gather is None:
+            if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+                self._gather = self._gather_post_forward()
+            else:
+                out, work = all_gather_segments(self._segment(), self.groups.shard, self.world)
+                self._gather = (out, work, False)
         if not async_op:
             self.wait_for_unshard()
+
+    def _segment(self) -> torch.Tensor:
+        pieces = [p.gather_input() for p in self.gather_order]
+        if self.segment_tail:
+            pieces.append(torch.zeros(self.segment_tail, dtype=torch.uint8, device=self.device))
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def _gather_post_forward(self) -> tuple[torch.Tensor, dist.Work | None, bool]:
+        """All-gather the kept blocks inside the post-forward group (hpZ backward)."""
+        rows = self._post_forward_rows
+        assert rows is not None and self.groups.post_forward is not None
+        self._post_forward_rows = None
+        out, work = all_gather_segments(
+            rows.view(-1), self.groups.post_forward, self.groups.post_forward_world
+        )
+        return out.view(self.world, -1), work, True
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather (issuing one if needed) and swap in full parameters."""
@@ -63,57 +129,113 @@ class FSDPParamGroup:
         if self._gather is None:
             self.unshard(async_op=True)
         assert self._gather is not None
-        gathered, work = self._gather
+        gathered, work, _ = self._gather
         self._gather = None
         with traced("plait.fsdp.copy_out"):
             if work is not None:
                 work.wait()
             for p in self.params:
-                p.copy_out(gathered[:, p.offset : p.offset + p.padded_numel])
+                offset = p.gather_offset
+                p.copy_out(gathered[:, offset : offset + p.gather_nbytes])
                 p.set_on_modules(p.unsharded)  # type: ignore[arg-type]
+            if self._keep_block:
+                self._keep_rows(gathered)
         self.sharded_state = ShardedState.UNSHARDED
 
-    def reshard(self) -> None:
+    def _keep_rows(self, gathered: torch.Tensor) -> None:
+        """Keep the rows this rank serves inside its post-forward group (a copy, so the
+        rest of the gathered matrix is freed)."""
+        per_member = self.world // self.groups.post_forward_world
+        first = (self.groups.rank % self.groups.post_forward_world) * per_member
+        self._post_forward_rows = gathered[first : first + per_member].clone()
+
+    def prepare_post_forward(self, enabled: bool) -> None:
+        """Say whether the coming forward's unshard should keep an hpZ block."""
+        self._keep_block = enabled and self.groups.post_forward is not None
+
+    def reshard(self, post_forward: bool = False) -> None:
+        """Back to the sharded parameters; ``post_forward`` keeps the hpZ block if any."""
         if self._gather is not None:  # a prefetch nobody used: complete it, then drop it
             self.wait_for_unshard()
-        if self.sharded_state is ShardedState.SHARDED:
+        keep = post_forward and self._post_forward_rows is not None
+        if not keep:
+            self._post_forward_rows = None
+        self._keep_block = False
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            if not keep:
+                self.sharded_state = ShardedState.SHARDED
             return
         for p in self.params:
             p.set_on_modules(p.sharded)
             p.free_unsharded()
-        self.sharded_state = ShardedState.SHARDED
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD if keep else ShardedState.SHARDED
 
     # --- gradient reduction -------------------------------------------------------------
 
-    def reduce_grads(self) -> None:
-        """Issue the reduce-scatter of the accumulated unsharded gradients."""
-        self.finish_reduce()
-        width = self.segment_numel + len(self.params)
-        first = self.params[0]
-        matrix = torch.empty((self.world, width), dtype=first.dtype, device=first.padded.device)
-        used = [
-            p.copy_grad_in(matrix[:, p.offset : p.offset + p.padded_numel]) for p in self.params
-        ]
-        matrix[:, : self.segment_numel].div_(self.world)
-        matrix[:, self.segment_numel :] = torch.tensor(used, dtype=matrix.dtype)
+    def stash_grads(self) -> None:
+        """Gradient sync is off: keep accumulating unsharded gradients (reduce dtype)."""
         for p in self.params:
-            if p.unsharded is not None:
-                p.unsharded.grad = None
-        out, work = reduce_scatter_segments(matrix, self.group)
-        self._reduce = (out, work, matrix)
+            p.stash_grad()
+
+    def _reductions_now(self) -> list[_Reduction]:
+        """The reduce layout for the current trainable parameters, one entry per dtype.
+
+        Frozen parameters take no part; the layout depends only on ``requires_grad``,
+        which is the same on every rank, so all ranks issue the same collectives.
+        """
+        key = tuple(p.sharded.requires_grad for p in self.params)
+        if key not in self._reductions:
+            by_dtype: dict[torch.dtype, list[FSDPParam]] = {}
+            for p, trainable in zip(self.params, key, strict=True):
+                if trainable and p.reduce_dtype is not None:
+                    by_dtype.setdefault(p.reduce_dtype, []).append(p)
+            reductions = []
+            for dtype, params in by_dtype.items():
+                offsets = [0]
+                for p in params:
+                    offsets.append(offsets[-1] + p.padded_numel)
+                reductions.append(_Reduction(params, offsets[:-1], offsets[-1], dtype))
+            self._reductions[key] = reductions
+        return self._reductions[key]
+
+    def reduce_grads(self) -> None:
+        """Issue the reduce-scatter(s) of the accumulated unsharded gradients."""
+        self.finish_reduce()
+        divisor = self.world * self.groups.replicate_world
+        for red in self._reductions_now():
+            matrix = torch.empty(
+                (self.world, red.width + len(red.params)), dtype=red.dtype, device=self.device
+            )
+            used = [
+                p.copy_grad_in(matrix[:, off : off + p.padded_numel])
+                for p, off in zip(red.params, red.offsets, strict=True)
+            ]
+            matrix[:, : red.width].div_(divisor)
+            matrix[:, red.width :] = torch.tensor(used, dtype=red.dtype)
+            red.inflight = reduce_scatter_segments(matrix, self.groups.shard)
+            self._reducing.append(red)
 
     def finish_reduce(self) -> None:
-        """Wait for an issued reduce-scatter and accumulate into the sharded gradients."""
-        if self._reduce is None:
-            return
-        out, work, _ = self._reduce
-        self._reduce = None
-        if work is not None:
-            work.wait()
-        counts = out[self.segment_numel :].tolist()
-        for p, count in zip(self.params, counts, strict=True):
-            if count > 0:
-                p.accumulate_sharded_grad(out[p.offset : p.offset + p.padded_numel])
+        """Wait for issued reductions and accumulate into the sharded gradients."""
+        reducing, self._reducing = self._reducing, []
+        for red in reducing:
+            assert red.inflight is not None
+            out, work = red.inflight
+            red.inflight = None
+            if work is not None:
+                work.wait()
+            if red.partial is not None:
+                out += red.partial
+                red.partial = None
+            if self.groups.replicate is not None:
+                if not self.requires_all_reduce:
+                    red.partial = out  # all-reduced with a later step's gradients
+                    continue
+                all_reduce_sum(out, self.groups.replicate)
+            counts = out[red.width :].tolist()
+            for p, off, count in zip(red.params, red.offsets, counts, strict=True):
+                if count > 0:
+                    p.accumulate_sharded_grad(out[off : off + p.padded_numel])
 
     @property
     def busy(self) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
@@ -45,10 +45,14 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def shard0_spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
-    """The (immutable, shareable) spec of a ``Shard(0)`` DTensor of global ``shape``."""
+def shard_spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    """The (immutable, shareable) spec of a sharded parameter of global ``shape``.
+
+    ``Shard(0)`` on the last mesh dimension, ``Replicate()`` on any before it (HSDP).
+    """
     meta = TensorMeta(shape, contiguous_strides(shape), dtype)
-    return DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+    placements = (*([Replicate()] * (mesh.ndim - 1)), Shard(0))
+    return DTensorSpec(mesh, placements, tensor_meta=meta)
 
 
 def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
@@ -60,8 +64,31 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool 
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
+@dataclass(frozen=True)
+class ParamPolicy:
+    """How a unit treats its parameters, resolved once at ``fully_shard`` time.
+
+    ``param_dtype`` / ``reduce_dtype`` come from the mixed-precision policy (``None``: keep
+    the parameter's own dtype); ``device`` is where compute happens (the all-gather and the
+    unsharded parameters); with ``offload`` the shards and their gradients stay on the CPU.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
+    offload: bool = False
+    pin_memory: bool = False
+
+
 class FSDPParam:
-    """A parameter of one unit; ``offset`` is its place in the unit's per-rank flat segment."""
+    """A parameter of one unit and its three forms: sharded, padded chunk, unsharded.
+
+    ``dtype`` is the original (sharded, optimizer) dtype; ``param_dtype`` the dtype of the
+    all-gather and the unsharded parameter; ``reduce_dtype`` that of the gradient
+    reduction (``None`` for non-float parameters, which never have gradients). These are
+    fixed here, so freezing or unfreezing parameters later cannot change them.
+    ``gather_offset`` is this parameter's byte offset in the unit's per-rank segment.
+    """
 
     def __init__(
         self,
@@ -70,14 +97,17 @@ class FSDPParam:
         mesh: DeviceMesh,
         rank: int,
         world: int,
+        policy: ParamPolicy,
     ) -> None:
         self.locations = locations
         self.fqn = locations[0].fqn
         # The object modules held before fully_shard, to detect ties with other units; weak,
         # so the full-size tensor is freed unless something outside still uses it.
         self.original = weakref.ref(param)
+        self.mesh = mesh
+        self.policy = policy
+        self.device = policy.device
         self.shape = param.shape
-        self.dtype = param.dtype
         self.rows = self.shape[0]
         self.row_numel = math.prod(self.shape[1:])
         self.numel = param.numel()
@@ -86,20 +116,43 @@ class FSDPParam:
         start = min(rank * self.chunk_rows, self.rows)
         self.start = start  # first row this rank owns
         self.local_rows = min(self.chunk_rows, self.rows - start)
-        self.offset = 0  # set by the unit once all its parameters are known
-
-        # The padded chunk, and the sharded parameter that views its unpadded part.
-        with torch.no_grad():
-            padded = param.new_zeros((self.chunk_rows, *self.shape[1:]))
-            padded[: self.local_rows].copy_(param[start : start + self.local_rows])
-        self.padded = padded
-        local = padded[: self.local_rows]
-        self.spec = shard0_spec(mesh, self.shape, self.dtype)
-        self.sharded = nn.Parameter(
-            make_dtensor(local, self.spec), requires_grad=param.requires_grad
-        )
+        self.gather_offset = 0  # set by the unit once all its parameters are known
+        self._set_dtypes(param.dtype)
         self.unsharded: nn.Parameter | None = None  # created on first unshard
+        # Gradients accumulated without sync, kept in the reduce dtype (see stash_grad).
+        self.accumulated: torch.Tensor | None = None
+
+        self.padded = self._new_padded(param.detach(), rows_of_full=True)
+        self.sharded = nn.Parameter(
+            make_dtensor(self.padded[: self.local_rows], self.spec),
+            requires_grad=param.requires_grad,
+        )
         self.set_on_modules(self.sharded)
+
+    def _set_dtypes(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        floating = dtype.is_floating_point or dtype.is_complex
+        self.param_dtype = (self.policy.param_dtype or dtype) if floating else dtype
+        self.reduce_dtype = (self.policy.reduce_dtype or self.param_dtype) if floating else None
+        self.spec = shard_spec(self.mesh, self.shape, dtype)
+
+    def _new_padded(self, source: torch.Tensor, *, rows_of_full: bool) -> torch.Tensor:
+        """A zero-padded chunk holding this rank's rows of ``source`` (full or local)."""
+        device = torch.device("cpu") if self.policy.offload else source.device
+        if source.is_meta:
+            device = source.device  # stays on meta until to_empty()
+        padded = torch.zeros((self.chunk_rows, *self.shape[1:]), dtype=source.dtype, device=device)
+        if self.policy.offload and self.policy.pin_memory and torch.cuda.is_available():
+            padded = padded.pin_memory()
+        if not source.is_meta:
+            rows = source[self.start : self.start + self.local_rows] if rows_of_full else source
+            with torch.no_grad():
+                padded[: self.local_rows].copy_(rows)
+        return padded
+
+    @property
+    def gather_nbytes(self) -> int:
+        return self.padded_numel * self.param_dtype.itemsize
 
     # --- module view -------------------------------------------------------------------
 
@@ -134,17 +187,48 @@ class FSDPParam:
             self.sharded.requires_grad_(current.requires_grad)
             self.set_on_modules(self.sharded)
 
+    def reset_sharded(self) -> None:
+        """Re-point the sharded parameter at a padded chunk after ``module._apply``.
+
+        ``to_empty``, ``.to(device)``, ``.double()`` and friends replace the local tensor
+        inside the sharded DTensor; the padded chunk (what the all-gather sends) must
+        follow, with the new values, device and dtype.
+        """
+        current = self.locations[0].module._parameters[self.locations[0].name]
+        if not isinstance(current, nn.Parameter) or not isinstance(current.data, DTensor):
+            return  # replaced by the user: adopt_replacement handles it at first use
+        local = current.data._local_tensor
+        padded = self.padded
+        same = (local.data_ptr(), local.dtype, local.device)
+        if same == (padded.data_ptr(), padded.dtype, padded.device):
+            return
+        self.sharded = current
+        if local.dtype != self.dtype:
+            self._set_dtypes(local.dtype)
+        self.padded = self._new_padded(local, rows_of_full=False)
+        current.data._local_tensor = self.padded[: self.local_rows]
+        current.data._spec = self.spec
+        self.set_on_modules(current)
+        self.unsharded = None
+        if not self.policy.offload and not local.is_meta:
+            self.device = local.device
+
     # --- unsharded storage ---------------------------------------------------------------
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's padded chunk as bytes, in ``param_dtype`` on the compute device."""
+        chunk = self.padded.to(self.device, self.param_dtype, non_blocking=True)
+        return chunk.view(-1).view(torch.uint8)
 
     def alloc_unsharded(self) -> torch.Tensor:
         """The unsharded parameter's data with live storage (allocated if it was freed)."""
         if self.unsharded is None:
-            data = torch.empty(self.shape, dtype=self.dtype, device=self.padded.device)
+            data = torch.empty(self.shape, dtype=self.param_dtype, device=self.device)
             self.unsharded = nn.Parameter(data, requires_grad=self.sharded.requires_grad)
         elif self.unsharded.requires_grad != self.sharded.requires_grad:
             self.unsharded.requires_grad_(self.sharded.requires_grad)  # frozen or unfrozen
         storage = self.unsharded.untyped_storage()
-        nbytes = self.numel * self.dtype.itemsize
+        nbytes = self.numel * self.param_dtype.itemsize
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         return self.unsharded.data
@@ -156,12 +240,34 @@ class FSDPParam:
     # --- data movement between the full layout and the per-rank padded layout ------------
 
     def copy_out(self, gathered: torch.Tensor) -> None:
-        """Fill the unsharded parameter from ``gathered``: (world, padded_numel) rows."""
-        copy_padded_to_full(gathered, self.alloc_unsharded(), self.chunk_rows)
+        """Fill the unsharded parameter from ``gathered``: (world, gather_nbytes) bytes."""
+        rows = gathered.view(self.param_dtype)
+        copy_padded_to_full(rows, self.alloc_unsharded(), self.chunk_rows)
+
+    def stash_grad(self) -> None:
+        """Move the unsharded gradient into the reduce-dtype accumulator (no-sync steps).
+
+        Autograd accumulates ``.grad`` in the parameter dtype; with bf16 parameters that
+        would lose precision over microbatches, so accumulation happens here instead.
+        """
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if grad is None or grad.dtype == self.reduce_dtype:
+            return  # autograd keeps accumulating into .grad, already in the right dtype
+        assert self.unsharded is not None and self.reduce_dtype is not None
+        if self.accumulated is None:
+            self.accumulated = grad.to(self.reduce_dtype)
+        else:
+            self.accumulated.add_(grad)
+        self.unsharded.grad = None
 
     def copy_grad_in(self, dest: torch.Tensor) -> bool:
         """Write the unsharded gradient into ``dest`` (world, padded_numel); False if none."""
         grad = None if self.unsharded is None else self.unsharded.grad
+        if self.accumulated is not None:
+            grad = self.accumulated if grad is None else self.accumulated.add_(grad)
+            self.accumulated = None
+        if self.unsharded is not None:
+            self.unsharded.grad = None
         if grad is None:
             dest.zero_()
             return False
@@ -171,12 +277,13 @@ class FSDPParam:
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""
         local = reduced[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
+        local = local.to(self.padded.device, self.dtype, non_blocking=True)
         if self.sharded.grad is None:
-            self.sharded.grad = make_dtensor(local.to(self.dtype), self.spec)
+            self.sharded.grad = make_dtensor(local, self.spec)
         else:
             grad = self.sharded.grad
             assert isinstance(grad, DTensor)
-            grad.to_local().add_(local)
+            grad._local_tensor.add_(local)
 
 
 def _row_pairs(

@@ -25,14 +25,16 @@ the unit is unsharded; they register nothing and reshard nothing.
 from __future__ import annotations
 
 from enum import Enum, auto
+from itertools import pairwise
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from plait.contract import APIState
 from plait.fsdp.group import FSDPParamGroup, ShardedState
+from plait.fsdp.policies import MixedPrecisionPolicy
 from plait.hooks import in_backward, queue_end_of_backward, traced
 
 
@@ -48,6 +50,7 @@ class FSDPState(APIState):
         self.module: nn.Module | None = None
         self.unit: FSDPParamGroup | None = None
         self.reshard_after_forward: bool | None = None
+        self.mp_policy = MixedPrecisionPolicy()
         self.is_root: bool | None = None
         self.root: FSDPState | None = None
         self.training_state = TrainingState.IDLE
@@ -58,6 +61,9 @@ class FSDPState(APIState):
         self.all_states: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []  # pre-forward order of units with params
         self.post_forward_order: list[FSDPState] = []  # its reverse is the backward order
+        # Implicit prefetch targets, derived from the two orders once they are recorded.
+        self.next_in_forward: dict[int, FSDPState] = {}
+        self.next_in_backward: dict[int, FSDPState] = {}
         self.recording_order = False
         self.callback_queued = False
         self.is_last_backward = True
@@ -133,16 +139,22 @@ class FSDPState(APIState):
                 "the root only (use register_fsdp_forward_method for other entry points)."
             )
         self.training_state = TrainingState.FORWARD
+        grad = torch.is_grad_enabled()
         if self.unit is not None:
             if root.recording_order:
                 root.forward_order.append(self)
             with traced("plait.fsdp.pre_forward"):
+                self.unit.prepare_post_forward(grad and bool(self.reshard_after_forward))
                 self.unit.wait_for_unshard()
                 for target in self.prefetch_targets(forward=True):
                     target.unit.unshard(async_op=True)  # type: ignore[union-attr]
-        if torch.is_grad_enabled():
-            return _PostBackward.wrap_inputs(self, args, kwargs)
-        return None
+        dtype = self.mp_policy.param_dtype
+        cast = dtype is not None and self.mp_policy.cast_forward_inputs
+        if cast:
+            assert dtype is not None
+            args, kwargs = _cast_floats((args, kwargs), dtype)
+        wrapped = _PostBackward.wrap_inputs(self, args, kwargs) if grad else None
+        return wrapped or ((args, kwargs) if cast else None)
 
     def root_pre_forward(self) -> None:
         self.training_state = TrainingState.FORWARD
@@ -155,17 +167,26 @@ class FSDPState(APIState):
             return output
         grad = torch.is_grad_enabled()
         if self.unit is not None and (not grad or self.reshard_after_forward):
-            self.unit.reshard()
+            self.unit.reshard(post_forward=grad)
         if grad and self.unit is not None:
             self.backwards_owed += 1
         root = self.root
         assert root is not None
         if root.recording_order and self.unit is not None:
             root.post_forward_order.append(self)
-        if self.is_root:
+        if self.is_root and root.recording_order:
             root.recording_order = False
+            root.derive_prefetch_order()
         self.training_state = TrainingState.IDLE
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
         return self.hook_outputs(output) if grad else output
+
+    def derive_prefetch_order(self) -> None:
+        """Root only: map each unit to the one after it in forward and in backward."""
+        fwd, post = self.forward_order, self.post_forward_order
+        self.next_in_forward = {id(a): b for a, b in pairwise(fwd)}
+        self.next_in_backward = {id(b): a for a, b in pairwise(post)}
 
     def hook_outputs(self, output: Any) -> Any:
         leaves, spec = tree_flatten(output)
@@ -181,11 +202,9 @@ class FSDPState(APIState):
         root = self.root
         if root is None or root.recording_order:
             return []
-        order = root.forward_order if forward else root.post_forward_order
-        if self not in order:
-            return []
-        i = order.index(self) + (1 if forward else -1)
-        return [order[i]] if 0 <= i < len(order) else []
+        following = root.next_in_forward if forward else root.next_in_backward
+        target = following.get(id(self))
+        return [] if target is None else [target]
 
     # --- backward --------------------------------------------------------------------------
 
@@ -211,7 +230,9 @@ class FSDPState(APIState):
             return
         self.backwards_owed -= 1
         with traced("plait.fsdp.post_backward"):
-            if self.unit.requires_gradient_sync:
+            if not self.unit.requires_gradient_sync:
+                self.unit.stash_grads()
+            else:
                 root = self.root
                 assert root is not None
                 if root.reducing is not None:  # keep one reduction in flight at most
@@ -270,3 +291,14 @@ class _PostBackward(torch.autograd.Function):
             leaves[i] = tensor
         new_args, new_kwargs = tree_unflatten(leaves, spec)
         return tuple(new_args), dict(new_kwargs)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (autograd-visible)."""
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
