@@ -195,9 +195,9 @@ class FSDPParam:
         follow, with the new values, device and dtype.
         """
         current = self.locations[0].module._parameters[self.locations[0].name]
-        if not isinstance(current, nn.Parameter) or not isinstance(current.data, DTensor):
+        if not isinstance(current, nn.Parameter) or not isinstance(current, DTensor):
             return  # replaced by the user: adopt_replacement handles it at first use
-        local = current.data._local_tensor
+        local = current._local_tensor
         padded = self.padded
         same = (local.data_ptr(), local.dtype, local.device)
         if same == (padded.data_ptr(), padded.dtype, padded.device):
@@ -206,8 +206,9 @@ class FSDPParam:
         if local.dtype != self.dtype:
             self._set_dtypes(local.dtype)
         self.padded = self._new_padded(local, rows_of_full=False)
-        current.data._local_tensor = self.padded[: self.local_rows]
-        current.data._spec = self.spec
+        # The parameter object stays (optimizers may hold it); only its local tensor moves.
+        current._local_tensor = self.padded[: self.local_rows]
+        current._spec = self.spec
         self.set_on_modules(current)
         self.unsharded = None
         if not self.policy.offload and not local.is_meta:
