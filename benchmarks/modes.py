@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from benchmarks.harness import BenchConfig, Mode, Step
 from plait.checkpoint import checkpoint
-from plait.fsdp import fully_shard
+from plait.fsdp import MixedPrecisionPolicy, fully_shard
 from plait.replicate import replicate
 from plait.train.model import GPT, lm_loss
 
@@ -98,17 +100,44 @@ def _shard_api(which: str) -> Callable[..., object]:
     return fully_shard
 
 
-def _shard_blocks(model: nn.Module, which: str, reshard: bool) -> nn.Module:
+def _policy(which: str, param_dtype: torch.dtype | None) -> dict[str, Any]:
+    """``mp_policy=`` for ``which``: bf16 parameters with fp32 gradient reduction."""
+    if param_dtype is None:
+        return {}
+    if which == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+        return {"mp_policy": TorchPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
+
+
+def _shard_blocks(
+    model: nn.Module,
+    which: str,
+    reshard: bool,
+    mesh: DeviceMesh | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """One unit per block plus the root, by ``which`` ("plait" or "torch")."""
     shard = _shard_api(which)
+    kwargs = {"reshard_after_forward": reshard, "mesh": mesh, **_policy(which, param_dtype)}
     for block in model.blocks:
-        shard(block, reshard_after_forward=reshard)
-    shard(model, reshard_after_forward=reshard)
+        shard(block, **kwargs)
+    shard(model, **kwargs)
     return model
 
 
-def _sharded(cfg: BenchConfig, which: str, reshard: bool) -> Step:
-    return training_step(_shard_blocks(_model(cfg), which, reshard), cfg)
+def _sharded(
+    cfg: BenchConfig,
+    which: str,
+    reshard: bool,
+    hsdp: bool = False,
+    param_dtype: torch.dtype | None = None,
+) -> Step:
+    """``hsdp``: a (2, world / 2) mesh, replicated over pairs of shard groups."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
+    return training_step(_shard_blocks(_model(cfg), which, reshard, mesh, param_dtype), cfg)
 
 
 class TinyLayers(nn.Module):
@@ -164,6 +193,21 @@ MODES: dict[str, Mode] = {
         Mode("torch_fully_shard", partial(_sharded, which="torch", reshard=True)),
         Mode("torch_fully_shard_keep", partial(_sharded, which="torch", reshard=False)),
         Mode(
+            "fully_shard_bf16",
+            partial(_sharded, which="plait", reshard=True, param_dtype=torch.bfloat16),
+            torch_counterpart="torch_fully_shard_bf16",
+        ),
+        Mode(
+            "torch_fully_shard_bf16",
+            partial(_sharded, which="torch", reshard=True, param_dtype=torch.bfloat16),
+        ),
+        Mode(
+            "hsdp",
+            partial(_sharded, which="plait", reshard=True, hsdp=True),
+            torch_counterpart="torch_hsdp",
+        ),
+        Mode("torch_hsdp", partial(_sharded, which="torch", reshard=True, hsdp=True)),
+        Mode(
             "tiny64_fully_shard",
             partial(_tiny, which="plait"),
             torch_counterpart="tiny64_torch_fully_shard",
@@ -185,5 +229,12 @@ SUITES: dict[str, list[str]] = {
         "torch_fully_shard_keep",
         "tiny64_fully_shard",
         "tiny64_torch_fully_shard",
+    ],
+    "fsdp_features": [
+        "fully_shard",
+        "fully_shard_bf16",
+        "torch_fully_shard_bf16",
+        "hsdp",  # needs --nproc 4 (a 2 x 2 mesh)
+        "torch_hsdp",
     ],
 }

@@ -61,8 +61,12 @@ class _Reduction:
     offsets: list[int]
     width: int
     dtype: torch.dtype
+    even: bool  # no parameter is padded: the gradients concatenate in one kernel
     partial: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced (HSDP)
-    inflight: tuple[torch.Tensor, dist.Work | None] | None = field(default=None, repr=False)
+    # (output, work, input): the input stays referenced until the collective has finished
+    inflight: tuple[torch.Tensor, dist.Work | None, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
 
 
 class FSDPParamGroup:
@@ -79,6 +83,10 @@ class FSDPParamGroup:
         align = self.gather_order[0].param_dtype.itemsize
         self.segment_tail = -offset % align  # keeps every row of the gathered matrix aligned
         self.segment_nbytes = offset + self.segment_tail
+        # Common case (one dtype, no padding): the copy-out is one split-copy kernel.
+        dtypes = {p.param_dtype for p in params}
+        self.split_copy = len(dtypes) == 1 and not self.segment_tail and all(p.even for p in params)
+        self.split_sizes = [p.padded_numel for p in self.gather_order]
         self.sharded_state = ShardedState.SHARDED
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -134,9 +142,15 @@ class FSDPParamGroup:
         with traced("plait.fsdp.copy_out"):
             if work is not None:
                 work.wait()
+            if self.split_copy:
+                outs = [p.alloc_unsharded().view(self.world, -1) for p in self.gather_order]
+                dtype = self.gather_order[0].param_dtype
+                torch.split_with_sizes_copy(gathered.view(dtype), self.split_sizes, 1, out=outs)
+            else:
+                for p in self.params:
+                    offset = p.gather_offset
+                    p.copy_out(gathered[:, offset : offset + p.gather_nbytes])
             for p in self.params:
-                offset = p.gather_offset
-                p.copy_out(gathered[:, offset : offset + p.gather_nbytes])
                 p.set_on_modules(p.unsharded)  # type: ignore[arg-type]
             if self._keep_block:
                 self._keep_rows(gathered)
@@ -194,7 +208,8 @@ class FSDPParamGroup:
                 offsets = [0]
                 for p in params:
                     offsets.append(offsets[-1] + p.padded_numel)
-                reductions.append(_Reduction(params, offsets[:-1], offsets[-1], dtype))
+                even = all(p.even for p in params)
+                reductions.append(_Reduction(params, offsets[:-1], offsets[-1], dtype, even))
             self._reductions[key] = reductions
         return self._reductions[key]
 
@@ -206,13 +221,19 @@ class FSDPParamGroup:
             matrix = torch.empty(
                 (self.world, red.width + len(red.params)), dtype=red.dtype, device=self.device
             )
-            used = [
-                p.copy_grad_in(matrix[:, off : off + p.padded_numel])
-                for p, off in zip(red.params, red.offsets, strict=True)
-            ]
+            grads = [p.take_grad() for p in red.params]
+            if red.even and all(g is not None for g in grads):  # one kernel
+                views = [g.view(self.world, -1) for g in grads]  # type: ignore[union-attr]
+                torch.cat(views, dim=1, out=matrix[:, : red.width])
+                used = [True] * len(grads)
+            else:
+                used = [
+                    p.copy_grad_in(g, matrix[:, off : off + p.padded_numel])
+                    for p, g, off in zip(red.params, grads, red.offsets, strict=True)
+                ]
             matrix[:, : red.width].div_(divisor)
             matrix[:, red.width :] = torch.tensor(used, dtype=red.dtype)
-            red.inflight = reduce_scatter_segments(matrix, self.groups.shard)
+            red.inflight = (*reduce_scatter_segments(matrix, self.groups.shard), matrix)
             self._reducing.append(red)
 
     def finish_reduce(self) -> None:
@@ -220,7 +241,7 @@ class FSDPParamGroup:
         reducing, self._reducing = self._reducing, []
         for red in reducing:
             assert red.inflight is not None
-            out, work = red.inflight
+            out, work, _ = red.inflight
             red.inflight = None
             if work is not None:
                 work.wait()

@@ -116,6 +116,9 @@ class FSDPParam:
         start = min(rank * self.chunk_rows, self.rows)
         self.start = start  # first row this rank owns
         self.local_rows = min(self.chunk_rows, self.rows - start)
+        # No padding anywhere: the full tensor viewed as (world, padded_numel) *is* the
+        # gathered layout, so copies between the two are single kernels.
+        self.even = self.chunk_rows * world == self.rows
         self.gather_offset = 0  # set by the unit once all its parameters are known
         self._set_dtypes(param.dtype)
         self.unsharded: nn.Parameter | None = None  # created on first unshard
@@ -243,7 +246,11 @@ class FSDPParam:
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded parameter from ``gathered``: (world, gather_nbytes) bytes."""
         rows = gathered.view(self.param_dtype)
-        copy_padded_to_full(rows, self.alloc_unsharded(), self.chunk_rows)
+        full = self.alloc_unsharded()
+        if self.even:
+            full.view(rows.shape).copy_(rows)
+        else:
+            copy_padded_to_full(rows, full, self.chunk_rows)
 
     def stash_grad(self) -> None:
         """Move the unsharded gradient into the reduce-dtype accumulator (no-sync steps).
@@ -261,18 +268,25 @@ class FSDPParam:
             self.accumulated.add_(grad)
         self.unsharded.grad = None
 
-    def copy_grad_in(self, dest: torch.Tensor) -> bool:
-        """Write the unsharded gradient into ``dest`` (world, padded_numel); False if none."""
+    def take_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient to reduce (with any no-sync accumulation), cleared here."""
         grad = None if self.unsharded is None else self.unsharded.grad
         if self.accumulated is not None:
             grad = self.accumulated if grad is None else self.accumulated.add_(grad)
             self.accumulated = None
         if self.unsharded is not None:
             self.unsharded.grad = None
+        return grad
+
+    def copy_grad_in(self, grad: torch.Tensor | None, dest: torch.Tensor) -> bool:
+        """Write ``grad`` into ``dest`` (world, padded_numel), zeros if None; False if None."""
         if grad is None:
             dest.zero_()
             return False
-        copy_full_to_padded(grad, dest, self.chunk_rows)
+        if self.even:
+            dest.copy_(grad.view(dest.shape))
+        else:
+            copy_full_to_padded(grad, dest, self.chunk_rows)
         return True
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
