@@ -71,20 +71,28 @@ def run_on_ranks(
     fn: Callable[..., Any],
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT,
+    leaves_group_broken: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; see the module docstring."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; see the module docstring.
+
+    ``leaves_group_broken``: the body abandons collectives on purpose (fault and
+    divergence tests), so its workers are replaced afterwards even when it succeeds.
+    """
     pool = _POOLS.get(world_size)
     if pool is None or not pool.healthy():
         if pool is not None:
             pool.close()
         pool = _POOLS[world_size] = _Pool(world_size)
+    failed = True
     try:
-        return pool.run(fn, args, kwargs, timeout)
-    except BaseException:
-        pool.close()
-        del _POOLS[world_size]
-        raise
+        result = pool.run(fn, args, kwargs, timeout)
+        failed = False
+        return result
+    finally:
+        if failed or leaves_group_broken:
+            pool.close()
+            del _POOLS[world_size]
 
 
 def shutdown_pools() -> None:
@@ -319,7 +327,16 @@ def _live_groups() -> set[Any]:
 
 
 def _destroy_groups_since(before: set[Any]) -> None:
+    import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, _redistribute
 
-    for group in _live_groups() - before:
+    new = _live_groups() - before
+    for group in new:
         dist.destroy_process_group(group)
+    if new:
+        # DTensor caches sharding decisions by mesh *value*: an identical mesh built by a
+        # later body would otherwise get the destroyed groups back.
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        _redistribute._gen_transform_infos.cache_clear()

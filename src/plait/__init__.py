@@ -11,8 +11,12 @@ from plait.fsdp import (
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    clip_grad_norm_,
     fully_shard,
+    get_full_state_dict,
+    memory_report,
     register_fsdp_forward_method,
+    set_full_state_dict,
 )
 from plait.replicate import ReplicateModule, replicate
 
@@ -24,9 +28,13 @@ __all__ = [
     "OffloadPolicy",
     "ReplicateModule",
     "checkpoint",
+    "clip_grad_norm_",
     "contract",
     "fully_shard",
+    "get_full_state_dict",
+    "memory_report",
     "register_fsdp_forward_method",
     "replicate",
+    "set_full_state_dict",
 ]
 __version__ = "0.1.0"

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait import spmd
 from plait.contract import APIState, contract, refuse_if_managed, with_mixin
 from plait.hooks import in_backward, queue_end_of_backward, traced
 from plait.mesh import default_mesh, one_dim_group
@@ -66,6 +67,7 @@ class _Bucket:
         self.ready = 0
         self.flat: torch.Tensor | None = None
         self.work: dist.Work | None = None
+        self.owner = "a replicate bucket"  # for divergence reports (plait.spmd)
 
     def launch(self, group: dist.ProcessGroup, world: int) -> None:
         """Pack the gradients (zeros where missing) plus usage counts and start the reduce."""
@@ -85,12 +87,13 @@ class _Bucket:
         # Pre-divide (as torch's DDP does) so low-precision reductions do not overflow.
         flat[: self.numel].div_(world)
         self.flat = flat
+        spmd.record("all_reduce", flat, group, self.owner)
         self.work = dist.all_reduce(flat, group=group, async_op=True)
 
     def finish(self) -> None:
         """Wait for the reduce and write averaged gradients back into ``param.grad``."""
         assert self.flat is not None and self.work is not None
-        self.work.wait()
+        spmd.wait(self.work, f"all_reduce of {self.owner}")
         flat, counts = self.flat, self.flat[self.numel :].tolist()
         for p, offset, count in zip(self.params, self.offsets, counts, strict=True):
             if count == 0:
@@ -139,6 +142,7 @@ class ReplicateState(APIState):
             for bucket in self.buckets:
                 bucket.finish()
         self.reset()
+        spmd.check("end of a replicate backward")
 
     def reset(self) -> None:
         for bucket in self.buckets:
@@ -254,6 +258,10 @@ def replicate(
     )
     trainable = [p for p in module.parameters() if p.requires_grad and p not in ignored]
     state.buckets = _make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20), reduce_dtype)
+    names = {p: n for n, p in module.named_parameters()}
+    for i, bucket in enumerate(state.buckets):
+        first = names.get(bucket.params[0], "?")
+        bucket.owner = f"replicate bucket {i} ({first!r}...) of {type(module).__name__}"
     for bucket in state.buckets:
         for p in bucket.params:
             state.bucket_of[p] = bucket

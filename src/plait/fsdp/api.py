@@ -26,6 +26,7 @@ from plait.fsdp.group import FSDPParamGroup, Groups
 from plait.fsdp.param import FSDPParam, Location, ParamPolicy
 from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from plait.fsdp.state import FSDPState
+from plait.fsdp.state_dict import register_state_dict_hooks
 from plait.mesh import default_mesh, mesh_device, subgroup
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -286,8 +287,16 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: Iterable[nn.Parameter] | None = None,
+    conditional: bool = False,
 ) -> nn.Module | list[nn.Module]:
-    """Shard ``module``'s parameters over ``mesh``; see the module docstring."""
+    """Shard ``module``'s parameters over ``mesh``; see the module docstring.
+
+    ``conditional=True`` (plait only) is for a module that may not run on every rank in a
+    step (a mixture-of-experts expert, a modality tower): its all-gather runs on every
+    rank when its enclosing unit unshards, and its reduce-scatter at the end of backward
+    (zeros from ranks where it did not run), so the ranks' collectives always match. It
+    stays unsharded from its parent's forward to the end of backward.
+    """
     modules = [module] if isinstance(module, nn.Module) else list(module)
     _check_arguments(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(modules[0], "fully_shard")
@@ -309,7 +318,9 @@ def fully_shard(
     state.module = modules[0]
     state.reshard_after_forward = _resolve_reshard(reshard_after_forward, groups.world)
     state.mp_policy = mp_policy
+    state.conditional = bool(conditional)
     state.unit = FSDPParamGroup(params, groups) if params else None
+    register_state_dict_hooks(state)
     for m in modules:
         m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(state.post_forward)

@@ -14,13 +14,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from plait import spmd
 from plait.hooks import traced
 
 
 def all_gather_segments(
-    segment: torch.Tensor, group: dist.ProcessGroup, world: int
+    segment: torch.Tensor, group: dist.ProcessGroup, world: int, owner: str
 ) -> tuple[torch.Tensor, dist.Work | None]:
-    """Start gathering every rank's ``segment``; returns the (world, n) output and work."""
+    """Start gathering every rank's ``segment``; returns the (world, n) output and work.
+
+    ``owner`` names the unit, for divergence reports (:mod:`plait.spmd`).
+    """
+    spmd.record("all_gather", segment, group, owner)
     with traced("plait.fsdp.all_gather"):
         out = segment.new_empty(world * segment.numel())
         work = dist.all_gather_single(out, segment, group=group, async_op=True)
@@ -28,16 +33,18 @@ def all_gather_segments(
 
 
 def reduce_scatter_segments(
-    matrix: torch.Tensor, group: dist.ProcessGroup
+    matrix: torch.Tensor, group: dist.ProcessGroup, owner: str
 ) -> tuple[torch.Tensor, dist.Work | None]:
     """Start summing ``matrix`` (world, n) over ranks; this rank receives its row."""
+    spmd.record("reduce_scatter", matrix, group, owner)
     with traced("plait.fsdp.reduce_scatter"):
         out = matrix.new_empty(matrix.shape[1])
         work = dist.reduce_scatter_single(out, matrix.view(-1), group=group, async_op=True)
     return out, work
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, owner: str) -> None:
     """Sum ``tensor`` in place over ``group`` (HSDP: across the replicas of a shard)."""
+    spmd.record("all_reduce", tensor, group, owner)
     with traced("plait.fsdp.all_reduce"):
-        dist.all_reduce(tensor, group=group)
+        spmd.wait(dist.all_reduce(tensor, group=group, async_op=True), f"all_reduce of {owner}")

@@ -24,6 +24,7 @@ from enum import Enum, auto
 import torch
 import torch.distributed as dist
 
+from plait import spmd
 from plait.fsdp.collectives import all_gather_segments, all_reduce_sum, reduce_scatter_segments
 from plait.fsdp.param import FSDPParam
 from plait.hooks import traced
@@ -96,6 +97,7 @@ class FSDPParamGroup:
         self._keep_block = False  # the next unshard feeds a post-forward reshard
         self._reductions: dict[tuple[bool, ...], list[_Reduction]] = {}
         self._reducing: list[_Reduction] = []
+        self.owner = "a fully_shard unit"  # named by the root at lazy init (spmd reports)
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +111,9 @@ class FSDPParamGroup:
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 self._gather = self._gather_post_forward()
             else:
-                out, work = all_gather_segments(self._segment(), self.groups.shard, self.world)
+                out, work = all_gather_segments(
+                    self._segment(), self.groups.shard, self.world, self.owner
+                )
                 self._gather = (out, work, False)
         if not async_op:
             self.wait_for_unshard()
@@ -126,7 +130,7 @@ class FSDPParamGroup:
         assert rows is not None and self.groups.post_forward is not None
         self._post_forward_rows = None
         out, work = all_gather_segments(
-            rows.view(-1), self.groups.post_forward, self.groups.post_forward_world
+            rows.view(-1), self.groups.post_forward, self.groups.post_forward_world, self.owner
         )
         return out.view(self.world, -1), work, True
 
@@ -140,8 +144,7 @@ class FSDPParamGroup:
         gathered, work, _ = self._gather
         self._gather = None
         with traced("plait.fsdp.copy_out"):
-            if work is not None:
-                work.wait()
+            spmd.wait(work, f"all_gather of {self.owner}")
             if self.split_copy:
                 outs = [p.alloc_unsharded().view(self.world, -1) for p in self.gather_order]
                 dtype = self.gather_order[0].param_dtype
@@ -233,7 +236,7 @@ class FSDPParamGroup:
                 ]
             matrix[:, : red.width].div_(divisor)
             matrix[:, red.width :] = torch.tensor(used, dtype=red.dtype)
-            red.inflight = (*reduce_scatter_segments(matrix, self.groups.shard), matrix)
+            red.inflight = (*reduce_scatter_segments(matrix, self.groups.shard, self.owner), matrix)
             self._reducing.append(red)
 
     def finish_reduce(self) -> None:
@@ -243,8 +246,7 @@ class FSDPParamGroup:
             assert red.inflight is not None
             out, work, _ = red.inflight
             red.inflight = None
-            if work is not None:
-                work.wait()
+            spmd.wait(work, f"reduce_scatter of {self.owner}")
             if red.partial is not None:
                 out += red.partial
                 red.partial = None
@@ -252,7 +254,7 @@ class FSDPParamGroup:
                 if not self.requires_all_reduce:
                     red.partial = out  # all-reduced with a later step's gradients
                     continue
-                all_reduce_sum(out, self.groups.replicate)
+                all_reduce_sum(out, self.groups.replicate, self.owner)
             counts = out[red.width :].tolist()
             for p, off, count in zip(red.params, red.offsets, counts, strict=True):
                 if count > 0:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from plait import spmd
 from plait.contract import APIState
 from plait.fsdp.group import FSDPParamGroup, ShardedState
 from plait.fsdp.policies import MixedPrecisionPolicy
@@ -51,6 +52,11 @@ class FSDPState(APIState):
         self.unit: FSDPParamGroup | None = None
         self.reshard_after_forward: bool | None = None
         self.mp_policy = MixedPrecisionPolicy()
+        # conditional=True: the unit may not run on every rank in a step. Its collectives
+        # then run at fixed points instead: all-gather when its parent unit unshards,
+        # reduce-scatter (zeros where it did not run) at the end of backward.
+        self.conditional = False
+        self.conditional_children: list[FSDPState] = []
         self.is_root: bool | None = None
         self.root: FSDPState | None = None
         self.training_state = TrainingState.IDLE
@@ -87,6 +93,8 @@ class FSDPState(APIState):
                 )
         self.is_root = True
         self.all_states = states_in_tree
+        assert self.module is not None
+        names = {id(m): name for name, m in self.module.named_modules()}
         for state in states_in_tree:
             state.root = self
             if state is not self:
@@ -95,6 +103,11 @@ class FSDPState(APIState):
                 state.reshard_after_forward = state is not self
             if state.unit is not None:
                 state.check_params_materialised()
+                name = names.get(id(state.module), state.name) or "<root>"
+                state.unit.owner = f"fully_shard unit {name!r}"
+        for state in states_in_tree:
+            state.conditional_children = []
+        _link_conditional_units(self.module, self, {id(s.module): s for s in states_in_tree})
         self.recording_order = True
 
     def check_params_materialised(self) -> None:
@@ -141,13 +154,15 @@ class FSDPState(APIState):
         self.training_state = TrainingState.FORWARD
         grad = torch.is_grad_enabled()
         if self.unit is not None:
-            if root.recording_order:
+            if root.recording_order and not self.conditional:
                 root.forward_order.append(self)
             with traced("plait.fsdp.pre_forward"):
                 self.unit.prepare_post_forward(grad and bool(self.reshard_after_forward))
                 self.unit.wait_for_unshard()
                 for target in self.prefetch_targets(forward=True):
                     target.unit.unshard(async_op=True)  # type: ignore[union-attr]
+        for child in self.conditional_children:  # every rank gathers them, run or not
+            child.unit.unshard(async_op=True)  # type: ignore[union-attr]
         dtype = self.mp_policy.param_dtype
         cast = dtype is not None and self.mp_policy.cast_forward_inputs
         if cast:
@@ -166,13 +181,17 @@ class FSDPState(APIState):
         if in_backward():
             return output
         grad = torch.is_grad_enabled()
-        if self.unit is not None and (not grad or self.reshard_after_forward):
+        resharding = not grad or bool(self.reshard_after_forward)
+        if self.unit is not None and not self.conditional and resharding:
             self.unit.reshard(post_forward=grad)
+        if not grad:
+            for child in self.conditional_children:
+                child.unit.reshard()  # type: ignore[union-attr]
         if grad and self.unit is not None:
             self.backwards_owed += 1
         root = self.root
         assert root is not None
-        if root.recording_order and self.unit is not None:
+        if root.recording_order and self.unit is not None and not self.conditional:
             root.post_forward_order.append(self)
         if self.is_root and root.recording_order:
             root.recording_order = False
@@ -196,6 +215,8 @@ class FSDPState(APIState):
         return tree_unflatten(leaves, spec)
 
     def prefetch_targets(self, forward: bool) -> list[FSDPState]:
+        if self.conditional:  # it does not run everywhere: it must not start collectives
+            return []
         explicit = self.forward_prefetch if forward else self.backward_prefetch
         if explicit is not None:
             return [s for s in explicit if s.unit is not None]
@@ -219,34 +240,42 @@ class FSDPState(APIState):
             queue_end_of_backward(root.finish_backward)
         if self.unit is not None:
             with traced("plait.fsdp.pre_backward"):
-                self.unit.wait_for_unshard()
+                self.unit.wait_for_unshard()  # a conditional unit is still unsharded
                 for target in self.prefetch_targets(forward=False):
                     target.unit.unshard(async_op=True)  # type: ignore[union-attr]
         return grad
 
     def post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
-        if self.unit is None or self.backwards_owed == 0:
-            return
+        if self.unit is None or self.backwards_owed == 0 or self.conditional:
+            return  # a conditional unit reduces in finish_backward, on every rank
         self.backwards_owed -= 1
         with traced("plait.fsdp.post_backward"):
-            if not self.unit.requires_gradient_sync:
-                self.unit.stash_grads()
-            else:
-                root = self.root
-                assert root is not None
-                if root.reducing is not None:  # keep one reduction in flight at most
-                    root.reducing.finish_reduce()
-                self.unit.reduce_grads()
-                root.reducing = self.unit
+            self.reduce_or_stash()
             if self.unit.reshard_after_backward:
                 self.unit.reshard()
+
+    def reduce_or_stash(self) -> None:
+        """Start this unit's gradient reduction, or keep accumulating with sync off."""
+        assert self.unit is not None
+        if not self.unit.requires_gradient_sync:
+            self.unit.stash_grads()
+            return
+        root = self.root
+        assert root is not None
+        if root.reducing is not None:  # keep one reduction in flight at most
+            root.reducing.finish_reduce()
+        self.unit.reduce_grads()
+        root.reducing = self.unit
 
     def finish_backward(self) -> None:
         """Root only: the end-of-backward callback (see the module docstring, step 5)."""
         with traced("plait.fsdp.finish_backward"):
             for state in reversed(self.all_states):
-                if state.backwards_owed > 0:  # its inputs needed no gradient: reduce now
+                if state.conditional and state.unit is not None:
+                    state.backwards_owed = 0
+                    state.reduce_or_stash()
+                elif state.backwards_owed > 0:  # its inputs needed no gradient: reduce now
                     state.backwards_owed = 1
                     state.post_backward()
             for state in self.all_states:
@@ -261,6 +290,7 @@ class FSDPState(APIState):
             self.reducing = None
         self.callback_queued = False
         self.training_state = TrainingState.IDLE
+        spmd.check("end of a fully_shard backward")
 
 
 class _PostBackward(torch.autograd.Function):
@@ -302,3 +332,16 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def _link_conditional_units(
+    module: nn.Module | None, enclosing: FSDPState, states: dict[int, FSDPState]
+) -> None:
+    """Give every conditional unit to the nearest enclosing unit, which gathers it."""
+    assert module is not None
+    for child in module.children():
+        state = states.get(id(child), enclosing)
+        new = all(state is not s for s in enclosing.conditional_children)
+        if state.conditional and state is not enclosing and new:
+            enclosing.conditional_children.append(state)
+        _link_conditional_units(child, state, states)

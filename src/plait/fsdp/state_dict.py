@@ -176,18 +176,19 @@ def _register_on(module: nn.Module, state: FSDPState, entries: list[tuple[str, F
                 and not isinstance(value, DTensor)
                 and value.shape == p.shape  # else load_state_dict reports the mismatch
             ):
-                state_dict[key] = shard_full_tensor(value, p.sharded)
+                state_dict[key] = shard_full_tensor(value, _sharded(p))
 
     def load_post(module: nn.Module, incompatible_keys: Any) -> None:
         for name, p in entries:
-            held = module._parameters.get(name)
+            held: torch.Tensor | None = module._parameters.get(name)
             if held is p.sharded or not isinstance(held, DTensor):
                 continue
             # load_state_dict(assign=True) put a new parameter on the module: keep the
             # unit's own (an optimizer may hold it) and take the new values into it.
+            sharded = _sharded(p)
             with torch.no_grad():
-                value = held.redistribute(p.sharded.device_mesh, p.sharded.placements)
-                p.sharded.to_local().copy_(value.to_local())
+                value = held.redistribute(sharded.device_mesh, sharded.placements)
+                sharded.to_local().copy_(value.to_local())
             p.sharded.requires_grad_(held.requires_grad)
             p.set_on_modules(p.sharded)
 
@@ -196,12 +197,19 @@ def _register_on(module: nn.Module, state: FSDPState, entries: list[tuple[str, F
     module.register_load_state_dict_post_hook(load_post)
 
 
+def _sharded(p: FSDPParam) -> DTensor:
+    value: torch.Tensor = p.sharded
+    assert isinstance(value, DTensor)
+    return value
+
+
 def _make_sharded(state: FSDPState, prefix: str) -> None:
-    """Reshard ``state``'s unit before a load (the shards are what gets loaded into)."""
+    """Reshard ``state``'s unit fully before a load (the shards are what gets loaded into;
+    gathered copies, including a block kept after forward, would go stale)."""
     unit = state.unit
     if unit is None:
         return
-    if unit.sharded_state is ShardedState.UNSHARDED or unit.busy:
+    if unit.sharded_state is not ShardedState.SHARDED or unit.busy:
         if state.training_state is not TrainingState.IDLE:
             where = prefix.rstrip(".") or type(state.module).__name__
             raise RuntimeError(
@@ -303,7 +311,9 @@ def _broadcast_full(
     return dict(received)
 
 
-def _broadcast_plan(template: Mapping[str, Any], full: Mapping[str, Any], strict: bool) -> list[Any]:
+def _broadcast_plan(
+    template: Mapping[str, Any], full: Mapping[str, Any], strict: bool
+) -> list[Any]:
     missing = [k for k in template if k not in full]
     unexpected = [k for k in full if k not in template]
     wrong = [
