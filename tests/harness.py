@@ -55,7 +55,7 @@ DEFAULT_TIMEOUT = 120.0
 _STARTUP_TIMEOUT = 180.0
 # After one rank fails, how long the others get to finish (or fail too) before the
 # harness stops waiting: they are usually blocked in a collective with the failed rank.
-_GRACE_AFTER_FAILURE = 2.0
+_GRACE_AFTER_FAILURE = 5.0  # time left to the other ranks to report their own error
 
 
 class RankError(RuntimeError):

@@ -7,7 +7,11 @@ same scenarios hang (the collectives stop matching) or silently mix up data.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +23,7 @@ from plait import spmd
 from plait.fsdp import fully_shard
 from plait.replicate import replicate
 
-from harness import run_on_ranks
+from harness import RankError, run_on_ranks
 from models import MLP, MLPStack
 from parity import check_parity, random_batches
 
@@ -160,3 +164,40 @@ def _conditional_no_grad() -> list[Any]:
 def test_conditional_units_reshard_after_no_grad_forward() -> None:
     names = run_on_ranks(2, _conditional_no_grad)[0]
     assert set(names) == {"DTensor"}
+
+
+# --- a rank that dies -----------------------------------------------------------------------
+
+
+def _killed(report: str, checking: bool) -> None:
+    """Rank 1 is killed (SIGKILL) in the middle of a forward; rank 0 reports what it saw."""
+    os.environ["PLAIT_FAULT_TIMEOUT"] = "1"  # the survivors wait this long for each other
+    if checking:
+        spmd.enable(timeout=DEADLINE)
+    try:
+        model = MLPStack(3, DIM, 16)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        if dist.get_rank() == 1:
+            model.blocks[1].register_forward_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+        start = time.monotonic()
+        try:
+            for _ in range(2):
+                model(torch.randn(4, DIM)).sum().backward()
+            outcome = "no error"
+        except Exception as error:  # what the survivor raised
+            outcome = f"{type(error).__name__}: {error}"
+        Path(report).write_text(json.dumps([outcome, time.monotonic() - start]))
+    finally:
+        spmd.disable()
+
+
+@pytest.mark.parametrize("checking", [False, True])
+def test_survivors_name_a_killed_rank(tmp_path: Path, checking: bool) -> None:
+    report = tmp_path / "rank0.json"
+    with pytest.raises(RankError, match=r"rank 1 process died"):
+        run_on_ranks(2, _killed, str(report), checking, timeout=60, leaves_group_broken=True)
+    outcome, seconds = json.loads(report.read_text())
+    assert outcome.startswith("RankLostError") and "rank(s) [1] did not answer" in outcome
+    assert seconds < 4  # the harness gives survivors 5 s after a death to report

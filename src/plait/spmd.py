@@ -34,13 +34,26 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-__all__ = ["CollectiveRecord", "DivergenceError", "check", "enable", "enabled", "record", "wait"]
+__all__ = [
+    "CollectiveRecord",
+    "DivergenceError",
+    "RankLostError",
+    "check",
+    "enable",
+    "enabled",
+    "record",
+    "wait",
+]
 
 logger = logging.getLogger(__name__)
 
 
 class DivergenceError(RuntimeError):
     """Ranks issued different collectives, or a rank stopped answering."""
+
+
+class RankLostError(DivergenceError):
+    """A collective failed because a rank died or stopped answering; names the rank."""
 
 
 @dataclass(frozen=True)
@@ -114,18 +127,29 @@ def record(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, modul
 
 
 def wait(work: dist.Work | None, what: str) -> None:
-    """Wait for ``work``; with checking on, past the deadline compare ranks and raise."""
+    """Wait for ``work``; with checking on, past the deadline compare ranks and raise.
+
+    Checking on or off, a collective that fails (a peer died) raises
+    :class:`RankLostError` naming the ranks that no longer answer.
+    """
     if work is None:
         return
     checker = _checker
     if checker is None:
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as error:
+            _name_lost_ranks(what, error)
+            raise
         return
     # Waited on a helper thread: ``work.wait(timeout)`` is not honoured by every backend's
     # collective (gloo's reduce-scatter waits forever, and only progresses inside wait()).
     done = _waiter().submit(work.wait)
     try:
         done.result(timeout=checker.timeout)
+    except RuntimeError as error:  # the backend gave up: find out who is gone
+        _name_lost_ranks(what, error)
+        raise
     except concurrent.futures.TimeoutError:
         _compare(checker, f"stuck in {what} for {checker.timeout:g} s")  # raises if diverged
         raise DivergenceError(
@@ -149,6 +173,26 @@ def check(where: str = "end of step") -> None:
 @functools.cache
 def _waiter() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-spmd-wait")
+
+
+def _fault_timeout() -> float:
+    return float(os.environ.get("PLAIT_FAULT_TIMEOUT", "10"))
+
+
+def _name_lost_ranks(what: str, error: BaseException) -> None:
+    """After a failed collective: every survivor reports in; raise naming who did not."""
+    store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
+    keys = [f"plait/alive/{_generation}/{r}" for r in range(world)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timedelta(seconds=_fault_timeout()))
+    except RuntimeError:
+        lost = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RankLostError(
+            f"plait: {what} failed ({error}); rank(s) {lost} did not answer within "
+            f"{_fault_timeout():g} s (PLAIT_FAULT_TIMEOUT): they were lost (the process died "
+            "or hung). Restart the job, e.g. plait train --resume."
+        ) from error
 
 
 def _store() -> Store:

@@ -64,6 +64,21 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool 
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
+def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int, int]:
+    """``(chunk_rows, start, local_rows)``: torch.chunk layout of ``rows`` over ``world``.
+
+    Every rank stores ``chunk_rows`` rows (padded); rank ``rank`` owns ``local_rows`` of
+    them, from global row ``start`` (``local_rows`` may be less than ``chunk_rows`` or 0).
+    """
+    if rows < 1 or world < 1 or not 0 <= rank < world:
+        raise ValueError(
+            f"shard_rows: need rows >= 1 and 0 <= rank < world, got {rows=} {rank=} {world=}"
+        )
+    chunk_rows = -(-rows // world)
+    start = min(rank * chunk_rows, rows)
+    return chunk_rows, start, min(chunk_rows, rows - start)
+
+
 @dataclass(frozen=True)
 class ParamPolicy:
     """How a unit treats its parameters, resolved once at ``fully_shard`` time.
@@ -111,11 +126,8 @@ class FSDPParam:
         self.rows = self.shape[0]
         self.row_numel = math.prod(self.shape[1:])
         self.numel = param.numel()
-        self.chunk_rows = -(-self.rows // world)
+        self.chunk_rows, self.start, self.local_rows = shard_rows(self.rows, rank, world)
         self.padded_numel = self.chunk_rows * self.row_numel
-        start = min(rank * self.chunk_rows, self.rows)
-        self.start = start  # first row this rank owns
-        self.local_rows = min(self.chunk_rows, self.rows - start)
         # No padding anywhere: the full tensor viewed as (world, padded_numel) *is* the
         # gathered layout, so copies between the two are single kernels.
         self.even = self.chunk_rows * world == self.rows
