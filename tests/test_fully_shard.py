@@ -582,6 +582,8 @@ def _errors() -> list[str]:
     )
     expect(ValueError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
     expect(TypeError, lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward="yes"))
+    cuda_mesh = DeviceMesh("cuda", [0, 1], _init_backend=False)  # never used to communicate
+    expect(ValueError, lambda: fully_shard(nn.Linear(2, 2), mesh=cuda_mesh))
     return messages
 
 
@@ -597,6 +599,7 @@ def test_errors_name_the_problem_and_the_fix() -> None:
     assert "2-D (replicate, shard) for HSDP" in messages[7] and "3-D" in messages[7]
     assert "reshard_after_forward=3 must divide the shard group size 2" in messages[8]
     assert "an int (the group size" in messages[9]
+    assert "mesh is on 'cuda'" in messages[10] and "module.to('cuda')" in messages[10]
 
 
 def _names_and_class() -> tuple[bool, list[str], list[str]]:

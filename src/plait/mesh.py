@@ -85,3 +85,15 @@ def subgroup(group: dist.ProcessGroup, index: int, size: int) -> dist.ProcessGro
         assert isinstance(new, dist.ProcessGroup)
         cache[(index, size)] = new
     return cache[(index, size)]
+
+
+def check_mesh_device(mesh: DeviceMesh, module: nn.Module, api_name: str) -> None:
+    """Refuse a mesh whose device type differs from the module's (meta is fine)."""
+    device_type = module_device_type(module)
+    if device_type not in ("meta", mesh.device_type):
+        raise ValueError(
+            f"{api_name}: the mesh is on {mesh.device_type!r} but {type(module).__name__}'s "
+            f"parameters are on {device_type!r}: move the module first "
+            f"(module.to({mesh.device_type!r})) or build the mesh with "
+            f'init_device_mesh("{device_type}", ...)'
+        )

@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait import spmd
 from plait.contract import APIState, contract, refuse_if_managed, with_mixin
 from plait.hooks import in_backward, queue_end_of_backward, traced
-from plait.mesh import default_mesh, one_dim_group
+from plait.mesh import check_mesh_device, default_mesh, one_dim_group
 
 __all__ = ["ReplicateModule", "replicate"]
 
@@ -245,9 +245,9 @@ def replicate(
     """Replicate ``module`` over the data-parallel group; see the module docstring."""
     _validate(module, bucket_cap_mb, reduce_dtype)
     state: ReplicateState = replicate.state(module)
-    group = one_dim_group(
-        mesh if mesh is not None else default_mesh(module, "replicate"), "replicate"
-    )
+    mesh = mesh if mesh is not None else default_mesh(module, "replicate")
+    group = one_dim_group(mesh, "replicate")
+    check_mesh_device(mesh, module, "replicate")
     state.group = group
     state.world = dist.get_world_size(group)
 

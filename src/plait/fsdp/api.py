@@ -27,7 +27,7 @@ from plait.fsdp.param import FSDPParam, Location, ParamPolicy
 from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from plait.fsdp.state import FSDPState
 from plait.fsdp.state_dict import register_state_dict_hooks
-from plait.mesh import default_mesh, mesh_device, subgroup
+from plait.mesh import check_mesh_device, default_mesh, mesh_device, subgroup
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -300,6 +300,9 @@ def fully_shard(
     modules = [module] if isinstance(module, nn.Module) else list(module)
     _check_arguments(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(modules[0], "fully_shard")
+    if not isinstance(offload_policy, CPUOffloadPolicy):  # offloaded shards live on the CPU
+        for m in modules:
+            check_mesh_device(mesh, m, "fully_shard")
     groups = _make_groups(mesh, reshard_after_forward)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     policy = ParamPolicy(
