@@ -251,6 +251,7 @@ def _explain(logs: list[list[dict[str, Any]]], summaries: list[dict[str, Any]]) 
     lines.append(
         "A module that runs on some ranks only, or a different number of microbatches per "
         "rank, causes this. For modules that may not run everywhere, pass "
-        "conditional=True to fully_shard / replicate so their collectives always run."
+        "conditional=True to fully_shard so their collectives always run (replicate "
+        "already reduces the gradients of modules that did not run)."
     )
     return "\n".join(lines)
