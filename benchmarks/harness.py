@@ -55,6 +55,7 @@ class Mode:
     build: Callable[[BenchConfig], Step]
     single_process: bool = False
     torch_counterpart: str | None = None
+    pipeline: bool = False  # all ranks share one batch (tokens/s counts it once)
 
 
 def launch(cfg: BenchConfig, modes: list[Mode]) -> dict[str, Any]:
@@ -137,7 +138,7 @@ def _report(
     rows = []
     for m in modes:
         med = medians[m.name]
-        ranks = 1 if m.single_process else cfg.nproc
+        ranks = 1 if m.single_process or m.pipeline else cfg.nproc
         row = {
             "mode": m.name,
             "median_s": med,

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from benchmarks.harness import BenchConfig, Mode, Step
+from benchmarks.pipeline_modes import PIPELINE_MODES, PIPELINE_SUITE
 from plait.checkpoint import checkpoint
 from plait.fsdp import MixedPrecisionPolicy, fully_shard
 from plait.replicate import replicate
@@ -216,6 +217,8 @@ MODES: dict[str, Mode] = {
     ]
 }
 
+MODES.update(PIPELINE_MODES)
+
 SUITES: dict[str, list[str]] = {
     "replicate": ["single", "replicate", "torch_ddp"],
     # run with --nproc 1 --layers 8: checkpointing is a single-process feature
@@ -237,4 +240,6 @@ SUITES: dict[str, list[str]] = {
         "hsdp",  # needs --nproc 4 (a 2 x 2 mesh)
         "torch_hsdp",
     ],
+    # --nproc 2: GPipe, 1F1B and Interleaved1F1B (2 stages per rank) beside torch's
+    "pipeline": PIPELINE_SUITE,
 }

@@ -7,6 +7,15 @@
 * :mod:`~plait.pipeline.validate`: :func:`validate`, which names the rank and action at
   fault.
 * :mod:`~plait.pipeline.simulate`: timing, bubble fraction, activation memory, charts.
+
+Running them (torch's names):
+
+* :mod:`~plait.pipeline.microbatch`: ``TensorChunkSpec``, ``split_args_kwargs_into_chunks``,
+  ``merge_chunks``;
+* :mod:`~plait.pipeline.split`: ``split_model``, stage modules that keep parameter names;
+* :mod:`~plait.pipeline.stage`: ``PipelineStage``;
+* :mod:`~plait.pipeline.schedule_classes`: ``ScheduleGPipe``, ``Schedule1F1B``, ... whose
+  ``step`` runs the generated action list through :mod:`~plait.pipeline.runtime`.
 """
 
 from plait.pipeline.actions import (
@@ -20,6 +29,22 @@ from plait.pipeline.actions import (
     parse_schedule,
     requirements,
     stage_to_rank,
+)
+from plait.pipeline.microbatch import (
+    TensorChunkSpec,
+    merge_chunks,
+    split_args_kwargs_into_chunks,
+)
+from plait.pipeline.schedule_classes import (
+    PipelineSchedule,
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from plait.pipeline.schedules import (
     SCHEDULES,
@@ -36,29 +61,46 @@ from plait.pipeline.simulate import (
     plot_timeline,
     simulate,
 )
+from plait.pipeline.split import split_model, stage_layers
+from plait.pipeline.stage import PipelineStage
 from plait.pipeline.validate import validate
 
 __all__ = [
     "SCHEDULES",
     "Action",
     "ActionKind",
+    "PipelineSchedule",
+    "PipelineScheduleMulti",
+    "PipelineScheduleSingle",
+    "PipelineStage",
     "Schedule",
+    "Schedule1F1B",
     "ScheduleError",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
     "ScheduleSpec",
+    "ScheduleZBVZeroBubble",
     "Simulation",
     "Style",
+    "TensorChunkSpec",
     "TimedAction",
     "add_communication",
     "add_fsdp_actions",
     "format_schedule",
     "format_timeline",
     "generate",
+    "merge_chunks",
     "parse_action",
     "parse_schedule",
     "plot_timeline",
     "requirements",
     "schedule_spec",
     "simulate",
+    "split_args_kwargs_into_chunks",
+    "split_model",
+    "stage_layers",
     "stage_to_rank",
     "validate",
 ]

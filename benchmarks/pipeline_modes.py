@@ -1,0 +1,100 @@
+"""Pipeline modes: the GPT model split into stages, plait's schedules beside torch's.
+
+Both sides run the very same stage modules (plait's ``split_model`` of the GPT by blocks),
+the same whole batch (``cfg.batch`` sequences enter stage 0; every rank of the pipeline
+shares it), ``cfg.microbatches`` microbatches, the same loss and AdamW step; only the
+``PipelineStage`` / schedule classes differ. Interleaved modes hold two stages per rank.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.harness import BenchConfig, Mode, Step
+from plait.pipeline import schedule_spec, split_model, stage_to_rank
+from plait.train.model import GPT, lm_loss
+
+# plait / torch class names per schedule, and stages per rank.
+_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved": ("ScheduleInterleaved1F1B", 2),
+}
+_GENERATOR_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+
+
+def _pipeline_batch(cfg: BenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch, identical on every rank (stage 0 uses inputs, the last targets)."""
+    gen = torch.Generator().manual_seed(1000)
+    tokens = torch.randint(0, cfg.gpt.vocab_size, (cfg.batch, cfg.gpt.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _api(which: str) -> Any:
+    if which == "torch":
+        import torch.distributed.pipelining as torch_pipelining
+
+        return torch_pipelining
+    import plait.pipeline as plait_pipelining
+
+    return plait_pipelining
+
+
+def _pipelined(cfg: BenchConfig, which: str, schedule: str) -> Step:
+    """This rank's stages of the GPT under ``schedule``, by ``which`` ("plait" / "torch")."""
+    class_name, per_rank = _SCHEDULES[schedule]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_stages = world * per_rank
+    style = schedule_spec(_GENERATOR_NAMES[schedule]).style
+    ids = [s for s in range(n_stages) if stage_to_rank(s, world, style) == rank]
+    torch.manual_seed(0)
+    modules = split_model(GPT(cfg.gpt), n_stages, layers="blocks", stages=ids)
+    api = _api(which)
+    cpu = torch.device("cpu")
+    stages = [api.PipelineStage(m, s, n_stages, cpu) for m, s in zip(modules, ids, strict=True)]
+    cls = getattr(api, class_name)
+    pipe = cls(stages[0] if per_rank == 1 else stages, cfg.microbatches, loss_fn=lm_loss)
+    return _pipeline_step(pipe, modules, cfg, first=0 in ids, last=n_stages - 1 in ids)
+
+
+def _pipeline_step(
+    pipe: Any, modules: list[nn.Module], cfg: BenchConfig, *, first: bool, last: bool
+) -> Step:
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-4)
+    inputs, targets = _pipeline_batch(cfg)
+    args = (inputs,) if first else ()
+    kwargs = {"target": targets} if last else {}
+
+    def step() -> None:
+        pipe.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _modes() -> list[Mode]:
+    modes = []
+    for schedule in _SCHEDULES:
+        plait_name, torch_name = f"pp_{schedule}", f"torch_pp_{schedule}"
+        modes.append(
+            Mode(
+                plait_name,
+                partial(_pipelined, which="plait", schedule=schedule),
+                torch_counterpart=torch_name,
+                pipeline=True,
+            )
+        )
+        modes.append(
+            Mode(torch_name, partial(_pipelined, which="torch", schedule=schedule), pipeline=True)
+        )
+    return modes
+
+
+PIPELINE_MODES: dict[str, Mode] = {m.name: m for m in _modes()}
+PIPELINE_SUITE = ["single", *PIPELINE_MODES]

@@ -1,0 +1,113 @@
+"""Data parallelism inside pipeline stages: when to gather, free and reduce.
+
+A stage module may be (or contain) ``fully_shard`` units or ``replicate`` modules over a
+data-parallel group. Left to their own hooks they would communicate once per microbatch;
+in a pipeline the schedule decides instead (its ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD``
+actions, see :func:`~plait.pipeline.schedules.add_fsdp_actions`):
+
+* for the step, gradient sync is off and units neither reshard after forward nor after
+  backward, so their hooks only accumulate gradients;
+* ``UNSHARD`` all-gathers every unit of the stage (all issued, then all awaited) and
+  ``RESHARD`` frees them: the parameters are full exactly in between;
+* ``REDUCE_GRAD`` reduces the accumulated gradients once: one reduce-scatter per unit,
+  one all-reduce per ``replicate`` bucket;
+* after the step, the flags are restored.
+
+This is the one place where the pipeline reaches below the public APIs of
+``fully_shard`` / ``replicate`` (as torch's pipelining does): neither has a public "reduce
+the accumulated gradients now" call, because outside a pipeline the last backward does it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from plait.fsdp.api import FSDPModule, fsdp_states_in
+from plait.fsdp.state import FSDPState
+from plait.hooks import traced
+from plait.replicate import ReplicateModule, ReplicateState, replicate
+
+__all__ = ["StageGradSync"]
+
+
+@dataclass
+class _FSDPFlags:
+    state: FSDPState
+    reshard_after_forward: bool | None
+    reshard_after_backward: bool
+    requires_gradient_sync: bool
+
+
+class StageGradSync:
+    """The data-parallel modules of one stage module, driven by the schedule's actions."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        self.fsdp_states = [s for s in fsdp_states_in(module) if s.unit is not None]
+        self.replicate_states: list[ReplicateState] = [
+            replicate.state(m) for m in module.modules() if isinstance(m, ReplicateModule)
+        ]
+        self._saved_fsdp: list[_FSDPFlags] = []
+        self._saved_replicate: list[bool] = []
+
+    @property
+    def active(self) -> bool:
+        """True when the stage has anything to gather or reduce."""
+        return bool(self.fsdp_states or self.replicate_states)
+
+    def begin_step(self) -> None:
+        self._saved_fsdp = []
+        for s in self.fsdp_states:
+            assert s.unit is not None
+            self._saved_fsdp.append(
+                _FSDPFlags(
+                    s,
+                    s.reshard_after_forward,
+                    s.unit.reshard_after_backward,
+                    s.unit.requires_gradient_sync,
+                )
+            )
+            s.reshard_after_forward = False
+            s.unit.reshard_after_backward = False
+            s.unit.requires_gradient_sync = False
+        self._saved_replicate = [s.requires_gradient_sync for s in self.replicate_states]
+        for r in self.replicate_states:
+            r.requires_gradient_sync = False
+
+    def end_step(self) -> None:
+        for f in self._saved_fsdp:
+            assert f.state.unit is not None
+            # A unit first run inside the pipeline never resolved its default: keep False.
+            if f.reshard_after_forward is not None:
+                f.state.reshard_after_forward = f.reshard_after_forward
+            f.state.unit.reshard_after_backward = f.reshard_after_backward
+            f.state.unit.requires_gradient_sync = f.requires_gradient_sync
+        for r, sync in zip(self.replicate_states, self._saved_replicate, strict=True):
+            r.requires_gradient_sync = sync
+        self._saved_fsdp, self._saved_replicate = [], []
+
+    def unshard(self) -> None:
+        with traced("plait.pipeline.unshard"):
+            handles = [m.unshard(async_op=True) for m in self.fsdp_modules]
+            for h in handles:
+                if h is not None:
+                    h.wait()
+
+    def reshard(self) -> None:
+        with traced("plait.pipeline.reshard"):
+            for m in self.fsdp_modules:
+                m.reshard()
+
+    def reduce_grads(self) -> None:
+        """Reduce the gradients accumulated over the step's microbatches, once."""
+        with traced("plait.pipeline.reduce_grad"):
+            for s in self.fsdp_states:
+                assert s.unit is not None
+                s.unit.reduce_grads()
+            for r in self.replicate_states:
+                r.finish_backward()
+            for s in self.fsdp_states:
+                assert s.unit is not None
+                s.unit.finish_reduce()

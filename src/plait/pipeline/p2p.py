@@ -1,0 +1,354 @@
+"""Point-to-point traffic between pipeline stages: one ``batch_isend_irecv`` per batch.
+
+A *transfer* moves the tensors of one microbatch between neighbour stages: activations
+forward (stage s to s + 1) or gradients backward (s + 1 to s). Its tensors travel packed
+in one byte buffer (each at a 16-byte aligned offset; the receiver gets views of its
+buffer, no copy), so a transfer is one message however many tensors it has.
+
+Gradients need no description: the receiver knows their shapes and dtypes from its own
+forward outputs. Activations do, and the receiver cannot know them in advance (the first
+step, a new sequence length, an uneven last microbatch, a switch between training and
+eval). So both ends of every forward link keep the last *metadata* (shape, dtype,
+requires_grad of each tensor) they agreed on, per microbatch, and every activation
+message starts with a 16-byte header holding one number:
+
+* ``0``: "as agreed": the payload that follows has the agreed metadata;
+* ``L > 0``: "new metadata of L numbers follows"; the payload bytes of this message are
+  then meaningless (the message still has the agreed size, which the receiver posted),
+  and the encoded metadata and the real payload follow as two more messages.
+
+Before any agreement the first message is the header alone. The sender knows everything
+up front and posts all of it at once; the receiver posts the first message's receive
+early (:class:`P2PBatch`) and, when the data is needed, waits for it, then (only on
+change) for the metadata, then for the payload. No extra message in the steady state, and
+no hang when shapes change.
+
+Messages are told apart by tags (stage, microbatch, direction, part), so the order of
+operations between two ranks does not matter on gloo. NCCL ignores tags and matches
+messages in posting order; the generated schedules post in matching order in the steady
+state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from plait.hooks import traced
+
+__all__ = [
+    "ActivationRecv",
+    "Direction",
+    "GradientRecv",
+    "Meta",
+    "P2PBatch",
+    "SentTensor",
+    "TensorMeta",
+    "decode_meta",
+    "encode_meta",
+    "meta_of",
+    "prune_sends",
+    "transfer_tag",
+    "wait_sends",
+]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver needs to allocate one tensor of a transfer."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+Meta = tuple[TensorMeta, ...]
+
+# Dtype <-> small integer for the wire; the order is part of the protocol.
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_ALIGN = 16  # bytes: every tensor of a packed buffer starts at a multiple of this
+_HEADER = _ALIGN  # an activation message's header: one int64, padded to the alignment
+
+
+def meta_of(tensors: Sequence[torch.Tensor]) -> Meta:
+    return tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+
+
+def encode_meta(meta: Meta) -> torch.Tensor:
+    """``[n, (dtype code, requires_grad, ndim, *shape) per tensor]`` as int64."""
+    values = [len(meta)]
+    for m in meta:
+        if m.dtype not in _DTYPE_CODE:
+            raise TypeError(f"pipeline stages cannot send tensors of dtype {m.dtype}")
+        values += [_DTYPE_CODE[m.dtype], int(m.requires_grad), len(m.shape), *m.shape]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def decode_meta(encoded: torch.Tensor) -> Meta:
+    values = encoded.tolist()
+    metas, pos = [], 1
+    for _ in range(values[0]):
+        code, requires_grad, ndim = values[pos : pos + 3]
+        shape = tuple(values[pos + 3 : pos + 3 + ndim])
+        metas.append(TensorMeta(shape, _DTYPES[code], bool(requires_grad)))
+        pos += 3 + ndim
+    return tuple(metas)
+
+
+def _offsets(meta: Meta, start: int) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a packed buffer, and the buffer's size."""
+    offsets, end = [], start
+    for m in meta:
+        offsets.append(end)
+        nbytes = m.dtype.itemsize * _numel(m.shape)
+        end += -(-nbytes // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _pack(
+    tensors: Sequence[torch.Tensor], meta: Meta, start: int, device: torch.device
+) -> torch.Tensor:
+    """One byte buffer: ``start`` bytes for a header (holding 0: "as agreed"), then each
+    tensor at its offset."""
+    offsets, size = _offsets(meta, start)
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    if start:
+        buf[:8].view(torch.int64).fill_(0)
+    for t, m, off in zip(tensors, meta, offsets, strict=True):
+        _view(buf, m, off).copy_(t.detach())
+    return buf
+
+
+def _unpack(buf: torch.Tensor, meta: Meta, start: int) -> list[torch.Tensor]:
+    """Views of ``buf``'s tensors (fresh leaves: the caller may set requires_grad)."""
+    offsets, _ = _offsets(meta, start)
+    return [_view(buf, m, off).detach() for m, off in zip(meta, offsets, strict=True)]
+
+
+def _view(buf: torch.Tensor, m: TensorMeta, offset: int) -> torch.Tensor:
+    nbytes = m.dtype.itemsize * _numel(m.shape)
+    return buf[offset : offset + nbytes].view(m.dtype).view(m.shape)
+
+
+def _header(value: int, size: int, device: torch.device) -> torch.Tensor:
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    buf[:8].view(torch.int64).fill_(value)
+    return buf
+
+
+def _read_header(buf: torch.Tensor) -> int:
+    return int(buf[:8].view(torch.int64).item())
+
+
+class Direction(IntEnum):
+    FORWARD = 0
+    BACKWARD = 1
+
+
+class _Part(IntEnum):
+    HEADER = 0  # the header alone (no agreement yet)
+    PACKED = 1  # header (activations only) + payload with the agreed metadata
+    META = 2
+    NEW_PAYLOAD = 3  # payload with the new metadata, no header
+
+
+def transfer_tag(sender_stage: int, microbatch: int, direction: Direction, n_stages: int) -> int:
+    """The base tag of one transfer; its parts add 0..3."""
+    return ((microbatch * n_stages + sender_stage) * 2 + int(direction)) * len(_Part)
+
+
+class _Recv:
+    """A receive of one transfer: posted in a batch, waited for by its consumer."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.work: dist.Work | None = None  # set when the batch is posted
+
+    def _wait_posted(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class ActivationRecv(_Recv):
+    """An activation transfer being received; :meth:`wait` gives (metadata, tensors)."""
+
+    def __init__(
+        self,
+        agreed: Meta | None,
+        peer: int,
+        tag: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        super().__init__(group, device)
+        self.agreed, self.peer, self.tag = agreed, peer, tag
+        size = _HEADER if agreed is None else _offsets(agreed, _HEADER)[1]
+        self.part = _Part.HEADER if agreed is None else _Part.PACKED
+        self.first = torch.empty(size, dtype=torch.uint8, device=device)
+
+    def wait(self) -> tuple[Meta, list[torch.Tensor]]:
+        """The transfer's metadata and tensors; fetches the follow-up messages on change."""
+        with traced("plait.pipeline.recv_wait"):
+            self._wait_posted()
+            length = _read_header(self.first)
+            if length == 0:
+                assert self.agreed is not None
+                return self.agreed, _unpack(self.first, self.agreed, _HEADER)
+            encoded = torch.empty(length, dtype=torch.int64, device=self.device)
+            self._receive(encoded, _Part.META)
+            meta = decode_meta(encoded.cpu())
+            buf = torch.empty(_offsets(meta, 0)[1], dtype=torch.uint8, device=self.device)
+            self._receive(buf, _Part.NEW_PAYLOAD)
+            return meta, _unpack(buf, meta, 0)
+
+    def _receive(self, tensor: torch.Tensor, part: _Part) -> None:
+        _post([_op(dist.irecv, tensor, self.peer, self.group, self.tag + part)])
+
+
+class GradientRecv(_Recv):
+    """A gradient transfer being received into a buffer of known layout."""
+
+    def __init__(self, meta: Meta, group: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__(group, device)
+        self.meta = meta
+        self.buf = torch.empty(_offsets(meta, 0)[1], dtype=torch.uint8, device=device)
+
+    def wait(self) -> list[torch.Tensor]:
+        with traced("plait.pipeline.recv_wait"):
+            self._wait_posted()
+            return _unpack(self.buf, self.meta, 0)
+
+
+SentTensor = tuple[dist.Work, torch.Tensor]
+"""A send in flight and its buffer, which must stay alive until the work completes."""
+
+
+class P2PBatch:
+    """The point-to-point operations of consecutive send / receive actions.
+
+    Add transfers with the ``send_*`` / ``recv_*`` methods, then :meth:`post` issues them
+    in one ``batch_isend_irecv`` without waiting. Each receive is waited for by its
+    consumer (``wait()`` on the returned receive object); the sends still in flight are
+    returned, for the caller to keep until they complete (:func:`prune_sends`,
+    :func:`wait_sends`).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.ops: list[dist.P2POp] = []
+        self.recvs: list[_Recv | None] = []  # per op: the receive it completes
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.ops.append(_op(dist.isend, tensor, peer, self.group, tag))
+        self.recvs.append(None)
+
+    def _recv(self, tensor: torch.Tensor, peer: int, tag: int, recv: _Recv) -> None:
+        self.ops.append(_op(dist.irecv, tensor, peer, self.group, tag))
+        self.recvs.append(recv)
+
+    def send_activations(
+        self, tensors: Sequence[torch.Tensor], agreed: Meta | None, peer: int, tag: int
+    ) -> Meta:
+        """Queue an activation transfer; returns the metadata both ends agree on after it."""
+        meta = meta_of(tensors)
+        if meta == agreed:
+            self._send(_pack(tensors, meta, _HEADER, self.device), peer, tag + _Part.PACKED)
+            return meta
+        encoded = encode_meta(meta)
+        if agreed is None:
+            self._send(_header(encoded.numel(), _HEADER, self.device), peer, tag + _Part.HEADER)
+        else:  # the size the receiver posted, with "changed" in the header
+            size = _offsets(agreed, _HEADER)[1]
+            self._send(_header(encoded.numel(), size, self.device), peer, tag + _Part.PACKED)
+        self._send(encoded.to(self.device), peer, tag + _Part.META)
+        self._send(_pack(tensors, meta, 0, self.device), peer, tag + _Part.NEW_PAYLOAD)
+        return meta
+
+    def recv_activations(self, agreed: Meta | None, peer: int, tag: int) -> ActivationRecv:
+        recv = ActivationRecv(agreed, peer, tag, self.group, self.device)
+        self._recv(recv.first, peer, tag + recv.part, recv)
+        return recv
+
+    def send_gradients(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> None:
+        if tensors:
+            buf = _pack(tensors, meta_of(tensors), 0, self.device)
+            self._send(buf, peer, tag + _Part.PACKED)
+
+    def recv_gradients(self, meta: Meta, peer: int, tag: int) -> GradientRecv:
+        recv = GradientRecv(meta, self.group, self.device)
+        if meta:
+            self._recv(recv.buf, peer, tag + _Part.PACKED, recv)
+        return recv
+
+    def post(self) -> list[SentTensor]:
+        """Issue every operation in one batch; returns the sends in flight."""
+        if not self.ops:
+            return []
+        with traced("plait.pipeline.p2p_post"):
+            works = dist.batch_isend_irecv(self.ops)
+        if len(works) != len(self.ops):  # a coalescing backend (NCCL): one work for all
+            for work in works:
+                work.wait()
+            return []
+        sent = []
+        for op, recv, work in zip(self.ops, self.recvs, works, strict=True):
+            if recv is not None:
+                recv.work = work
+            else:
+                sent.append((work, op.tensor))
+        return sent
+
+
+def _op(
+    kind: Callable[..., Any], tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int
+) -> dist.P2POp:
+    return dist.P2POp(kind, tensor, peer, group, tag)
+
+
+def _post(ops: list[dist.P2POp]) -> None:
+    """Issue ``ops`` in one batch and wait for all of them."""
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def prune_sends(sent: list[SentTensor]) -> None:
+    """Drop completed sends (their buffers can be freed); never blocks."""
+    sent[:] = [s for s in sent if not s[0].is_completed()]
+
+
+def wait_sends(sent: list[SentTensor]) -> None:
+    for work, _ in sent:
+        work.wait()
+    sent.clear()

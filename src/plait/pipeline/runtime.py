@@ -1,0 +1,214 @@
+"""The one pipeline runtime: execute this rank's action list for one step.
+
+Any schedule from :func:`~plait.pipeline.schedules.generate` (lowered with
+communication, and with FSDP actions when stages do data parallelism) runs here:
+
+* ``F``: the stage's forward; on the last stage, the loss ``loss_fn(output, target)`` of
+  the microbatch, and the backward is seeded with ``scale`` (see :class:`StepData`);
+* ``B`` / ``I`` / ``W``: the whole backward, or its input and weight halves;
+* ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``: consecutive ones are posted together
+  in one ``batch_isend_irecv``, with receives posted a little ahead of their place (so
+  data flows while this rank computes); a compute action waits for the receive it
+  consumes; sends complete in the background (awaited at the end of the step at the
+  latest);
+* ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD``: the stage's data-parallel modules gather,
+  free, and reduce their accumulated gradients (:mod:`plait.pipeline.grad_sync`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from plait.hooks import traced
+from plait.pipeline.actions import Action, ActionKind
+from plait.pipeline.grad_sync import StageGradSync
+from plait.pipeline.p2p import P2PBatch, SentTensor, prune_sends, wait_sends
+from plait.pipeline.stage import PipelineStage
+
+__all__ = ["StepData", "StepResult", "run_actions"]
+
+K = ActionKind
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class StepData:
+    """The microbatched inputs of one step, as this rank sees them.
+
+    ``args`` / ``kwargs``: per microbatch (args used by the first stage only). ``targets``
+    and ``scales``: per microbatch, for the last stage; the backward of microbatch i starts
+    from ``loss_i * scales[i]``. ``backward``: False runs forwards only (no graph kept).
+    """
+
+    args: Sequence[tuple[Any, ...]]
+    kwargs: Sequence[dict[str, Any]]
+    targets: Sequence[Any] | None
+    scales: Sequence[float]
+    loss_fn: LossFn | None
+    backward: bool
+
+
+@dataclass
+class StepResult:
+    """What the last stage produced, per microbatch (empty on other ranks)."""
+
+    outputs: dict[int, Any] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def run_actions(
+    actions: Sequence[Action],
+    stages: Mapping[int, PipelineStage],
+    syncs: Mapping[int, StageGradSync],
+    data: StepData,
+) -> StepResult:
+    """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index)."""
+    runner = _Runner(actions, stages, syncs, data)
+    for stage in stages.values():
+        stage.begin_step()
+    for sync in syncs.values():
+        sync.begin_step()
+    try:
+        for action in actions:
+            runner.run(action)
+        runner.flush()
+        wait_sends(runner.sent)
+        for stage in stages.values():
+            stage.end_step()
+    finally:
+        for sync in syncs.values():
+            sync.end_step()
+    return runner.result
+
+
+_RECVS = (K.RECV_F, K.RECV_B)
+_AHEAD_PER_STAGE = 2
+"""Receives are posted up to this many (per local stage) ahead of their place in the
+schedule, so data flows while this rank still computes; the bound keeps the buffers of
+early receives from piling up."""
+
+
+class _Runner:
+    def __init__(
+        self,
+        actions: Sequence[Action],
+        stages: Mapping[int, PipelineStage],
+        syncs: Mapping[int, StageGradSync],
+        data: StepData,
+    ) -> None:
+        self.stages = stages
+        self.syncs = syncs
+        self.data = data
+        self.result = StepResult()
+        self.pending: list[Action] = []  # consecutive communication actions
+        self.sent: list[SentTensor] = []
+        any_stage = next(iter(stages.values()))
+        self.group, self.device = any_stage.group, any_stage.device
+        self.recvs = [a for a in actions if a.kind in _RECVS]  # in schedule order
+        self.posted = 0  # self.recvs[:posted] have been posted
+        self.reached = 0  # receive actions the schedule has reached
+        self.ahead = _AHEAD_PER_STAGE * len(stages)
+
+    def run(self, action: Action) -> None:
+        if action.kind.is_comm:
+            self.pending.append(action)
+            return
+        self.flush()
+        stage = self.stages[action.stage]
+        with traced(f"plait.pipeline.{action}"):
+            if action.kind is K.FORWARD:
+                self.forward(stage, action.microbatch)  # type: ignore[arg-type]
+            elif action.kind.is_compute:
+                self.backward(stage, action)
+            else:
+                self.data_parallel(action)
+
+    def forward(self, stage: PipelineStage, mb: int) -> None:
+        data = self.data
+        args = data.args[mb] if stage.is_first else ()
+        with torch.set_grad_enabled(data.backward):
+            output = stage.forward_one_chunk(mb, args, data.kwargs[mb], save=data.backward)
+            if not stage.is_last:
+                return
+            self.result.outputs[mb] = tree_map(_detached, output)
+            if data.loss_fn is None or data.targets is None:
+                return
+            loss = data.loss_fn(output, data.targets[mb])
+        self.result.losses[mb] = loss.detach()
+        if data.backward:
+            stage.seed_loss(mb, loss, data.scales[mb])
+
+    def backward(self, stage: PipelineStage, action: Action) -> None:
+        mb = action.microbatch
+        assert mb is not None
+        if action.kind is K.BACKWARD_WEIGHT:
+            stage.backward_weight_one_chunk(mb)
+        else:
+            stage.backward_one_chunk(mb, full=action.kind is K.FULL_BACKWARD)
+
+    def data_parallel(self, action: Action) -> None:
+        sync = self.syncs.get(action.stage)
+        if sync is None:
+            return  # a stage without data parallelism: nothing to gather or reduce
+        if action.kind is K.UNSHARD:
+            sync.unshard()
+        elif action.kind is K.RESHARD:
+            sync.reshard()
+        else:
+            sync.reduce_grads()
+
+    def flush(self) -> None:
+        """Post the pending communication actions, and receives ahead, as one batch.
+
+        Receives are posted in schedule order (so every pair of ranks sees its messages
+        in the same order) and waited for by the compute action that consumes them.
+        """
+        batch = P2PBatch(self.group, self.device)
+        for action in self.pending:
+            if action.kind in _RECVS:
+                self.reached += 1  # posted below, if it was not already
+            else:
+                self.queue_send(action, batch)
+        self.pending.clear()
+        self.queue_receives(batch)
+        if batch:
+            prune_sends(self.sent)  # free the buffers of sends that have completed
+            self.sent += batch.post()
+
+    def queue_receives(self, batch: P2PBatch) -> None:
+        """Every receive the schedule has reached, and those within the look-ahead whose
+        buffers can be sized (a gradient's, once its forward ran)."""
+        while self.posted < len(self.recvs):
+            action = self.recvs[self.posted]
+            stage = self.stages[action.stage]
+            mb = action.microbatch
+            assert mb is not None
+            if self.posted >= self.reached:  # ahead of the schedule: only if allowed
+                if self.posted >= self.reached + self.ahead:
+                    return
+                if action.kind is K.RECV_B and not stage.can_recv_gradients(mb):
+                    return
+            if action.kind is K.RECV_F:
+                stage.recv_activations(mb, batch)
+            else:
+                stage.recv_gradients(mb, batch)
+            self.posted += 1
+
+    def queue_send(self, action: Action, batch: P2PBatch) -> None:
+        stage = self.stages[action.stage]
+        mb = action.microbatch
+        assert mb is not None
+        if action.kind is K.SEND_F:
+            stage.send_activations(mb, batch)
+        else:
+            stage.send_gradients(mb, batch)
+
+
+def _detached(x: Any) -> Any:
+    """Outputs handed back to the user carry no graph (backward owns it)."""
+    return x.detach() if isinstance(x, torch.Tensor) else x
