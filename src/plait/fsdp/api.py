@@ -124,6 +124,7 @@ class FSDPModule(nn.Module):
         if unit is not None:
             for p in unit.params:
                 p.reset_sharded()
+            unit.adopt_flat_storage()
         return out
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:

@@ -88,6 +88,8 @@ class FSDPParamGroup:
         dtypes = {p.param_dtype for p in params}
         self.split_copy = len(dtypes) == 1 and not self.segment_tail and all(p.even for p in params)
         self.split_sizes = [p.padded_numel for p in self.gather_order]
+        self.flat: torch.Tensor | None = None
+        self.adopt_flat_storage()
         self.sharded_state = ShardedState.SHARDED
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -118,7 +120,32 @@ class FSDPParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    def adopt_flat_storage(self) -> None:
+        """Keep every padded shard inside one flat buffer laid out like the segment.
+
+        Then the all-gather input is that buffer itself (or one cast of it under mixed
+        precision): no concatenation per unshard. Only for units of one dtype on one
+        device; others concatenate. Called again after ``module._apply`` moved shards.
+        """
+        params = self.gather_order
+        kinds = {(p.padded.dtype, p.padded.device) for p in params}
+        self.flat = None
+        if len(kinds) != 1 or params[0].padded.is_meta or self.segment_tail:
+            return
+        first = params[0]
+        flat = torch.empty(sum(self.split_sizes), dtype=first.dtype, device=first.padded.device)
+        if first.policy.offload and first.policy.pin_memory and torch.cuda.is_available():
+            flat = flat.pin_memory()
+        for p, piece in zip(params, flat.split(self.split_sizes), strict=True):
+            p.move_padded(piece.view(p.padded.shape))
+        self.flat = flat
+
     def _segment(self) -> torch.Tensor:
+        if self.flat is not None:
+            first = self.gather_order[0]
+            return self.flat.to(first.device, first.param_dtype, non_blocking=True).view(
+                torch.uint8
+            )
         pieces = [p.gather_input() for p in self.gather_order]
         if self.segment_tail:
             pieces.append(torch.zeros(self.segment_tail, dtype=torch.uint8, device=self.device))
@@ -235,7 +262,10 @@ class FSDPParamGroup:
                     for p, g, off in zip(red.params, grads, red.offsets, strict=True)
                 ]
             matrix[:, : red.width].div_(divisor)
-            matrix[:, red.width :] = torch.tensor(used, dtype=red.dtype)
+            if all(used):
+                matrix[:, red.width :].fill_(1)
+            else:
+                matrix[:, red.width :] = torch.tensor(used, dtype=red.dtype)
             red.inflight = (*reduce_scatter_segments(matrix, self.groups.shard, self.owner), matrix)
             self._reducing.append(red)
 

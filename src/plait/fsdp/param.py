@@ -229,6 +229,13 @@ class FSDPParam:
         if not self.policy.offload and not local.is_meta:
             self.device = local.device
 
+    def move_padded(self, dest: torch.Tensor) -> None:
+        """Move the padded chunk into ``dest`` (same shape); the sharded parameter follows."""
+        with torch.no_grad():
+            dest.copy_(self.padded)
+        self.padded = dest
+        self.sharded._local_tensor = dest[: self.local_rows]  # type: ignore[attr-defined]
+
     # --- unsharded storage ---------------------------------------------------------------
 
     def gather_input(self) -> torch.Tensor:

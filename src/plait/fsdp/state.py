@@ -208,11 +208,11 @@ class FSDPState(APIState):
         self.next_in_backward = {id(b): a for a, b in pairwise(post)}
 
     def hook_outputs(self, output: Any) -> Any:
-        leaves, spec = tree_flatten(output)
+        leaves = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self.pre_backward)
-        return tree_unflatten(leaves, spec)
+        return output
 
     def prefetch_targets(self, forward: bool) -> list[FSDPState]:
         if self.conditional:  # it does not run everywhere: it must not start collectives
@@ -310,6 +310,13 @@ class _PostBackward(torch.autograd.Function):
     def wrap_inputs(
         state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common case
+            if not any(a.requires_grad for a in args):
+                return None
+            wrapped = _PostBackward.apply(state, *args)
+            return tuple(
+                w if a.requires_grad else a for a, w in zip(args, wrapped, strict=True)
+            ), {}
         leaves, spec = tree_flatten((args, kwargs))
         positions = [
             i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
