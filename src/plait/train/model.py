@@ -3,6 +3,11 @@
 Byte-level (vocabulary 256 by default), pre-norm blocks of causal self-attention and a GELU
 MLP, learned position embeddings. Blocks live in ``self.blocks`` (an ``nn.ModuleList``) so
 that parallelism recipes can wrap or split them by index.
+
+A pipeline stage is the same class with parts removed (``plait.pipeline.split_model``):
+blocks outside the stage become ``nn.Identity`` and the embeddings or the head ``None``,
+which ``forward`` skips. So every parameter a stage keeps has the name it has in the whole
+model, and checkpoints of pipelined and unpipelined runs are interchangeable.
 """
 
 from __future__ import annotations
@@ -80,13 +85,16 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        # Optional: a pipeline stage drops those of other stages (see the module docstring).
+        tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_emb: nn.Embedding | None = tok_emb
+        self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model)
+        head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
-            self.head.weight = self.tok_emb.weight
+            head.weight = tok_emb.weight
+        self.head: nn.Linear | None = head
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -103,17 +111,28 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        _, t = idx.shape  # (B, T)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` to logits ``(B, T, vocab)``.
+
+        A pipeline stage without the embeddings takes hidden states ``(B, T, C)`` instead,
+        and one without the head returns hidden states.
+        """
+        t = x.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds seq_len={self.cfg.seq_len}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
+        if self.tok_emb is not None and self.pos_emb is not None:
+            pos = torch.arange(t, device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))  # (B, T, vocab)
+        if self.ln_f is not None and self.head is not None:
+            x = self.head(self.ln_f(x))  # (B, T, vocab)
+        return x
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T).
+
+    Computed in float32 whatever the logits' dtype (bf16 logits lose too much in the softmax).
+    """
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -1,0 +1,325 @@
+"""Checkpoints of a run: DCP files written atomically, the last N kept, loaded without pickle.
+
+Layout, under ``<run_dir>/checkpoints/``::
+
+    step_000100/          a complete checkpoint: DCP's files plus plait.json
+    step_000200/
+    .tmp-step_000300/     a save in progress (or one that crashed): never loaded
+
+A save writes into a ``.tmp-`` directory and renames it into place only once every rank's
+files and ``plait.json`` are on disk, so a crash at any moment leaves the previous
+checkpoint intact; older checkpoints beyond ``keep`` are deleted only after that rename.
+
+What is saved, keyed by parameter name (FQN), so DCP can reshard on load:
+
+* ``model.<fqn>``: parameters as this rank holds them (DTensor shards under
+  ``fully_shard``, full tensors under ``replicate``, only its own stages with a pipeline);
+* ``optim.<fqn>.<key>``: the optimizer's per-parameter state (AdamW's ``step``,
+  ``exp_avg``, ``exp_avg_sq``, shaped like the parameter), independent of param order;
+* ``rng.rank<r>.<device>``: each rank's RNG state, restored only into the same world size;
+* ``plait.json``: the step reached (which is also the data position: batches are a
+  function of the step) and the run's configuration, as JSON.
+
+Loading never unpickles arbitrary objects: DCP's own metadata file is read with an
+unpickler that admits only DCP's metadata classes, and DCP entries that are not tensors
+(which DCP would load with ``torch.load(weights_only=False)``) are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+__all__ = [
+    "CheckpointInfo",
+    "SafeFileSystemReader",
+    "TensorsOnlyPlanner",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_weights",
+    "read_info",
+    "save_checkpoint",
+]
+
+_NAME = re.compile(r"^step_(\d+)$")
+_INFO = "plait.json"
+_OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")  # AdamW's per-parameter state
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``plait.json`` records: where the run was and how it was configured."""
+
+    step: int
+    world_size: int
+    config: dict[str, Any]
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of the run, oldest first (temporary directories excluded)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / _INFO).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def read_info(path: Path) -> CheckpointInfo:
+    with open(path / _INFO) as f:
+        raw = json.load(f)
+    return CheckpointInfo(int(raw["step"]), int(raw["world_size"]), dict(raw["config"]))
+
+
+# ----------------------------------------------------------------------------------------
+# What goes into a checkpoint
+# ----------------------------------------------------------------------------------------
+
+
+def _param_names(modules: Sequence[nn.Module]) -> dict[nn.Parameter, str]:
+    return {p: name for m in modules for name, p in m.named_parameters()}
+
+
+def _model_state(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for m in modules:
+        state.update(m.state_dict())
+    return state
+
+
+def _optim_state(
+    modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, create: bool
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per-parameter optimizer state keyed by FQN; with ``create``, zeros where the
+    optimizer has none yet (a fresh optimizer being loaded into)."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for param, name in _param_names(modules).items():
+        entry = optimizer.state.get(param)
+        if not entry and create:
+            entry = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(param.detach()),
+                "exp_avg_sq": torch.zeros_like(param.detach()),
+            }
+            optimizer.state[param] = entry
+        if entry:
+            state[name] = {key: entry[key] for key in _OPTIM_KEYS}
+    return state
+
+
+def _rng_state(device: str) -> dict[str, torch.Tensor]:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = {f"rank{rank}.cpu": torch.get_rng_state()}
+    if device == "cuda":
+        state[f"rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextmanager
+def _single_process_is_fine() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process, which is the case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------
+# Save
+# ----------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    modules: Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    config: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Save step ``step`` atomically (module docstring); collective: every rank calls it."""
+    root = checkpoints_dir(run_dir)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-{final.name}"
+    if _is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = {
+        "model": _model_state(modules),
+        "optim": _optim_state(modules, optimizer, create=False),
+        "rng": _rng_state(config["device"]),
+    }
+    with _single_process_is_fine():
+        dcp_save(state, checkpoint_id=str(tmp))  # returns on every rank once all are written
+    if _is_rank0():
+        info = {"step": step, "world_size": _world_size(), "config": config}
+        _write_json(tmp / _INFO, info)
+        _publish(tmp, final)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` to ``final``; an existing ``final`` is replaced only
+    after the new one is in place."""
+    stale = final.with_name(f".old-{final.name}")
+    if final.exists():
+        final.rename(stale)
+    tmp.rename(final)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    path: Path, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, device: str
+) -> CheckpointInfo:
+    """Load ``path`` into ``modules`` and ``optimizer`` (in place; collective).
+
+    RNG states are restored only when the world size matches the saving run's; parameters
+    and optimizer state load into any layout (DCP reshards).
+    """
+    info = read_info(path)
+    state: dict[str, Any] = {
+        "model": _model_state(modules),
+        "optim": _optim_state(modules, optimizer, create=True),
+    }
+    same_world = info.world_size == _world_size()
+    if same_world:
+        state["rng"] = _rng_state(device)
+    _dcp_load(path, state)
+    for m in modules:
+        m.load_state_dict({k: state["model"][k] for k in m.state_dict()})
+    if same_world:
+        for key, value in state["rng"].items():
+            if key.endswith(".cpu"):
+                torch.set_rng_state(value)
+            else:
+                torch.cuda.set_rng_state(value)
+    return info
+
+
+def _dcp_load(path: Path, state: dict[str, Any]) -> None:
+    reader = SafeFileSystemReader(str(path))
+    # Read once up front, so a refused metadata file raises its own clear error here
+    # rather than inside DCP's collective plan (which wraps it in a rank report).
+    reader.read_metadata()
+    with _single_process_is_fine():
+        dcp_load(state, storage_reader=reader, planner=TensorsOnlyPlanner())
+
+
+def load_weights(path: Path, module: nn.Module) -> None:
+    """Load only the parameters of checkpoint ``path`` into ``module`` (any layout, e.g. a
+    plain single-process model from a sharded run's checkpoint)."""
+    state = {"model": module.state_dict()}
+    _dcp_load(path, state)
+    module.load_state_dict(state["model"])
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP's metadata is made of: its dataclasses, torch sizes, dtypes
+    and memory formats, and plain containers."""
+
+    _ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
+    _ALLOWED = frozenset(
+        {
+            ("collections", "OrderedDict"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),  # maps a name to a torch.layout
+            ("pathlib", "PosixPath"),  # DCP records the checkpoint's path
+            ("pathlib", "WindowsPath"),
+            ("builtins", "set"),
+            ("builtins", "frozenset"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(self._ALLOWED_MODULES) or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint does not "
+            "contain: refusing to load it (the file may have been tampered with)"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with its metadata read by :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
+        # What DCP's own reader also fills in before the plan is made.
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner, refusing non-tensor entries (DCP would ``torch.load`` them with
+    ``weights_only=False``, which can run arbitrary code)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise RuntimeError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is not a tensor; plait checkpoints "
+            "hold tensors only, refusing to unpickle it"
+        )

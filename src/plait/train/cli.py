@@ -1,0 +1,211 @@
+"""The ``plait`` command: ``plait train`` and ``plait sample`` (also ``python -m plait``).
+
+Every ``plait train`` flag is a field of :class:`~plait.train.config.TrainConfig` (dashes
+for underscores); flags override ``--config`` (a flat TOML file) and, with ``--resume``,
+the configuration saved in the run directory. The configuration is resolved and checked
+(:func:`~plait.train.layout.resolve`) before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from plait.train.checkpointing import latest_checkpoint
+from plait.train.config import AC_MODES, DEVICES, PRECISIONS, ConfigError, TrainConfig, load_toml
+from plait.train.config import from_mapping as config_from_mapping
+from plait.train.launch import WorkerFailed, launch, under_torchrun
+from plait.train.layout import resolve
+from plait.train.loop import CONFIG_FILE
+from plait.train.worker import default_run_dir
+
+__all__ = ["build_config", "main"]
+
+_AUTO = "0 = auto"
+_TRAIN_HELP = """\
+Train a small GPT with any composition of plait's parallelisms: fully_shard (--dp-shard),
+replicate or HSDP (--dp-replicate), pipelines (--pp, --schedule), activation checkpointing
+(--ac) and mixed precision (--mp). Outside torchrun it starts --nproc local workers with
+torch's elastic launcher; under torchrun each process is one worker.
+
+Flags override --config (a flat TOML file of the same keys, e.g. dp_shard = 2) and, with
+--resume, the run's saved configuration. Impossible layouts are refused before any worker
+starts.
+
+examples:
+  plait train
+  plait train --dp-replicate 2 --dp-shard 2 --ac full --mp bf16
+  plait train --pp 2 --dp-shard 2 --schedule 1F1B --microbatches 4
+  plait train --run-dir runs/a --resume --steps 600
+"""
+
+# (flag, type or choices, help); the default shown comes from TrainConfig.
+_FLAGS: dict[str, list[tuple[str, Any, str]]] = {
+    "data and model": [
+        ("--data", str, "a text file or a directory of them (default: the Python stdlib)"),
+        ("--seq-len", int, "tokens (bytes) per sequence"),
+        ("--n-layer", int, "transformer blocks"),
+        ("--n-head", int, "attention heads"),
+        ("--d-model", int, "model width"),
+        ("--dropout", float, "dropout probability"),
+    ],
+    "optimisation": [
+        ("--steps", int, "optimizer steps in all (a resumed run continues to this step)"),
+        ("--batch-size", int, "sequences per step, over all data-parallel ranks"),
+        ("--lr", float, "peak learning rate (AdamW)"),
+        ("--min-lr-ratio", float, "final learning rate as a fraction of --lr (cosine decay)"),
+        ("--warmup", int, "linear warm-up steps"),
+        ("--weight-decay", float, "AdamW weight decay of matrices"),
+        ("--grad-clip", float, "clip the global gradient norm to this (0: never)"),
+        ("--seed", int, "seed of weights, data order and dropout"),
+    ],
+    "parallelism": [
+        ("--nproc", int, f"local worker processes ({_AUTO}: 4 on CPU, one per GPU)"),
+        ("--device", DEVICES, "where to train (default: cuda if available, else cpu)"),
+        ("--dp-replicate", int, "data-parallel replicas (replicate, or HSDP's outer dim)"),
+        ("--dp-shard", int, f"ranks sharding each replica with fully_shard ({_AUTO}: the rest)"),
+        ("--pp", int, "pipeline-parallel ranks"),
+        ("--schedule", str, "pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "),
+        ("--stages-per-rank", int, f"pipeline stages per rank ({_AUTO}: the schedule's)"),
+        ("--microbatches", int, f"per step: pipeline microbatches or accumulation ({_AUTO})"),
+        ("--ac", AC_MODES, "activation checkpointing of each block"),
+        ("--mp", PRECISIONS, "compute precision (bf16: fully_shard mixed precision)"),
+        ("--cpu-offload", bool, "keep fully_shard's parameter shards in host memory"),
+        ("--reshard-after-forward", bool, "free each block's gathered parameters after forward"),
+    ],
+    "run directory, validation and checkpoints": [
+        ("--run-dir", str, "where metrics, checkpoints and plots go (default: runs/<time>)"),
+        ("--eval-every", int, "validate every N steps (0: first and last only)"),
+        ("--eval-batches", int, "validation batches per evaluation"),
+        ("--ckpt-every", int, "checkpoint every N steps (0: last only)"),
+        ("--keep", int, "checkpoints kept (the newest)"),
+        ("--resume", bool, "continue the run in --run-dir from its latest checkpoint"),
+    ],
+}
+
+
+def _add_flag(group: argparse._ArgumentGroup, flag: str, kind: Any, text: str) -> None:
+    default = getattr(TrainConfig(), flag[2:].replace("-", "_"))
+    if flag == "--schedule":
+        text += "InterleavedZeroBubble, ZBVZeroBubble"
+    if kind is bool:
+        action = "store_true" if flag == "--resume" else argparse.BooleanOptionalAction
+        group.add_argument(flag, action=action, help=f"{text} (default: {default})")
+    elif isinstance(kind, tuple):
+        shown = f" (default: {default})" if default else ""
+        group.add_argument(flag, choices=[c for c in kind if c], help=text + shown)
+    else:
+        shown = "" if default in ("", 0) else f" (default: {default})"
+        group.add_argument(flag, type=kind, metavar=flag[2:].upper(), help=text + shown)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description="composable parallelism for PyTorch")
+    commands = parser.add_subparsers(dest="command", metavar="{train,sample}")
+    train = commands.add_parser(
+        "train",
+        help="train a small GPT with any composition of parallelisms",
+        description=_TRAIN_HELP,
+        argument_default=argparse.SUPPRESS,  # only flags actually given override
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", help="a flat TOML file of these settings (flags win)")
+    for title, flags in _FLAGS.items():
+        group = train.add_argument_group(title)
+        for flag, kind, text in flags:
+            _add_flag(group, flag, kind, text)
+    sample = commands.add_parser("sample", help="print text generated from a run's checkpoint")
+    sample.add_argument("--run-dir", required=True, help="the run to sample from")
+    sample.add_argument("--checkpoint", help="a checkpoint directory (default: the latest)")
+    sample.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    sample.add_argument("--tokens", type=int, default=400, help="bytes to generate")
+    sample.add_argument("--temperature", type=float, default=0.8)
+    sample.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    sample.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def build_config(flags: dict[str, Any]) -> TrainConfig:
+    """Defaults < ``--config`` TOML < the run's saved configuration (``--resume``) < flags."""
+    flags = dict(flags)
+    path = flags.pop("config", None)
+    cfg = load_toml(path) if path else TrainConfig()
+    run_dir = flags.get("run_dir", cfg.run_dir)
+    if flags.get("resume", cfg.resume):
+        if not run_dir:
+            raise ConfigError("--resume needs --run-dir: the run directory to continue")
+        saved = Path(run_dir) / CONFIG_FILE
+        if not saved.is_file():
+            raise ConfigError(f"--resume: {saved} does not exist; is {run_dir} a plait run?")
+        cfg = config_from_mapping(json.loads(saved.read_text()), cfg)
+        cfg = cfg.replace(resume=True, run_dir=run_dir)
+    return config_from_mapping(flags, cfg)
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    if cfg.data and not Path(cfg.data).exists():
+        raise ConfigError(f"--data {cfg.data}: no such file or directory")
+    if not cfg.run_dir:
+        return
+    has_checkpoint = latest_checkpoint(cfg.run_dir) is not None
+    if cfg.resume and not has_checkpoint:
+        raise ConfigError(f"--resume: {cfg.run_dir} holds no complete checkpoint to continue from")
+    if not cfg.resume and has_checkpoint:
+        raise ConfigError(
+            f"--run-dir {cfg.run_dir} already holds a run's checkpoints: add --resume to "
+            "continue it, or choose another --run-dir"
+        )
+
+
+def _train(flags: dict[str, Any]) -> None:
+    cfg = build_config(flags)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+    cfg = resolve(cfg, world)
+    if not under_torchrun() and not cfg.run_dir:
+        cfg = cfg.replace(run_dir=default_run_dir())
+    _check_paths(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        print(_describe(cfg), file=sys.stderr, flush=True)
+    launch(cfg)
+
+
+def _describe(cfg: TrainConfig) -> str:
+    dims = f"pp={cfg.pp} dp_replicate={cfg.dp_replicate} dp_shard={cfg.dp_shard}"
+    pipe = f" schedule={cfg.schedule} microbatches={cfg.microbatches}" if cfg.pp > 1 else ""
+    return (
+        f"plait train: {cfg.nproc} x {cfg.device} worker(s), {dims}{pipe}, ac={cfg.ac}, "
+        f"mp={cfg.mp}; GPT {cfg.n_layer} layers x d{cfg.d_model}, "
+        f"{cfg.batch_size} x {cfg.seq_len} tokens per step, {cfg.steps} steps"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    try:
+        if command == "train":
+            _train(args)
+        elif command == "sample":
+            from plait.train.sample import sample_command
+
+            print(sample_command(**args))
+        else:
+            parser.print_help()
+            return 2
+    except ConfigError as err:
+        print(f"plait {command}: error: {err}", file=sys.stderr)
+        return 2
+    except WorkerFailed as err:
+        print(f"plait {command}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        hint = " (continue it with --resume and the same --run-dir)" if command == "train" else ""
+        print(f"plait {command}: interrupted{hint}", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,152 @@
+"""The training configuration: one frozen dataclass, filled from defaults, TOML and flags.
+
+Precedence, lowest first: the defaults below, a TOML file (``--config``), the configuration
+saved in the run directory (when resuming), then command-line flags. Zero in a field marked
+*auto* means "derive it" (see :func:`plait.train.layout.resolve`), which also refuses
+impossible combinations; the resolved configuration, with every auto field filled in, is
+what the run directory records.
+
+The TOML file is flat: the keys are the field names (``dp_shard = 2``), dashes allowed
+(``dp-shard = 2``), so a TOML file and the command line speak the same words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "AC_MODES",
+    "DEVICES",
+    "PRECISIONS",
+    "ConfigError",
+    "TrainConfig",
+    "from_mapping",
+    "load_toml",
+]
+
+AC_MODES = ("none", "full", "selective", "offload")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run depends on. See ``plait train --help`` for each field."""
+
+    # data and model
+    data: str = ""  # "": the Python standard library's own source files
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    dropout: float = 0.0
+    # optimisation
+    steps: int = 300
+    batch_size: int = 32  # global: sequences per optimizer step, over all data-parallel ranks
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0: no clipping
+    seed: int = 0
+    # parallelism
+    nproc: int = 0  # auto: 4 on CPU, the number of GPUs on CUDA (or WORLD_SIZE under torchrun)
+    device: str = ""  # auto: cuda when available, else cpu
+    dp_replicate: int = 1
+    dp_shard: int = 0  # auto: whatever nproc / (pp * dp_replicate) leaves
+    pp: int = 1
+    schedule: str = "1F1B"
+    stages_per_rank: int = 0  # auto: what the schedule holds (1, or 2 for looped schedules)
+    microbatches: int = 0  # auto: pp * stages_per_rank with a pipeline, else 1
+    ac: str = "none"
+    mp: str = "fp32"
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    # run directory, evaluation and checkpoints
+    run_dir: str = ""  # auto: runs/<date>-<time>
+    eval_every: int = 50  # 0: only before the first and after the last step
+    eval_batches: int = 4
+    ckpt_every: int = 100  # 0: only after the last step
+    keep: int = 2
+    resume: bool = False
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: the ways each global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all (1 without a pipeline)."""
+        return self.pp * self.stages_per_rank
+
+    @property
+    def local_batch(self) -> int:
+        """Sequences each data-parallel rank takes from a global batch."""
+        return self.batch_size // self.dp
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes`` applied (names checked, values type-checked)."""
+        return from_mapping(changes, base=self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """``value`` as the type of field ``name``; ints are accepted for float fields."""
+    expected = type(getattr(TrainConfig(), name))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not expected:
+        raise ConfigError(
+            f"config key {name!r} must be a {expected.__name__}, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return value
+
+
+def from_mapping(values: Mapping[str, Any], base: TrainConfig | None = None) -> TrainConfig:
+    """``base`` (default: the defaults) with ``values`` applied; unknown keys are refused."""
+    changes: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS:
+            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(_FIELDS)}")
+        changes[name] = _coerce(name, value)
+    return dataclasses.replace(base or TrainConfig(), **changes)
+
+
+def load_toml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
+    """The configuration in the flat TOML file ``path``, over ``base``."""
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror})") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"--config {path}: not valid TOML: {err}") from err
+    nested = [key for key, value in values.items() if isinstance(value, dict)]
+    if nested:
+        raise ConfigError(
+            f"--config {path}: tables ({', '.join(nested)}) are not supported; the file is "
+            "flat, one 'key = value' per field, e.g. dp_shard = 2"
+        )
+    return from_mapping(values, base)

@@ -1,0 +1,81 @@
+"""Starting the workers: torch's elastic launcher locally, nothing under torchrun.
+
+* Under torchrun (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` set), this process *is* one
+  worker: it trains and returns. Multi-node runs go this way::
+
+      torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+          --rdzv-endpoint HOST:29500 -m plait train --device cuda ...
+
+* Otherwise ``plait train`` starts ``--nproc`` local workers through
+  ``torch.distributed.launcher.api.elastic_launch`` (what torchrun uses inside, in its
+  ``--standalone`` configuration: a c10d rendezvous on a free local port) and waits for
+  them. One process trains in this process, without launching anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from plait.train.config import ConfigError, TrainConfig
+from plait.train.worker import worker_main
+
+__all__ = ["WorkerFailed", "launch", "under_torchrun"]
+
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process failed; the message holds its error."""
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started as a worker by torchrun (or another launcher)."""
+    return all(name in os.environ for name in _TORCHRUN_VARIABLES)
+
+
+def launch(cfg: TrainConfig) -> None:
+    """Run training with ``cfg`` (resolved) as the module docstring describes."""
+    if under_torchrun() or cfg.nproc == 1:
+        worker_main(cfg)
+        return
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    # The agent logs its progress, and every failed worker's traceback: too much to read.
+    # WorkerFailed carries the first failure's traceback, which is what one needs.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, worker_main)(cfg)
+    except ChildFailedError as err:
+        raise WorkerFailed(_first_failure(err)) from None
+    except SignalException as err:  # Ctrl-C or a kill: the agent has stopped the workers
+        raise KeyboardInterrupt(str(err)) from None
+
+
+def _first_failure(err: ChildFailedError) -> str:
+    """The first failure's error and, unless it is a configuration error, its traceback."""
+    rank, failure = err.get_first_failure()
+    message: Any = failure.message
+    stack = ""
+    if isinstance(message, dict):  # the error file's {"message": ..., "extraInfo": {...}}
+        stack = message.get("extraInfo", {}).get("py_callstack", "")
+        message = message.get("message", "")
+    if str(message).startswith(ConfigError.__name__):
+        stack = ""
+    head = f"worker {rank} failed (exit code {failure.exitcode}): {message}"
+    return f"{head}\n{stack}" if stack else head

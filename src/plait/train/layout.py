@@ -1,0 +1,201 @@
+"""How a run's processes are arranged: fill in the auto fields, refuse what cannot run.
+
+:func:`resolve` runs before any worker starts (and again in each worker under torchrun,
+before it joins the process group), so an impossible configuration costs nothing but a
+message. Every message names the flag at fault and how to fix it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.pipeline import schedule_spec
+from plait.train.config import AC_MODES, DEVICES, PRECISIONS, ConfigError, TrainConfig
+
+__all__ = ["default_device", "default_nproc", "resolve"]
+
+_CPU_WORKERS = 4
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_nproc(device: str) -> int:
+    """Workers on this machine when ``--nproc`` is not given: 4 on CPU, one per GPU."""
+    return max(1, torch.cuda.device_count()) if device == "cuda" else _CPU_WORKERS
+
+
+def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
+    """``cfg`` with every auto field filled in, or :class:`ConfigError` saying what to change.
+
+    ``world_size`` is the number of processes that will run (under torchrun, its
+    ``WORLD_SIZE``); by default ``cfg.nproc`` (itself auto: see :func:`default_nproc`).
+    """
+    _check_choices(cfg)
+    _check_positive(cfg)
+    device = cfg.device or default_device()
+    _check_device(device)
+    nproc = cfg.nproc or default_nproc(device)
+    if world_size is None:
+        _check_local_gpus(device, nproc)
+    world = world_size if world_size is not None else nproc
+    if cfg.nproc and world != cfg.nproc:
+        raise ConfigError(
+            f"--nproc {cfg.nproc} but {world} processes were started (torchrun's WORLD_SIZE): "
+            "drop --nproc under torchrun, the launcher decides"
+        )
+    cfg = cfg.replace(device=device, nproc=world, dp_shard=_dp_shard(cfg, world))
+    cfg = cfg.replace(stages_per_rank=_stages_per_rank(cfg))
+    _check_stages(cfg)
+    cfg = cfg.replace(microbatches=cfg.microbatches or (cfg.n_stages if cfg.pp > 1 else 1))
+    _check_batch(cfg)
+    _check_features(cfg)
+    return cfg
+
+
+def _check_choices(cfg: TrainConfig) -> None:
+    for flag, value, choices in (
+        ("--ac", cfg.ac, AC_MODES),
+        ("--mp", cfg.mp, PRECISIONS),
+        ("--device", cfg.device, ("", *DEVICES)),
+    ):
+        if value not in choices:
+            allowed = ", ".join(c for c in choices if c)
+            raise ConfigError(f"{flag} {value}: unknown; choose one of {allowed}")
+    try:
+        schedule_spec(cfg.schedule)
+    except ValueError as err:
+        raise ConfigError(f"--schedule {cfg.schedule}: {err}") from err
+
+
+def _check_positive(cfg: TrainConfig) -> None:
+    at_least_one = (
+        ("--steps", cfg.steps),
+        ("--batch-size", cfg.batch_size),
+        ("--seq-len", cfg.seq_len),
+        ("--n-layer", cfg.n_layer),
+        ("--n-head", cfg.n_head),
+        ("--d-model", cfg.d_model),
+        ("--dp-replicate", cfg.dp_replicate),
+        ("--pp", cfg.pp),
+        ("--keep", cfg.keep),
+        ("--eval-batches", cfg.eval_batches),
+    )
+    at_least_zero = (
+        ("--nproc", cfg.nproc),
+        ("--dp-shard", cfg.dp_shard),
+        ("--stages-per-rank", cfg.stages_per_rank),
+        ("--microbatches", cfg.microbatches),
+        ("--warmup", cfg.warmup),
+        ("--ckpt-every", cfg.ckpt_every),
+        ("--eval-every", cfg.eval_every),
+    )
+    for flag, value in at_least_one:
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be at least 1")
+    for flag, value in at_least_zero:
+        if value < 0:
+            raise ConfigError(f"{flag} {value}: must be 0 (auto) or more")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr {cfg.lr}: must be positive")
+    if cfg.d_model % cfg.n_head:
+        raise ConfigError(
+            f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}: "
+            "pick a d_model that is a multiple of n_head"
+        )
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible here; use --device cpu")
+
+
+def _check_local_gpus(device: str, nproc: int) -> None:
+    gpus = torch.cuda.device_count() if device == "cuda" else nproc
+    if nproc > gpus:
+        raise ConfigError(
+            f"--nproc {nproc} CUDA workers but this machine has {gpus} GPU(s): use --nproc "
+            f"{gpus} or fewer (or torchrun across several machines)"
+        )
+
+
+def _dp_shard(cfg: TrainConfig, world: int) -> int:
+    others = cfg.pp * cfg.dp_replicate
+    if cfg.dp_shard == 0:  # auto: whatever the other dimensions leave
+        if world % others:
+            raise ConfigError(
+                f"--pp {cfg.pp} x --dp-replicate {cfg.dp_replicate} = {others} does not divide "
+                f"the {world} processes (--nproc {world}): make --nproc a multiple of {others}"
+            )
+        return world // others
+    if others * cfg.dp_shard != world:
+        raise ConfigError(
+            f"--dp-replicate {cfg.dp_replicate} x --dp-shard {cfg.dp_shard} x --pp {cfg.pp} = "
+            f"{others * cfg.dp_shard} processes, but {world} will run (--nproc {world}): make "
+            "the product equal the number of processes (or leave --dp-shard out: auto)"
+        )
+    return cfg.dp_shard
+
+
+def _stages_per_rank(cfg: TrainConfig) -> int:
+    if cfg.pp == 1:
+        if cfg.stages_per_rank > 1:
+            raise ConfigError(
+                f"--stages-per-rank {cfg.stages_per_rank} needs a pipeline: add --pp 2 or more"
+            )
+        return 1
+    spec = schedule_spec(cfg.schedule)
+    fixed = spec.stages_per_rank
+    if fixed is not None:
+        if cfg.stages_per_rank not in (0, fixed):
+            multi = "Interleaved1F1B, LoopedBFS or InterleavedZeroBubble"
+            raise ConfigError(
+                f"--schedule {spec.name} runs exactly {fixed} stage(s) per rank, but "
+                f"--stages-per-rank is {cfg.stages_per_rank}: drop --stages-per-rank, or use a "
+                f"schedule for several stages per rank ({multi})"
+            )
+        return fixed
+    if cfg.stages_per_rank == 1:
+        raise ConfigError(
+            f"--schedule {spec.name} interleaves several stages per rank, but "
+            "--stages-per-rank is 1: use --stages-per-rank 2 (or more), or --schedule 1F1B / "
+            "GPipe for one stage per rank"
+        )
+    return cfg.stages_per_rank or 2
+
+
+def _check_stages(cfg: TrainConfig) -> None:
+    if cfg.n_stages > cfg.n_layer:
+        raise ConfigError(
+            f"--pp {cfg.pp} x {cfg.stages_per_rank} stage(s) per rank = {cfg.n_stages} pipeline "
+            f"stages, but the model has only --n-layer {cfg.n_layer} blocks (a stage needs at "
+            f"least one): use --n-layer {cfg.n_stages} or more, or fewer stages"
+        )
+
+
+def _check_batch(cfg: TrainConfig) -> None:
+    if cfg.batch_size % cfg.dp:
+        fix = cfg.dp * max(1, round(cfg.batch_size / cfg.dp))
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} does not split evenly over {cfg.dp} data-parallel "
+            f"ranks (--dp-replicate {cfg.dp_replicate} x --dp-shard {cfg.dp_shard}): use a "
+            f"multiple of {cfg.dp}, e.g. --batch-size {fix}"
+        )
+    if cfg.local_batch % cfg.microbatches:
+        per_rank = f"{cfg.local_batch} sequences per data-parallel rank"
+        raise ConfigError(
+            f"--microbatches {cfg.microbatches} does not divide the {per_rank} "
+            f"(--batch-size {cfg.batch_size} / {cfg.dp}): use a --microbatches that divides "
+            f"{cfg.local_batch}, or a --batch-size that is a multiple of "
+            f"{cfg.dp * cfg.microbatches}"
+        )
+
+
+def _check_features(cfg: TrainConfig) -> None:
+    if cfg.cpu_offload and cfg.dp_shard == 1:
+        raise ConfigError(
+            "--cpu-offload keeps fully_shard's parameter shards in host memory, but "
+            "--dp-shard is 1 (nothing is sharded): use --dp-shard 2 or more, or drop "
+            "--cpu-offload"
+        )

@@ -1,0 +1,73 @@
+"""Per-step metrics: the run directory's ``metrics.jsonl``, and peak memory per rank.
+
+One JSON object per line, in step order. Training steps carry ``loss`` (global batch),
+``lr``, ``grad_norm``, ``step_time`` (seconds, evaluation and checkpoints excluded),
+``tokens_per_s`` and ``tokens`` (seen so far); validation records carry ``val_loss``. Both
+carry ``step``: the number of optimizer steps completed, so validation at step 0 is the
+untrained model. A resumed run first drops the records after its checkpoint's step, so the
+file always describes one consistent run.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MetricsLog", "gather_peak_memory", "peak_memory_bytes", "read_metrics"]
+
+FILENAME = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of the run's metrics file (empty if there is none yet)."""
+    path = Path(run_dir) / FILENAME
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsLog:
+    """Appends records to ``<run_dir>/metrics.jsonl``; used by rank 0 only."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int | None) -> None:
+        self.path = Path(run_dir) / FILENAME
+        kept = [] if resume_step is None else read_metrics(run_dir)
+        kept = [r for r in kept if r["step"] <= (resume_step or 0)]
+        with open(self.path, "w") as f:  # rewritten: a resumed run's later records go
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        self.records: list[dict[str, Any]] = kept
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def write(self, **record: Any) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def peak_memory_bytes(device: str) -> int:
+    """This process's peak memory: allocated CUDA memory on GPU, else resident set size."""
+    if device == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def gather_peak_memory(device: str) -> list[int]:
+    """Every rank's :func:`peak_memory_bytes`, indexed by rank (collective)."""
+    mine = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [int(mine.item())]
+    if device == "cuda":
+        mine = mine.cuda()
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t.item()) for t in every]

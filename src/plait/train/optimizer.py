@@ -1,0 +1,61 @@
+"""AdamW, its learning-rate schedule, and gradient clipping across every parallel layout.
+
+The learning rate is a pure function of the step (linear warm-up, then cosine decay), set
+on the optimizer before every step, so a resumed run needs no scheduler state.
+
+Clipping needs the norm of the *whole* gradient, which no rank holds: plait's
+``clip_grad_norm_`` adds up the squares of the ``fully_shard`` shards over the sharding
+dimension, counts replicated gradients once, and sums over the pipeline group, whose
+ranks hold different stages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.fsdp.clip import clip_grad_norm_
+from plait.train.config import TrainConfig
+
+__all__ = ["build_optimizer", "clip_grad_norm", "lr_at"]
+
+
+def build_optimizer(modules: Sequence[nn.Module], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over ``modules``' parameters; weight decay on matrices only (not on gains,
+    biases: decaying a LayerNorm gain towards zero only hurts)."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of (0-based) ``step``: warm-up to ``cfg.lr``, cosine down to
+    ``cfg.lr * cfg.min_lr_ratio`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    decay_steps = max(1, cfg.steps - cfg.warmup - 1)
+    progress = min(1.0, (step - cfg.warmup) / decay_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm(
+    params: list[nn.Parameter], cfg: TrainConfig, pipeline: dist.ProcessGroup | None
+) -> float:
+    """Scale gradients so that their global norm is at most ``cfg.grad_clip`` (0: never);
+    returns the global norm before clipping. ``pipeline``: the pipeline group, whose ranks
+    hold different stages (None without a pipeline)."""
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    return float(clip_grad_norm_(params, max_norm, group=pipeline).item())

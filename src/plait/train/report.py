@@ -1,0 +1,89 @@
+"""What a run leaves for a person to read: the summary table and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from plait.train.config import TrainConfig
+
+__all__ = ["plot_loss_curve", "summary_table"]
+
+LOSS_CURVE = "loss.png"
+
+
+def _layout(cfg: TrainConfig) -> str:
+    parts = [f"{name}={size}" for name, size in _dims(cfg) if size > 1]
+    return " x ".join(parts) if parts else "single process"
+
+
+def _dims(cfg: TrainConfig) -> list[tuple[str, int]]:
+    return [("pp", cfg.pp), ("dp_replicate", cfg.dp_replicate), ("dp_shard", cfg.dp_shard)]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def summary_table(
+    cfg: TrainConfig,
+    records: list[dict[str, Any]],
+    session_steps: list[dict[str, Any]],
+    peak_memory: list[int],
+    run_dir: str | Path,
+) -> str:
+    """The end-of-run table. ``records``: the whole run's metrics (a resumed run's too);
+    ``session_steps``: the training records of this session, timed here."""
+    times = [r["step_time"] for r in session_steps]
+    steady = times[1:] or times  # the first step also pays for warm-up (allocations, plans)
+    tokens = cfg.batch_size * cfg.seq_len * len(steady)
+    val = [r for r in records if "val_loss" in r]
+    memory_kind = "peak allocated" if cfg.device == "cuda" else "peak RSS"
+    rows = [
+        ("steps", f"{records[-1]['step'] if records else 0} of {cfg.steps}"),
+        ("layout", f"{cfg.nproc} x {cfg.device} ({_layout(cfg)})"),
+        ("tokens/s", f"{tokens / sum(steady):,.0f}" if times else "-"),
+        ("median step time", f"{statistics.median(times) * 1000:,.1f} ms" if times else "-"),
+    ]
+    if val:
+        first, last = val[0], val[-1]
+        rows.append(
+            (
+                "validation loss",
+                f"{first['val_loss']:.4f} (step {first['step']}) -> "
+                f"{last['val_loss']:.4f} (step {last['step']})",
+            )
+        )
+    rows += [(f"{memory_kind}, rank {r}", _mib(b)) for r, b in enumerate(peak_memory)]
+    rows.append(("run directory", str(run_dir)))
+    width = max(len(name) for name, _ in rows)
+    rule = "-" * (width + 2 + max(len(value) for _, value in rows))
+    lines = [rule] + [f"{name:<{width}}  {value}" for name, value in rows] + [rule]
+    return "\n".join(lines)
+
+
+def plot_loss_curve(records: list[dict[str, Any]], run_dir: str | Path) -> str:
+    """Draw training and validation loss against step into ``<run_dir>/loss.png``;
+    returns a line saying where it went, or why it was not drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        from matplotlib import pyplot as plt
+    except ImportError:
+        return "loss curve not drawn: matplotlib is not installed (pip install 'plait[train]')"
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train")
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path = Path(run_dir) / LOSS_CURVE
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"loss curve: {path}"

@@ -1,0 +1,374 @@
+"""``plait train``: every composition trains like one process; resume is exact; bad
+configurations are refused before any worker starts.
+
+Runs use a tiny model for a few steps. Multi-process runs call the training loop inside the
+harness's gloo workers (the launcher itself is covered by one end-to-end test).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.train import checkpointing
+from plait.train.checkpointing import latest_checkpoint, list_checkpoints
+from plait.train.cli import build_config, main
+from plait.train.config import ConfigError, TrainConfig, load_toml
+from plait.train.layout import resolve
+from plait.train.loop import TrainResult, train
+from plait.train.metrics import read_metrics
+
+from harness import run_on_ranks
+
+TINY = TrainConfig(
+    seq_len=32,
+    n_layer=4,
+    n_head=2,
+    d_model=32,
+    steps=3,
+    batch_size=8,
+    warmup=1,
+    eval_every=0,
+    eval_batches=1,
+    ckpt_every=0,
+    device="cpu",
+)
+
+
+def _run(cfg: TrainConfig, world: int, run_dir: Path) -> TrainResult:
+    """Resolve ``cfg`` for ``world`` processes and train it in this process."""
+    return train(resolve(cfg.replace(run_dir=str(run_dir)), world))
+
+
+def _train_on_rank(cfg: TrainConfig, run_dir: str) -> TrainResult:
+    import torch.distributed as dist
+
+    return _run(cfg, dist.get_world_size(), Path(run_dir))
+
+
+@functools.cache
+def _reference(n_layer: int, tmp: str) -> TrainResult:
+    """The single-process run of TINY with ``n_layer`` blocks (cached)."""
+    return _run(TINY.replace(n_layer=n_layer), 1, Path(tmp) / f"reference-{n_layer}")
+
+
+@pytest.fixture(scope="module")
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("train"))
+
+
+def _assert_close(actual: list[float], expected: list[float], tol: float) -> None:
+    assert len(actual) == len(expected)
+    for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
+        assert math.isclose(a, e, rel_tol=tol, abs_tol=tol), (step, a, e, actual, expected)
+
+
+# ----------------------------------------------------------------------------------------
+# Every composition trains like one process
+# ----------------------------------------------------------------------------------------
+
+COMPOSITIONS: dict[str, dict[str, Any]] = {
+    "dp_shard4": {"dp_shard": 4},
+    "dp_replicate4": {"dp_replicate": 4},
+    "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2},
+    "pp2_dp_shard2_1f1b": {"pp": 2, "dp_shard": 2, "schedule": "1F1B"},
+    "pp4_interleaved_1f1b": {"pp": 4, "schedule": "Interleaved1F1B", "n_layer": 8},
+    "dp_shard4_ac_full": {"dp_shard": 4, "ac": "full"},
+    "dp_shard4_offload_keep_gathered": {
+        "dp_shard": 4,
+        "cpu_offload": True,
+        "reshard_after_forward": False,
+    },
+    "pp2_dp_replicate2_zbv": {"pp": 2, "dp_replicate": 2, "schedule": "ZBVZeroBubble"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITIONS))
+def test_composition_matches_single_process(name: str, shared_tmp: str, tmp_path: Path) -> None:
+    cfg = TINY.replace(**COMPOSITIONS[name])
+    expected = _reference(cfg.n_layer, shared_tmp)
+    results = run_on_ranks(4, _train_on_rank, cfg, str(tmp_path))
+    for result in results:  # every rank agrees on the global loss
+        _assert_close(result.losses, expected.losses, 1e-5)
+        assert result.val_losses.keys() == expected.val_losses.keys()
+        _assert_close(list(result.val_losses.values()), list(expected.val_losses.values()), 1e-5)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective", "offload"])
+def test_activation_checkpointing_single_process(ac: str, shared_tmp: str, tmp_path: Path) -> None:
+    expected = _reference(TINY.n_layer, shared_tmp)
+    result = _run(TINY.replace(ac=ac), 1, tmp_path)
+    _assert_close(result.losses, expected.losses, 1e-6)
+
+
+def test_bf16_trains_close_to_fp32(shared_tmp: str, tmp_path: Path) -> None:
+    cfg = TINY.replace(dp_shard=4, mp="bf16")
+    expected = _reference(TINY.n_layer, shared_tmp)
+    results = run_on_ranks(4, _train_on_rank, cfg, str(tmp_path))
+    for result in results:
+        assert all(math.isfinite(loss) for loss in result.losses)
+        _assert_close(result.losses, expected.losses, 2e-2)
+
+
+def test_bf16_single_process_uses_autocast(shared_tmp: str, tmp_path: Path) -> None:
+    expected = _reference(TINY.n_layer, shared_tmp)
+    result = _run(TINY.replace(mp="bf16"), 1, tmp_path)
+    _assert_close(result.losses, expected.losses, 2e-2)
+
+
+def test_training_lowers_the_loss(tmp_path: Path) -> None:
+    cfg = TINY.replace(steps=30, lr=1e-2, warmup=3, eval_every=30)
+    result = _run(cfg, 1, tmp_path)
+    assert result.val_losses[30] < result.val_losses[0] - 1.0, result.val_losses
+
+
+# ----------------------------------------------------------------------------------------
+# The run directory
+# ----------------------------------------------------------------------------------------
+
+
+def test_run_directory_contents(shared_tmp: str) -> None:
+    run_dir = Path(shared_tmp) / "reference-4"
+    _reference(TINY.n_layer, shared_tmp)
+    assert (run_dir / "config.json").is_file()
+    assert (run_dir / "loss.png").stat().st_size > 0
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
+    saved = build_config({"run_dir": str(run_dir), "resume": True})
+    assert saved == resolve(TINY.replace(run_dir=str(run_dir), nproc=1, resume=True), 1)
+
+
+def test_keeps_the_last_checkpoints(tmp_path: Path) -> None:
+    _run(TINY.replace(steps=5, ckpt_every=1, keep=2), 1, tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000004", "step_000005"]
+
+
+# ----------------------------------------------------------------------------------------
+# Resume
+# ----------------------------------------------------------------------------------------
+
+
+def _stopped_copy(run_dir: Path, stop: int, dest: Path) -> Path:
+    """``run_dir`` as it was right after step ``stop``'s checkpoint (later ones removed)."""
+    shutil.copytree(run_dir, dest)
+    for path in list_checkpoints(dest):
+        if int(path.name.split("_")[1]) > stop:
+            shutil.rmtree(path)
+    return dest
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    cfg = TINY.replace(steps=6, ckpt_every=3, keep=5, eval_every=3)
+    full = _run(cfg, 1, tmp_path / "full")
+    resumed_dir = _stopped_copy(tmp_path / "full", 3, tmp_path / "resumed")
+    resumed = _run(cfg.replace(resume=True), 1, resumed_dir)
+    assert resumed.start_step == 3
+    assert resumed.losses == full.losses[3:]  # bitwise: same weights, moments, data, RNG
+    assert resumed.val_losses == {6: full.val_losses[6]}
+    records = read_metrics(resumed_dir)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def _resume_sharded(cfg: TrainConfig, run_dir: str) -> list[float]:
+    return _train_on_rank(cfg.replace(resume=True), run_dir).losses
+
+
+def test_resume_sharded_run_and_reshard_to_one_process(tmp_path: Path) -> None:
+    cfg = TINY.replace(steps=4, ckpt_every=2, keep=5, dp_shard=4)
+    full = run_on_ranks(4, _train_on_rank, cfg, str(tmp_path / "full"))[0]
+    resumed_dir = _stopped_copy(tmp_path / "full", 2, tmp_path / "resumed")
+    resumed = run_on_ranks(4, _resume_sharded, cfg, str(resumed_dir))
+    for losses in resumed:
+        _assert_close(losses, full.losses[2:], 1e-6)
+    # The same checkpoint continued by one process: DCP gathers the shards.
+    one_dir = _stopped_copy(tmp_path / "full", 2, tmp_path / "one")
+    one = _run(cfg.replace(resume=True, dp_shard=0, nproc=0), 1, one_dir)
+    _assert_close(one.losses, full.losses[2:], 1e-5)
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    cfg = TINY.replace(steps=4, ckpt_every=2, keep=5)
+    real_save = checkpointing.dcp_save
+    calls = []
+
+    def dying_save(state: Any, checkpoint_id: str) -> None:
+        calls.append(checkpoint_id)
+        if len(calls) == 2:  # the second save dies after writing its files
+            real_save(state, checkpoint_id=checkpoint_id)
+            raise _Killed
+
+        real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpointing, "dcp_save", dying_save)
+    with pytest.raises(_Killed):
+        _run(cfg, 1, tmp_path)
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_000002"
+    assert (tmp_path / "checkpoints" / ".tmp-step_000004").is_dir()
+    monkeypatch.setattr(checkpointing, "dcp_save", real_save)
+    resumed = _run(cfg.replace(resume=True), 1, tmp_path)
+    uninterrupted = _run(cfg, 1, tmp_path / "uninterrupted")
+    assert resumed.losses == uninterrupted.losses[2:]
+    assert not (tmp_path / "checkpoints" / ".tmp-step_000004").exists()
+
+
+def test_loading_refuses_pickled_objects(tmp_path: Path) -> None:
+    _run(TINY.replace(steps=1), 1, tmp_path)
+    path = latest_checkpoint(tmp_path)
+    assert path is not None
+    import os
+    import pickle
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("echo pwned",))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(Exception, match=r"posix\.system|refusing"):
+        _run(TINY.replace(steps=2, resume=True), 1, tmp_path)
+
+
+# ----------------------------------------------------------------------------------------
+# Configuration: TOML, flags, and the refusals
+# ----------------------------------------------------------------------------------------
+
+
+def test_flags_override_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text('steps = 7\nlr = 1\nschedule = "GPipe"\ndp-shard = 2\n')
+    cfg = build_config({"config": str(toml), "steps": 9})
+    assert (cfg.steps, cfg.lr, cfg.schedule, cfg.dp_shard) == (9, 1.0, "GPipe", 2)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stepz = 3\n", "unknown config key 'stepz'"),
+        ('steps = "3"\n', "must be a int"),
+        ("[model]\nn_layer = 2\n", "tables"),
+        ("steps = \n", "not valid TOML"),
+    ],
+)
+def test_bad_toml_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    toml = tmp_path / "bad.toml"
+    toml.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_toml(toml)
+
+
+REFUSED = [
+    (["--nproc", "4", "--dp-shard", "3"], "= 3 processes, but 4 will run"),
+    (["--nproc", "4", "--pp", "3"], "does not divide the 4 processes"),
+    (["--nproc", "4", "--dp-replicate", "2", "--dp-shard", "4"], "--dp-shard 4 x --pp 1 = 8"),
+    (
+        ["--nproc", "4", "--pp", "4", "--schedule", "Interleaved1F1B", "--n-layer", "4"],
+        "8 pipeline stages, but the model has only --n-layer 4",
+    ),
+    (["--nproc", "4", "--batch-size", "6"], "--batch-size 6 does not split evenly over 4"),
+    (
+        ["--nproc", "2", "--pp", "2", "--batch-size", "8", "--microbatches", "3"],
+        "--microbatches 3 does not divide the 8 sequences",
+    ),
+    (["--nproc", "2", "--pp", "2", "--schedule", "Zigzag"], "--schedule Zigzag: Unknown schedule"),
+    (
+        ["--nproc", "2", "--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "1"],
+        "interleaves several stages per rank, but --stages-per-rank is 1",
+    ),
+    (
+        ["--nproc", "2", "--pp", "2", "--schedule", "1F1B", "--stages-per-rank", "2"],
+        "runs exactly 1 stage(s) per rank",
+    ),
+    (["--nproc", "2", "--stages-per-rank", "2"], "needs a pipeline"),
+    (["--nproc", "2", "--dp-replicate", "2", "--cpu-offload"], "--cpu-offload"),
+    (["--d-model", "30", "--n-head", "4"], "--d-model 30 is not divisible by --n-head 4"),
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--resume"], "--resume needs --run-dir"),
+    (["--data", "/no/such/dir"], "--data /no/such/dir: no such file or directory"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_impossible_configuration_is_refused_before_launch(
+    argv: list[str], message: str, monkeypatch, capsys
+) -> None:
+    def no_launch(cfg: TrainConfig) -> None:
+        raise AssertionError("a worker was started for an impossible configuration")
+
+    monkeypatch.setattr("plait.train.cli.launch", no_launch)
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_cuda_refused_without_gpu(monkeypatch, capsys) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("plait.train.cli.launch", lambda cfg: None)
+    assert main(["train", "--device", "cuda"]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_more_cuda_workers_than_gpus_refused(monkeypatch, capsys) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    monkeypatch.setattr("plait.train.cli.launch", lambda cfg: None)
+    assert main(["train", "--device", "cuda", "--nproc", "2"]) == 2
+    assert "--nproc 2 CUDA workers but this machine has 1 GPU(s)" in capsys.readouterr().err
+
+
+def test_run_directory_is_not_overwritten(shared_tmp: str, monkeypatch, capsys) -> None:
+    _reference(TINY.n_layer, shared_tmp)
+    monkeypatch.setattr("plait.train.cli.launch", lambda cfg: None)
+    assert main(["train", "--run-dir", str(Path(shared_tmp) / "reference-4")]) == 2
+    assert "add --resume" in capsys.readouterr().err
+    empty = Path(shared_tmp) / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    assert main(["train", "--run-dir", str(empty), "--resume"]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------
+# The command itself: the elastic launcher, the progress output, sampling
+# ----------------------------------------------------------------------------------------
+
+
+def test_command_end_to_end(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    toml = tmp_path / "tiny.toml"
+    toml.write_text("seq_len = 32\nn_layer = 2\nn_head = 2\nd_model = 32\nbatch_size = 4\n")
+    command = [sys.executable, "-m", "plait", "train", "--config", str(toml), "--nproc", "2"]
+    command += ["--steps", "2", "--run-dir", str(run_dir), "--device", "cpu"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "step 2/2 loss" in done.stderr  # the non-tty progress lines
+    assert "median step time" in done.stdout and "peak RSS, rank 1" in done.stdout
+    assert (run_dir / "loss.png").is_file()
+    assert latest_checkpoint(run_dir) == run_dir / "checkpoints" / "step_000002"
+    sample = [sys.executable, "-m", "plait", "sample", "--run-dir", str(run_dir)]
+    sampled = subprocess.run(
+        [*sample, "--prompt", "import ", "--tokens", "20"], capture_output=True, timeout=120
+    )
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith(b"import ") and len(sampled.stdout) >= 20
+
+
+def test_worker_failure_is_reported(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("too short")
+    command = [sys.executable, "-m", "plait", "train", "--data", str(empty), "--nproc", "2"]
+    command += ["--run-dir", str(tmp_path / "run"), "--device", "cpu"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1
+    assert "worker 0 failed" in done.stderr or "worker 1 failed" in done.stderr
+    assert "give more text" in done.stderr
