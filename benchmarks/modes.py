@@ -137,7 +137,8 @@ def _sharded(
 ) -> Step:
     """``hsdp``: a (2, world / 2) mesh, replicated over pairs of shard groups."""
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
+    names = ("dp_replicate", "dp_shard")
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names) if hsdp else None
     return training_step(_shard_blocks(_model(cfg), which, reshard, mesh, param_dtype), cfg)
 
 
