@@ -1,7 +1,9 @@
-"""Pipelines that run: microbatching, the split backward, stages, schedules, composition.
+"""Pipelines that run: the split backward, stages, schedules, composition (microbatching is
+in test_pipeline_microbatch.py, divergence between pipeline ranks in test_spmd.py).
 
 The oracle is the whole model on the whole batch in one process: every schedule must give
-the same per-step loss and the same gradients, to float32 rounding.
+the same per-step loss and the same gradients, to float32 rounding. With bf16 stages the
+one-process reference does fully_shard's casts by hand.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from plait import checkpoint, fully_shard, replicate
+from plait.fsdp import MixedPrecisionPolicy
 from plait.pipeline import (
     SCHEDULES,
     PipelineStage,
@@ -29,10 +32,7 @@ from plait.pipeline import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
-    TensorChunkSpec,
-    merge_chunks,
     schedule_spec,
-    split_args_kwargs_into_chunks,
     split_model,
     stage_layers,
     stage_to_rank,
@@ -42,7 +42,14 @@ from plait.train.model import GPT, GPTConfig, lm_loss
 
 from collective_spy import spy_collectives
 from harness import run_on_ranks
-from parity import check_parity, default_step, full_value, random_batches
+from parity import (
+    check_parity,
+    default_optimizer,
+    default_step,
+    full_value,
+    local_slice,
+    random_batches,
+)
 
 CLASSES: dict[str, Any] = {
     "GPipe": ScheduleGPipe,
@@ -62,60 +69,6 @@ def layer_stack(n: int = 8, dim: int = 6) -> nn.Sequential:
 
 def tiny_gpt(n_layer: int = 4) -> GPT:
     return GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=n_layer, n_head=2, d_model=16))
-
-
-# --- microbatches (one process) ------------------------------------------------------------
-
-
-def test_split_even_uneven_kwargs_and_replicated_values() -> None:
-    x = torch.arange(14.0).view(7, 2)
-    mask = torch.arange(7)
-    args, kwargs = split_args_kwargs_into_chunks((x, "tag"), {"mask": mask, "n": 3}, 3)
-    assert [a[0].shape[0] for a in args] == [3, 2, 2]  # tensor_split: larger first
-    assert all(a[1] == "tag" for a in args) and all(k["n"] == 3 for k in kwargs)
-    assert torch.equal(torch.cat([k["mask"] for k in kwargs]), mask)
-    assert torch.equal(merge_chunks([a[0] for a in args]), x)
-
-
-def test_split_by_spec_nested_and_none() -> None:
-    x, pair = torch.randn(3, 8), [torch.randn(8), torch.randn(2, 8)]
-    args, _ = split_args_kwargs_into_chunks(
-        (x, pair, x), None, 4, args_chunk_spec=(TensorChunkSpec(1), TensorChunkSpec(-1), None)
-    )
-    assert [a[0].shape for a in args] == [torch.Size([3, 2])] * 4
-    assert args[1][1][1].shape == (2, 2) and args[3][2] is x
-    spec = TensorChunkSpec.from_tuple((1,))[0]
-    assert torch.equal(merge_chunks([a[0] for a in args], spec), x)
-    assert TensorChunkSpec.from_dict({"m": 0}) == {"m": TensorChunkSpec(0)}
-
-
-def test_merge_structures_and_non_tensors() -> None:
-    outs = [{"y": torch.ones(2, 1) * i, "k": "same"} for i in range(3)]
-    merged = merge_chunks(outs)
-    assert merged["k"] == "same" and merged["y"].shape == (6, 1)
-    with pytest.raises(ValueError, match="microbatch 1"):
-        merge_chunks([{"k": 1}, {"k": 2}])
-
-
-@pytest.mark.parametrize(
-    ("call", "match"),
-    [
-        (lambda: split_args_kwargs_into_chunks((torch.ones(3, 2),), None, 4), "argument 0 has 3"),
-        (
-            lambda: split_args_kwargs_into_chunks((), {"ids": torch.ones(2)}, 3),
-            "keyword argument 'ids' has 2",
-        ),
-        (
-            lambda: split_args_kwargs_into_chunks((torch.ones(4), torch.ones(6)), None, 2),
-            "positional argument 1 has batch size 6",
-        ),
-        (lambda: split_args_kwargs_into_chunks((torch.ones(4),), None, 0), "chunks"),
-        (lambda: split_args_kwargs_into_chunks((torch.ones(()),), None, 1), "0-dim"),
-    ],
-)
-def test_split_errors_name_the_argument(call: Callable[[], object], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        call()
 
 
 # --- the split backward (one process) ------------------------------------------------------
@@ -416,23 +369,16 @@ class _Stages(nn.Module):
             yield from m.named_parameters(*args, **kwargs)
 
 
-def _shard(module: nn.Module, mesh: Any) -> nn.Module:
+def _shard(module: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
     for child in module.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+            fully_shard(child, mesh=mesh, **kwargs)
+    fully_shard(module, mesh=mesh, **kwargs)
     return module
 
 
 def _dp_pp_mesh() -> DeviceMesh:
-    """A fresh 2 x 2 ("dp", "pp") mesh.
-
-    DTensor caches sharding decisions by spec, and specs of equal meshes compare equal, so
-    without clearing, a DTensor op in this body could return a spec holding the mesh of an
-    earlier body, whose groups the harness has destroyed.
-    """
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
+    """A fresh 2 x 2 ("dp", "pp") mesh (the harness clears DTensor's caches between bodies)."""
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
 
 
@@ -555,3 +501,94 @@ def test_fully_shard_follows_the_schedule_fsdp_actions() -> None:
         assert names.count(names[first]) == 1 and names[last].endswith("RESHARD")
         # One all-gather and one reduce-scatter per unit per step, not per microbatch.
         assert result["gathers"] == result["units"] == result["reduces"]
+
+
+# --- mixed precision: bf16 fully_shard stages ----------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+def _float_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output.float(), target)
+
+
+def _reference_bf16(
+    master: nn.Module, x: torch.Tensor, y: torch.Tensor, microbatches: int, dp: int
+) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+    """What the pipeline over bf16 fully_shard stages computes, by hand, in one process:
+    per dp rank, a bf16 copy of the fp32 master runs each microbatch of its slice, the
+    backward seeded with the microbatch's share of rows; its bf16 gradients are cast to
+    fp32 and summed; each rank's sum is divided by the dp world and the ranks' parts added.
+    Returns the gradients and each dp rank's per-microbatch losses."""
+    grads: dict[str, torch.Tensor] = {}
+    losses = []
+    for rank in range(dp):
+        low = copy.deepcopy(master).to(BF16)
+        xs, ys = local_slice(x, rank, dp), local_slice(y, rank, dp)
+        summed: dict[str, torch.Tensor] = {}
+        rank_losses = []
+        chunks = zip(xs.tensor_split(microbatches), ys.tensor_split(microbatches), strict=True)
+        for xc, yc in chunks:
+            loss = _float_mse(low(xc.to(BF16)), yc)
+            low.zero_grad(set_to_none=True)
+            (loss * (len(xc) / len(xs))).backward()
+            rank_losses.append(loss.detach())
+            for name, p in low.named_parameters():
+                assert p.grad is not None and p.grad.dtype == BF16
+                g = p.grad.float()
+                summed[name] = g if name not in summed else summed[name] + g
+        for name, g in summed.items():
+            part = g / dp
+            grads[name] = part if name not in grads else grads[name] + part
+        losses.append(rank_losses)
+    return grads, losses
+
+
+def _mixed_precision_body(name: str) -> None:
+    """bf16 parameters, fp32 reduction, on a 2 x 2 (dp, pp) mesh, against hand-made casts."""
+    mesh = _dp_pp_mesh()
+    dp_rank = mesh["dp"].get_local_rank()
+    n_stages, m = 2 * (SCHEDULES[name].stages_per_rank or 2), 2
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    master = layer_stack(n_stages)
+    schedule, modules = _build_schedule(
+        name,
+        copy.deepcopy(master),
+        n_stages,
+        m,
+        _float_mse,
+        group=mesh["pp"].get_group(),
+        wrap=lambda mod: _shard(mod, mesh["dp"], mp_policy=policy),
+    )
+    params = [p for mod in modules for p in mod.parameters()]
+    opt, ref_opt = default_optimizer(params), default_optimizer(master.parameters())
+    for step, (x, y) in enumerate(random_batches(3, 8, 6, 6)):
+        want, ref_losses = _reference_bf16(master, x, y, m, dp=2)
+        losses: list[torch.Tensor] = []
+        dp_x, dp_y = local_slice(x, dp_rank, 2), local_slice(y, dp_rank, 2)
+        schedule.step(dp_x, target=dp_y, losses=losses)
+        if losses:  # the last stage's ranks: the same losses, microbatch by microbatch
+            torch.testing.assert_close(losses, ref_losses[dp_rank], atol=0, rtol=0)
+        for mod in modules:
+            for pname, p in mod.named_parameters():
+                assert p.dtype == torch.float32 and p.grad is not None, pname
+                assert p.grad.dtype == torch.float32, pname
+                torch.testing.assert_close(
+                    full_value(p.grad), want[pname], atol=1e-6, rtol=1e-5, msg=f"{step} {pname}"
+                )
+        for pname, p in master.named_parameters():
+            p.grad = want[pname]
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for mod in modules:
+        for pname, p in mod.named_parameters():
+            got, ref = full_value(p.detach()), master.get_parameter(pname).detach()
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4, msg=pname)
+
+
+@pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble"])
+def test_bf16_fully_shard_stages_accumulate_in_the_reduce_dtype(name: str) -> None:
+    """Seed 002: pipeline + fully_shard with a bf16 MixedPrecisionPolicy. Gradients of the
+    microbatches are summed in fp32, also those that ZBV's split backward (W) adds."""
+    run_on_ranks(4, _mixed_precision_body, name)

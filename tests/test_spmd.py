@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from plait import spmd
 from plait.fsdp import fully_shard
+from plait.pipeline import PipelineStage, ScheduleGPipe, split_model
 from plait.replicate import replicate
 
-from harness import RankError, run_on_ranks
+from harness import RankError, RankTimeout, run_on_ranks
 from models import MLP, MLPStack
 from parity import check_parity, random_batches
 
@@ -201,3 +204,115 @@ def test_survivors_name_a_killed_rank(tmp_path: Path, checking: bool) -> None:
     outcome, seconds = json.loads(report.read_text())
     assert outcome.startswith("RankLostError") and "rank(s) [1] did not answer" in outcome
     assert seconds < 4  # the harness gives survivors 5 s after a death to report
+
+
+# --- pipelines --------------------------------------------------------------------------------
+
+
+def _pipeline(
+    microbatches: int,
+    group: dist.ProcessGroup | None = None,
+    wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
+) -> ScheduleGPipe:
+    """This rank's stage of a 2-stage GPipe over ``group`` (default: the world)."""
+    rank = dist.get_rank(group)
+    model = nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(4)))
+    (module,) = split_model(model, 2, stages=[rank])
+    stage = PipelineStage(wrap(module), rank, 2, "cpu", group=group)
+    return ScheduleGPipe(stage, microbatches, nn.functional.mse_loss)
+
+
+def _pipeline_counts_differ(checking: bool) -> tuple[str, float]:
+    """Rank 0 builds ScheduleGPipe(stage, 4), rank 1 ScheduleGPipe(stage, 2)."""
+    if checking:
+        spmd.enable(timeout=DEADLINE)
+    try:
+        schedule = _pipeline(4 if dist.get_rank() == 0 else 2)
+        start = time.monotonic()
+        with pytest.raises(spmd.DivergenceError) as info:
+            schedule.step(torch.randn(8, DIM), target=torch.randn(8, DIM))
+        return str(info.value), time.monotonic() - start
+    finally:
+        spmd.disable()
+
+
+@pytest.mark.parametrize("checking", [True, False])
+def test_pipeline_ranks_with_different_microbatch_counts_fail_fast(checking: bool) -> None:
+    """Checking on or off: the schedule's first-step agreement check names both sides
+    (without it, rank 0 would wait forever for the gradients of microbatches 2 and 3)."""
+    results = run_on_ranks(
+        2, _pipeline_counts_differ, checking, timeout=60, leaves_group_broken=True
+    )
+    for message, seconds in results:
+        assert "pipeline rank 0 (global rank 0) runs GPipe with 4 microbatches" in message
+        assert "pipeline rank 1 (global rank 1) runs GPipe with 2 microbatches" in message
+        assert seconds < DEADLINE
+
+
+def _pipeline_extra_step(checking: bool) -> tuple[str, float]:
+    """Rank 0 runs two steps, rank 1 one; then both end training with a check."""
+    if checking:
+        spmd.enable(timeout=DEADLINE)
+    try:
+        schedule = _pipeline(2)
+        start = time.monotonic()
+        try:
+            for _ in range(2 if dist.get_rank() == 0 else 1):
+                start = time.monotonic()
+                schedule.step(torch.randn(4, DIM), target=torch.randn(4, DIM))
+            spmd.check("end of training")
+        except spmd.DivergenceError as error:
+            return str(error), time.monotonic() - start
+        return "no error", time.monotonic() - start
+    finally:
+        spmd.disable()
+
+
+def test_pipeline_rank_running_an_extra_step_is_named() -> None:
+    """Rank 0's extra step waits for gradients rank 1 never sends: past the deadline both
+    ranks compare and name the step only rank 0 ran, and where each one is."""
+    results = run_on_ranks(2, _pipeline_extra_step, True, timeout=60, leaves_group_broken=True)
+    for message, seconds in results:
+        assert "ranks issued different collectives over ranks [0,1]" in message
+        assert "rank 0 (stuck in recv from rank 1 of gradients of pipeline stage 1" in message
+        assert "pipeline_step over ranks [0,1] for GPipe with 2 microbatches" in message
+        assert "rank 1 (end of training): nothing" in message
+        assert "rank 0's last point-to-point operation: recv of" in message
+        assert seconds < 5 * DEADLINE
+
+
+def test_pipeline_extra_step_without_checking_hangs_until_the_deadline() -> None:
+    """Checking off, the same mistake is a hang, bounded here by the harness deadline
+    (in a job, by the process group's timeout): rank 0 waits for its gradients."""
+    with pytest.raises(RankTimeout) as info:
+        run_on_ranks(2, _pipeline_extra_step, False, timeout=4, leaves_group_broken=True)
+    report = str(info.value)
+    assert "did not finish on rank(s) [0]" in report and "_wait_posted" in report
+
+
+def _checked_pipeline_with_fully_shard() -> int:
+    """Checking on, a correct pipeline of fully_shard stages on a 2 x 2 (dp, pp) mesh."""
+    spmd.enable(timeout=30)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+
+        def shard(module: nn.Module) -> nn.Module:
+            for layer in module.children():
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh["dp"])
+            return fully_shard(module, mesh=mesh["dp"])
+
+        schedule = _pipeline(2, mesh["pp"].get_group(), shard)
+        for _ in range(2):
+            schedule.step(torch.randn(4, DIM), target=torch.randn(4, DIM))
+        spmd.check("end of training")
+        return len(spmd._checker.records) if spmd._checker else -1
+    finally:
+        spmd.disable()
+
+
+def test_checked_pipeline_of_fully_shard_stages_passes() -> None:
+    """Stages issue different collectives (their own parameters, over their own dp groups)
+    and reach their backwards at different times: each group is compared on its own and
+    the per-backward checks wait for the end of the pipeline step, so nothing is flagged."""
+    assert run_on_ranks(4, _checked_pipeline_with_fully_shard) == [0] * 4

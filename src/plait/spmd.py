@@ -4,7 +4,9 @@ When one rank takes a different branch (a module skipped, a different number of
 microbatches), collectives stop matching: they pair up wrongly (silently wrong data) or
 wait forever. With checking on (``PLAIT_CHECK_SPMD=1`` in the environment, or
 :func:`enable`), every collective plait issues is recorded on each rank as (op, group,
-dtype, element count, owning module) and folded into a running fingerprint, and:
+dtype, element count, owning module) and folded into a running fingerprint of its group
+(ranks of one group must agree; ranks of different groups, such as two pipeline stages
+with different parameters, need not), and:
 
 * every wait for a collective has a deadline (``timeout`` seconds);
 * at the end of each backward (the APIs call :func:`check`), at the end of each step
@@ -14,19 +16,30 @@ dtype, element count, owning module) and folded into a running fingerprint, and:
   rank raises :class:`DivergenceError` naming the first collective that differs on each
   side; a rank that never reports (dead, or stuck outside plait) is named as lost.
 
-Off (the default), :func:`record` and :func:`check` return at once and :func:`wait` is a
-plain ``work.wait()``.
+Point-to-point operations (pipeline sends and receives) differ between ranks by nature,
+so :func:`record_p2p` keeps them out of the fingerprints: they are named in reports (the
+last one each rank posted) and their waits have the same deadline. What the ranks of a
+pipeline must agree on is recorded with :func:`agree` instead (the schedule and its
+number of microbatches, once per step). Code whose ranks reach the APIs' per-backward
+checks at different times (a pipeline: the last stage finishes a backward before the
+first can start it) runs them inside :func:`deferred_checks` and checks once afterwards.
+
+Off (the default), :func:`record`, :func:`record_p2p`, :func:`agree` and :func:`check`
+return at once and :func:`wait` is a plain ``work.wait()``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
 import os
+import weakref
 import zlib
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -37,11 +50,15 @@ from torch._C._distributed_c10d import Store
 __all__ = [
     "CollectiveRecord",
     "DivergenceError",
+    "PointToPointRecord",
     "RankLostError",
+    "agree",
     "check",
+    "deferred_checks",
     "enable",
     "enabled",
     "record",
+    "record_p2p",
     "wait",
 ]
 
@@ -65,9 +82,25 @@ class CollectiveRecord:
     module: str  # who issued it, e.g. "fully_shard unit 'blocks.1'"
 
     def describe(self) -> str:
+        if not self.dtype:  # a value the group agrees on (agree()), nothing communicated
+            return f"{self.op} over ranks [{self.group}] for {self.module}"
         return (
             f"{self.op} of {self.numel} x {self.dtype} over ranks [{self.group}] for {self.module}"
         )
+
+
+@dataclass(frozen=True)
+class PointToPointRecord:
+    op: str  # "send" or "recv"
+    peer: int  # global rank
+    dtype: str
+    numel: int
+    owner: str  # e.g. "gradients of pipeline stage 1 microbatch 3"
+
+    def describe(self) -> str:
+        direction = "to" if self.op == "send" else "from"
+        what = f"{self.op} of {self.numel} x {self.dtype}"
+        return f"{what} {direction} rank {self.peer} for {self.owner}"
 
 
 @dataclass
@@ -75,13 +108,17 @@ class _Checker:
     timeout: float
     generation: int  # which enable() call: keys of earlier runs in the same store differ
     records: list[CollectiveRecord]
-    fingerprint: int = 0
+    p2p: list[PointToPointRecord] = field(default_factory=list)
+    fingerprints: dict[str, int] = field(default_factory=dict)  # per group
     round: int = 0
 
 
 _checker: _Checker | None = None
 _generation = 0  # enable() calls so far; every rank makes the same calls
-_group_names: dict[int, str] = {}
+_deferred = 0  # depth of deferred_checks() blocks
+# id(group) -> (weak reference to the group, name): a destroyed group's id may be reused
+_group_names: dict[int, tuple[Callable[[], dist.ProcessGroup | None], str]] = {}
+_P2P_KEPT = 64  # point-to-point records kept per rank between checks (for reports)
 
 
 def enable(timeout: float = 60.0) -> None:
@@ -107,13 +144,15 @@ if os.environ.get("PLAIT_CHECK_SPMD", "0") not in ("", "0"):
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
-    key = id(group)
-    if key not in _group_names:
+    """The group's global ranks, e.g. ``"0,2"``."""
+    cached = _group_names.get(id(group))
+    if cached is None or cached[0]() is not group:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         if ranks is None:
             ranks = list(range(dist.get_world_size()))
-        _group_names[key] = ",".join(map(str, ranks))
-    return _group_names[key]
+        ref = weakref.ref(group) if group is not None else lambda: None
+        cached = _group_names[id(group)] = (ref, ",".join(map(str, ranks)))
+    return cached[1]
 
 
 def record(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, module: str) -> None:
@@ -122,8 +161,53 @@ def record(op: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, modul
     if checker is None:
         return
     entry = CollectiveRecord(op, _group_name(group), str(tensor.dtype), tensor.numel(), module)
+    _add(checker, entry)
+
+
+def agree(op: str, value: int, group: dist.ProcessGroup | None, owner: str) -> None:
+    """Note something every rank of ``group`` must agree on at this point, such as a
+    pipeline step's number of microbatches: compared like a collective, though nothing is
+    communicated. ``owner`` says what it is, for reports."""
+    checker = _checker
+    if checker is None:
+        return
+    _add(checker, CollectiveRecord(op, _group_name(group), "", value, owner))
+
+
+def _add(checker: _Checker, entry: CollectiveRecord) -> None:
     checker.records.append(entry)
-    checker.fingerprint = zlib.crc32(repr(entry).encode(), checker.fingerprint)
+    previous = checker.fingerprints.get(entry.group, 0)
+    checker.fingerprints[entry.group] = zlib.crc32(repr(entry).encode(), previous)
+
+
+def record_p2p(op: str, tensor: torch.Tensor, peer: int, owner: str) -> None:
+    """Note a point-to-point ``op`` ("send" / "recv") with global rank ``peer``.
+
+    Not compared across ranks (their sends and receives differ by nature); the last ones
+    are named in divergence reports.
+    """
+    checker = _checker
+    if checker is None:
+        return
+    checker.p2p.append(PointToPointRecord(op, peer, str(tensor.dtype), tensor.numel(), owner))
+    if len(checker.p2p) > 2 * _P2P_KEPT:
+        del checker.p2p[:-_P2P_KEPT]
+
+
+@contextlib.contextmanager
+def deferred_checks() -> Iterator[None]:
+    """Inside, :func:`check` does nothing; the caller checks once after the block.
+
+    For code whose ranks reach the APIs' end-of-backward checks at different times, such
+    as a pipeline step: comparing there would make the last stage wait for the first,
+    which is itself waiting for the last stage's gradients. Deadlines still hold.
+    """
+    global _deferred
+    _deferred += 1
+    try:
+        yield
+    finally:
+        _deferred -= 1
 
 
 def wait(work: dist.Work | None, what: str) -> None:
@@ -166,7 +250,7 @@ def check(where: str = "end of step") -> None:
     ``optimizer.step()``) so that a rank running more or fewer backwards is caught too.
     """
     checker = _checker
-    if checker is not None and dist.is_initialized():
+    if checker is not None and not _deferred and dist.is_initialized():
         _compare(checker, where)
 
 
@@ -206,16 +290,30 @@ def _compare(checker: _Checker, where: str) -> None:
     store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
     prefix = f"plait/spmd/{checker.generation}/{checker.round}"
     checker.round += 1
-    mine = {"fingerprint": checker.fingerprint, "count": len(checker.records), "where": where}
+    mine = {"fingerprints": checker.fingerprints, "where": where}
     store.set(f"{prefix}/fp/{rank}", json.dumps(mine))
     summaries = _read_all(store, f"{prefix}/fp", world, 2 * checker.timeout, where)
-    records, checker.records, checker.fingerprint = checker.records, [], 0
-    if all((s["fingerprint"], s["where"]) == (mine["fingerprint"], where) for s in summaries):
+    records, p2p = checker.records, checker.p2p[-_P2P_KEPT:]
+    checker.records, checker.p2p, checker.fingerprints = [], [], {}
+    differing = _differing_groups(summaries)
+    if not differing and all(s["where"] == where for s in summaries):
         return
     # Every rank sees the same mismatch, so every rank takes part in this second round.
-    store.set(f"{prefix}/log/{rank}", json.dumps([asdict(r) for r in records]))
+    log = {"collectives": [asdict(r) for r in records], "p2p": [asdict(r) for r in p2p]}
+    store.set(f"{prefix}/log/{rank}", json.dumps(log))
     logs = _read_all(store, f"{prefix}/log", world, 2 * checker.timeout, where)
-    raise DivergenceError(_explain(logs, summaries))
+    raise DivergenceError(_explain(logs, summaries, differing))
+
+
+def _differing_groups(summaries: list[dict[str, Any]]) -> list[str]:
+    """The groups whose member ranks recorded different collectives, in first-seen order."""
+    groups = list(dict.fromkeys(g for s in summaries for g in s["fingerprints"]))
+    differing = []
+    for group in groups:
+        members = [int(r) for r in group.split(",") if int(r) < len(summaries)]
+        if len({summaries[m]["fingerprints"].get(group) for m in members}) > 1:
+            differing.append(group)
+    return differing
 
 
 def _read_all(store: Store, prefix: str, world: int, timeout: float, where: str) -> list[Any]:
@@ -231,27 +329,47 @@ def _read_all(store: Store, prefix: str, world: int, timeout: float, where: str)
     return [json.loads(store.get(key)) for key in keys]
 
 
-def _explain(logs: list[list[dict[str, Any]]], summaries: list[dict[str, Any]]) -> str:
-    """Name the first collective at which the ranks' logs differ."""
-    entries = [[CollectiveRecord(**e) for e in log] for log in logs]
-    index = 0
-    while all(index < len(e) for e in entries) and len({e[index] for e in entries}) == 1:
-        index += 1
-    lines = [
-        f"plait: ranks issued different collectives (collective #{index} of this step differs; "
-        "every rank must issue the same collectives in the same order):"
-    ]
-    for rank, rank_entries in enumerate(entries):
-        what = (
-            rank_entries[index].describe()
-            if index < len(rank_entries)
-            else f"nothing (it issued only {len(rank_entries)})"
+def _explain(
+    logs: list[dict[str, Any]], summaries: list[dict[str, Any]], differing: list[str]
+) -> str:
+    """Name, per group that differs, the first collective at which its ranks' logs differ."""
+    entries = [[CollectiveRecord(**e) for e in log["collectives"]] for log in logs]
+    lines = []
+    for group in differing[:3]:
+        members = [int(r) for r in group.split(",") if int(r) < len(entries)]
+        issued = {m: [e for e in entries[m] if e.group == group] for m in members}
+        index = 0
+        while all(index < len(e) for e in issued.values()) and (
+            len({e[index] for e in issued.values()}) == 1
+        ):
+            index += 1
+        lines.append(
+            f"plait: ranks issued different collectives over ranks [{group}] (collective "
+            f"#{index} of this step on that group differs; every rank of a group must issue "
+            "the same collectives in the same order):"
         )
-        lines.append(f"  rank {rank} ({summaries[rank]['where']}): {what}")
+        for rank, rank_entries in issued.items():
+            what = (
+                rank_entries[index].describe()
+                if index < len(rank_entries)
+                else f"nothing (it issued only {len(rank_entries)})"
+            )
+            lines.append(f"  rank {rank} ({summaries[rank]['where']}): {what}")
+    if not differing:
+        lines.append(
+            "plait: ranks reached different checks although every group issued the same "
+            "collectives (a rank ran more or fewer steps or backwards, or is stuck):"
+        )
+        lines += [f"  rank {rank}: {s['where']}" for rank, s in enumerate(summaries)]
+    for rank, log in enumerate(logs):
+        if log["p2p"]:
+            last = PointToPointRecord(**log["p2p"][-1]).describe()
+            lines.append(f"  rank {rank}'s last point-to-point operation: {last}")
     lines.append(
-        "A module that runs on some ranks only, or a different number of microbatches per "
-        "rank, causes this. For modules that may not run everywhere, pass "
-        "conditional=True to fully_shard so their collectives always run (replicate "
-        "already reduces the gradients of modules that did not run)."
+        "A module that runs on some ranks only, a different number of microbatches per "
+        "rank, or a rank that runs more steps than the others causes this. For modules "
+        "that may not run everywhere, pass conditional=True to fully_shard so their "
+        "collectives always run (replicate already reduces the gradients of modules that "
+        "did not run)."
     )
     return "\n".join(lines)

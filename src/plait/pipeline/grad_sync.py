@@ -6,7 +6,11 @@ in a pipeline the schedule decides instead (its ``UNSHARD`` / ``RESHARD`` / ``RE
 actions, see :func:`~plait.pipeline.schedules.add_fsdp_actions`):
 
 * for the step, gradient sync is off and units neither reshard after forward nor after
-  backward, so their hooks only accumulate gradients;
+  backward, so their hooks only accumulate gradients; after every backward action the
+  runtime moves each microbatch's gradients into the units' accumulators, in the reduce
+  dtype (:meth:`StageGradSync.stash_grads`): with a bf16 ``MixedPrecisionPolicy`` the sum
+  over microbatches is then exact in fp32, also for the weight gradients that a split
+  backward's ``W`` adds to ``.grad`` by hand (no hook sees those);
 * ``UNSHARD`` all-gathers every unit of the stage (all issued, then all awaited) and
   ``RESHARD`` frees them: the parameters are full exactly in between;
 * ``REDUCE_GRAD`` reduces the accumulated gradients once: one reduce-scatter per unit,
@@ -51,6 +55,7 @@ class StageGradSync:
         ]
         self._saved_fsdp: list[_FSDPFlags] = []
         self._saved_replicate: list[bool] = []
+        self._stashing: list[FSDPState] = []  # units that reduce in another dtype
 
     @property
     def active(self) -> bool:
@@ -75,6 +80,11 @@ class StageGradSync:
         self._saved_replicate = [s.requires_gradient_sync for s in self.replicate_states]
         for r in self.replicate_states:
             r.requires_gradient_sync = False
+        self._stashing = [
+            s
+            for s in self.fsdp_states
+            if s.unit is not None and any(p.reduce_dtype != p.param_dtype for p in s.unit.params)
+        ]
 
     def end_step(self) -> None:
         for f in self._saved_fsdp:
@@ -94,6 +104,13 @@ class StageGradSync:
             for h in handles:
                 if h is not None:
                     h.wait()
+
+    def stash_grads(self) -> None:
+        """After a backward action (B, I or W): move the unsharded gradients it left in
+        ``.grad`` (parameter dtype) into the units' reduce-dtype accumulators."""
+        for s in self._stashing:
+            assert s.unit is not None
+            s.unit.stash_grads()
 
     def reshard(self) -> None:
         with traced("plait.pipeline.reshard"):

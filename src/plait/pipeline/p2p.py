@@ -27,6 +27,11 @@ Messages are told apart by tags (stage, microbatch, direction, part), so the ord
 operations between two ranks does not matter on gloo. NCCL ignores tags and matches
 messages in posting order; the generated schedules post in matching order in the steady
 state.
+
+Every operation is noted with :func:`plait.spmd.record_p2p` and waited for through
+:func:`plait.spmd.wait`, named by its *owner* (e.g. "gradients of pipeline stage 1
+microbatch 3"): with divergence checking on, a receive that never arrives fails after the
+deadline with a report instead of hanging.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait import spmd
 from plait.hooks import traced
 
 __all__ = [
@@ -186,14 +192,17 @@ def transfer_tag(sender_stage: int, microbatch: int, direction: Direction, n_sta
 class _Recv:
     """A receive of one transfer: posted in a batch, waited for by its consumer."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(
+        self, peer: int, owner: str, group: dist.ProcessGroup, device: torch.device
+    ) -> None:
+        self.peer, self.owner = peer, owner
         self.group = group
         self.device = device
         self.work: dist.Work | None = None  # set when the batch is posted
 
     def _wait_posted(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            spmd.wait(self.work, f"recv from rank {self.peer} of {self.owner}")
             self.work = None
 
 
@@ -205,11 +214,12 @@ class ActivationRecv(_Recv):
         agreed: Meta | None,
         peer: int,
         tag: int,
+        owner: str,
         group: dist.ProcessGroup,
         device: torch.device,
     ) -> None:
-        super().__init__(group, device)
-        self.agreed, self.peer, self.tag = agreed, peer, tag
+        super().__init__(peer, owner, group, device)
+        self.agreed, self.tag = agreed, tag
         size = _HEADER if agreed is None else _offsets(agreed, _HEADER)[1]
         self.part = _Part.HEADER if agreed is None else _Part.PACKED
         self.first = torch.empty(size, dtype=torch.uint8, device=device)
@@ -230,14 +240,24 @@ class ActivationRecv(_Recv):
             return meta, _unpack(buf, meta, 0)
 
     def _receive(self, tensor: torch.Tensor, part: _Part) -> None:
-        _post([_op(dist.irecv, tensor, self.peer, self.group, self.tag + part)])
+        """Receive one follow-up message now (the sender posted it with the header)."""
+        op = _op(dist.irecv, tensor, self.peer, self.group, self.tag + part, self.owner)
+        for work in dist.batch_isend_irecv([op]):
+            spmd.wait(work, f"recv from rank {self.peer} of {self.owner} ({part.name.lower()})")
 
 
 class GradientRecv(_Recv):
     """A gradient transfer being received into a buffer of known layout."""
 
-    def __init__(self, meta: Meta, group: dist.ProcessGroup, device: torch.device) -> None:
-        super().__init__(group, device)
+    def __init__(
+        self,
+        meta: Meta,
+        peer: int,
+        owner: str,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        super().__init__(peer, owner, group, device)
         self.meta = meta
         self.buf = torch.empty(_offsets(meta, 0)[1], dtype=torch.uint8, device=device)
 
@@ -247,8 +267,9 @@ class GradientRecv(_Recv):
             return _unpack(self.buf, self.meta, 0)
 
 
-SentTensor = tuple[dist.Work, torch.Tensor]
-"""A send in flight and its buffer, which must stay alive until the work completes."""
+SentTensor = tuple[dist.Work, torch.Tensor, str]
+"""A send in flight, its buffer (which must stay alive until the work completes) and what
+it is, for error reports."""
 
 
 class P2PBatch:
@@ -266,48 +287,65 @@ class P2PBatch:
         self.device = device
         self.ops: list[dist.P2POp] = []
         self.recvs: list[_Recv | None] = []  # per op: the receive it completes
+        self.whats: list[str] = []  # per op: what it is, for error reports
 
     def __bool__(self) -> bool:
         return bool(self.ops)
 
-    def _send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self.ops.append(_op(dist.isend, tensor, peer, self.group, tag))
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int, owner: str) -> None:
+        self.ops.append(_op(dist.isend, tensor, peer, self.group, tag, owner))
         self.recvs.append(None)
+        self.whats.append(f"send to rank {peer} of {owner}")
 
     def _recv(self, tensor: torch.Tensor, peer: int, tag: int, recv: _Recv) -> None:
-        self.ops.append(_op(dist.irecv, tensor, peer, self.group, tag))
+        self.ops.append(_op(dist.irecv, tensor, peer, self.group, tag, recv.owner))
         self.recvs.append(recv)
+        self.whats.append(f"recv from rank {peer} of {recv.owner}")
 
     def send_activations(
-        self, tensors: Sequence[torch.Tensor], agreed: Meta | None, peer: int, tag: int
+        self,
+        tensors: Sequence[torch.Tensor],
+        agreed: Meta | None,
+        peer: int,
+        tag: int,
+        owner: str,
     ) -> Meta:
-        """Queue an activation transfer; returns the metadata both ends agree on after it."""
+        """Queue an activation transfer; returns the metadata both ends agree on after it.
+
+        ``owner`` names the transfer in error reports."""
         meta = meta_of(tensors)
         if meta == agreed:
-            self._send(_pack(tensors, meta, _HEADER, self.device), peer, tag + _Part.PACKED)
+            buf = _pack(tensors, meta, _HEADER, self.device)
+            self._send(buf, peer, tag + _Part.PACKED, owner)
             return meta
         encoded = encode_meta(meta)
         if agreed is None:
-            self._send(_header(encoded.numel(), _HEADER, self.device), peer, tag + _Part.HEADER)
+            header = _header(encoded.numel(), _HEADER, self.device)
+            self._send(header, peer, tag + _Part.HEADER, owner)
         else:  # the size the receiver posted, with "changed" in the header
             size = _offsets(agreed, _HEADER)[1]
-            self._send(_header(encoded.numel(), size, self.device), peer, tag + _Part.PACKED)
-        self._send(encoded.to(self.device), peer, tag + _Part.META)
-        self._send(_pack(tensors, meta, 0, self.device), peer, tag + _Part.NEW_PAYLOAD)
+            header = _header(encoded.numel(), size, self.device)
+            self._send(header, peer, tag + _Part.PACKED, owner)
+        self._send(encoded.to(self.device), peer, tag + _Part.META, owner)
+        self._send(_pack(tensors, meta, 0, self.device), peer, tag + _Part.NEW_PAYLOAD, owner)
         return meta
 
-    def recv_activations(self, agreed: Meta | None, peer: int, tag: int) -> ActivationRecv:
-        recv = ActivationRecv(agreed, peer, tag, self.group, self.device)
+    def recv_activations(
+        self, agreed: Meta | None, peer: int, tag: int, owner: str
+    ) -> ActivationRecv:
+        recv = ActivationRecv(agreed, peer, tag, owner, self.group, self.device)
         self._recv(recv.first, peer, tag + recv.part, recv)
         return recv
 
-    def send_gradients(self, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> None:
+    def send_gradients(
+        self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owner: str
+    ) -> None:
         if tensors:
             buf = _pack(tensors, meta_of(tensors), 0, self.device)
-            self._send(buf, peer, tag + _Part.PACKED)
+            self._send(buf, peer, tag + _Part.PACKED, owner)
 
-    def recv_gradients(self, meta: Meta, peer: int, tag: int) -> GradientRecv:
-        recv = GradientRecv(meta, self.group, self.device)
+    def recv_gradients(self, meta: Meta, peer: int, tag: int, owner: str) -> GradientRecv:
+        recv = GradientRecv(meta, peer, owner, self.group, self.device)
         if meta:
             self._recv(recv.buf, peer, tag + _Part.PACKED, recv)
         return recv
@@ -319,28 +357,29 @@ class P2PBatch:
         with traced("plait.pipeline.p2p_post"):
             works = dist.batch_isend_irecv(self.ops)
         if len(works) != len(self.ops):  # a coalescing backend (NCCL): one work for all
+            what = "point-to-point batch: " + "; ".join(self.whats)
             for work in works:
-                work.wait()
+                spmd.wait(work, what)
             return []
         sent = []
-        for op, recv, work in zip(self.ops, self.recvs, works, strict=True):
+        for op, recv, what, work in zip(self.ops, self.recvs, self.whats, works, strict=True):
             if recv is not None:
                 recv.work = work
             else:
-                sent.append((work, op.tensor))
+                sent.append((work, op.tensor, what))
         return sent
 
 
 def _op(
-    kind: Callable[..., Any], tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int
+    kind: Callable[..., Any],
+    tensor: torch.Tensor,
+    peer: int,
+    group: dist.ProcessGroup,
+    tag: int,
+    owner: str,
 ) -> dist.P2POp:
+    spmd.record_p2p("send" if kind is dist.isend else "recv", tensor, peer, owner)
     return dist.P2POp(kind, tensor, peer, group, tag)
-
-
-def _post(ops: list[dist.P2POp]) -> None:
-    """Issue ``ops`` in one batch and wait for all of them."""
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
 
 
 def prune_sends(sent: list[SentTensor]) -> None:
@@ -349,6 +388,6 @@ def prune_sends(sent: list[SentTensor]) -> None:
 
 
 def wait_sends(sent: list[SentTensor]) -> None:
-    for work, _ in sent:
-        work.wait()
+    for work, _, what in sent:
+        spmd.wait(work, what)
     sent.clear()

@@ -12,7 +12,9 @@ communication, and with FSDP actions when stages do data parallelism) runs here:
   consumes; sends complete in the background (awaited at the end of the step at the
   latest);
 * ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD``: the stage's data-parallel modules gather,
-  free, and reduce their accumulated gradients (:mod:`plait.pipeline.grad_sync`).
+  free, and reduce their accumulated gradients (:mod:`plait.pipeline.grad_sync`); after
+  each backward action, ``fully_shard`` units move the new gradients into their
+  reduce-dtype accumulators.
 """
 
 from __future__ import annotations
@@ -66,9 +68,16 @@ def run_actions(
     stages: Mapping[int, PipelineStage],
     syncs: Mapping[int, StageGradSync],
     data: StepData,
+    before_first_message: Callable[[], None] | None = None,
 ) -> StepResult:
-    """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index)."""
-    runner = _Runner(actions, stages, syncs, data)
+    """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index).
+
+    ``before_first_message`` is called once, before this rank first sends to or receives
+    from another rank: errors this rank finds on its own before then are raised without
+    involving the others, and a collective it issues comes before every message of the
+    step on every rank (NCCL runs a communicator's operations in the order issued).
+    """
+    runner = _Runner(actions, stages, syncs, data, before_first_message)
     for stage in stages.values():
         stage.begin_step()
     for sync in syncs.values():
@@ -100,10 +109,12 @@ class _Runner:
         stages: Mapping[int, PipelineStage],
         syncs: Mapping[int, StageGradSync],
         data: StepData,
+        before_first_message: Callable[[], None] | None,
     ) -> None:
         self.stages = stages
         self.syncs = syncs
         self.data = data
+        self.before_first_message = before_first_message
         self.result = StepResult()
         self.pending: list[Action] = []  # consecutive communication actions
         self.sent: list[SentTensor] = []
@@ -150,6 +161,9 @@ class _Runner:
             stage.backward_weight_one_chunk(mb)
         else:
             stage.backward_one_chunk(mb, full=action.kind is K.FULL_BACKWARD)
+        sync = self.syncs.get(action.stage)
+        if sync is not None:  # accumulate over microbatches in the reduce dtype
+            sync.stash_grads()
 
     def data_parallel(self, action: Action) -> None:
         sync = self.syncs.get(action.stage)
@@ -177,6 +191,9 @@ class _Runner:
         self.pending.clear()
         self.queue_receives(batch)
         if batch:
+            callback, self.before_first_message = self.before_first_message, None
+            if callback is not None:
+                callback()
             prune_sends(self.sent)  # free the buffers of sends that have completed
             self.sent += batch.post()
 

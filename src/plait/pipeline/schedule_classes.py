@@ -12,6 +12,16 @@ uses ``args``, the last stage ``target``; keyword arguments go to every stage. O
 of the last stage it returns the merged output and fills ``losses`` with the per-microbatch
 losses; elsewhere it returns None. ``eval(...)`` is the same with forwards only, no graph.
 
+Agreement. At its first run, just before this rank first sends or receives (errors it
+finds on its own before then stay local), a schedule all-gathers over the pipeline group
+each rank's schedule name, number of microbatches and number of stages; if they differ,
+every rank raises :class:`~plait.spmd.DivergenceError` naming each side (the ranks would
+otherwise wait forever for messages the others never send). Every step notes its schedule and
+number of microbatches with :func:`plait.spmd.agree`, runs with the per-backward checks
+of ``fully_shard`` / ``replicate`` deferred, and ends with one
+``spmd.check("end of a pipeline step")``: with divergence checking on, a rank that runs
+an extra step, or that stays stuck in a transfer, fails within the deadline.
+
 Gradient scale. torch divides gradients by the number of microbatches, which equals a
 whole-batch mean loss only when microbatches are equal. plait seeds microbatch i's
 backward with ``rows_i / rows``: the same for equal microbatches, and still the
@@ -22,12 +32,15 @@ torch's ``scale_grads=True`` assumes). ``scale_grads=False`` seeds with 1 (sum l
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from plait import spmd
 from plait.pipeline.actions import ActionKind, Schedule, stage_to_rank
 from plait.pipeline.grad_sync import StageGradSync
 from plait.pipeline.microbatch import (
@@ -36,7 +49,13 @@ from plait.pipeline.microbatch import (
     split_args_kwargs_into_chunks,
 )
 from plait.pipeline.runtime import LossFn, StepData, StepResult, run_actions
-from plait.pipeline.schedules import add_communication, add_fsdp_actions, generate, schedule_spec
+from plait.pipeline.schedules import (
+    SCHEDULES,
+    add_communication,
+    add_fsdp_actions,
+    generate,
+    schedule_spec,
+)
 from plait.pipeline.simulate import simulate
 from plait.pipeline.stage import PipelineStage
 from plait.pipeline.validate import validate
@@ -85,7 +104,8 @@ class PipelineSchedule:
         self.scale_grads = scale_grads
         first = next(iter(self._stages.values()))
         self._n_ranks, self._n_stages = first.group_size, first.num_stages
-        self._group_rank = first.group_rank
+        self._group_rank, self._group, self._device = first.group_rank, first.group, first.device
+        self._agreed = self._n_ranks == 1  # checked at the first run (_check_agreement)
         self._syncs = {i: StageGradSync(s.submod) for i, s in self._stages.items()}
         self._syncs = {i: sync for i, sync in self._syncs.items() if sync.active}
         self._train = self._build(backward=True)
@@ -163,9 +183,45 @@ class PipelineSchedule:
         losses: list[torch.Tensor] | None,
         backward: bool,
     ) -> Any:
+        m = self._n_microbatches
+        what = "pipeline_step" if backward else "pipeline_forward"
+        spmd.agree(what, m, self._group, f"{self.name} with {m} microbatches")
         data = self._step_data(args, kwargs, target, backward)
-        result = run_actions(order[self._group_rank], self._stages, self._syncs, data)
+        agree = None if self._agreed else self._check_agreement
+        with spmd.deferred_checks():  # stages reach their backwards at different times
+            result = run_actions(
+                order[self._group_rank], self._stages, self._syncs, data, before_first_message=agree
+            )
+        spmd.check("end of a pipeline step")
         return self._finish(result, losses)
+
+    def _check_agreement(self) -> None:
+        """Raise DivergenceError unless every pipeline rank runs this schedule with the same
+        number of microbatches and stages (one small all-gather, at the first run)."""
+        mine = [zlib.crc32(self.name.encode()), self._n_microbatches, self._n_stages]
+        local = torch.tensor(mine, dtype=torch.int64, device=self._device)
+        gathered = local.new_empty(self._n_ranks * len(mine))
+        owner = f"the agreement check of {self.name}"
+        spmd.record("all_gather", local, self._group, owner)
+        work = dist.all_gather_single(gathered, local, group=self._group, async_op=True)
+        spmd.wait(work, f"all_gather of {owner}")
+        rows = gathered.view(self._n_ranks, len(mine)).tolist()
+        if any(row != rows[0] for row in rows):
+            names = {zlib.crc32(name.encode()): name for name in SCHEDULES}
+            sides = [
+                f"pipeline rank {r} (global rank {dist.get_global_rank(self._group, r)}) runs "
+                f"{names.get(crc, 'an unknown schedule')} with {m} microbatches over "
+                f"{stages} stages"
+                for r, (crc, m, stages) in enumerate(rows)
+            ]
+            raise spmd.DivergenceError(
+                "plait: the ranks of the pipeline disagree on the schedule: "
+                + "; ".join(sides)
+                + ". Build the same schedule class, with the same n_microbatches and "
+                "num_stages, on every rank of the pipeline group (otherwise they wait forever "
+                "for messages the others never send)."
+            )
+        self._agreed = True
 
     def _step_data(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, backward: bool

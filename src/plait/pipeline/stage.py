@@ -320,19 +320,26 @@ class PipelineStage:
         outputs = self._take(self._outputs, microbatch, "its forward (F) before SEND_F")
         tag = transfer_tag(self.stage_index, microbatch, Direction.FORWARD, self.num_stages)
         agreed = self._sent_meta.get(microbatch)
-        self._sent_meta[microbatch] = batch.send_activations(outputs, agreed, self.next_peer, tag)
+        owner = self._transfer("activations", self.stage_index, microbatch)
+        self._sent_meta[microbatch] = batch.send_activations(
+            outputs, agreed, self.next_peer, tag, owner
+        )
 
     def recv_activations(self, microbatch: int, batch: P2PBatch) -> None:
         assert self.prev_peer is not None
         tag = transfer_tag(self.stage_index - 1, microbatch, Direction.FORWARD, self.num_stages)
         agreed = self._received_meta.get(microbatch)
-        self._activation_recvs[microbatch] = batch.recv_activations(agreed, self.prev_peer, tag)
+        owner = self._transfer("activations", self.stage_index - 1, microbatch)
+        self._activation_recvs[microbatch] = batch.recv_activations(
+            agreed, self.prev_peer, tag, owner
+        )
 
     def send_gradients(self, microbatch: int, batch: P2PBatch) -> None:
         assert self.prev_peer is not None
         grads = self._take(self._input_grads, microbatch, "its backward (B / I) before SEND_B")
         tag = transfer_tag(self.stage_index, microbatch, Direction.BACKWARD, self.num_stages)
-        batch.send_gradients(grads, self.prev_peer, tag)
+        owner = self._transfer("gradients", self.stage_index, microbatch)
+        batch.send_gradients(grads, self.prev_peer, tag, owner)
 
     def can_recv_gradients(self, microbatch: int) -> bool:
         """Whether RECV_B can be posted: its buffers take the forward outputs' shapes."""
@@ -348,7 +355,13 @@ class PipelineStage:
             )
         meta = tuple(TensorMeta(tuple(r.shape), r.dtype, False) for r in saved.roots)
         tag = transfer_tag(self.stage_index + 1, microbatch, Direction.BACKWARD, self.num_stages)
-        self._gradient_recvs[microbatch] = batch.recv_gradients(meta, self.next_peer, tag)
+        owner = self._transfer("gradients", self.stage_index + 1, microbatch)
+        self._gradient_recvs[microbatch] = batch.recv_gradients(meta, self.next_peer, tag, owner)
+
+    @staticmethod
+    def _transfer(what: str, sender: int, microbatch: int) -> str:
+        """Names a transfer in error reports: "gradients of pipeline stage 1 microbatch 3"."""
+        return f"{what} of pipeline stage {sender} microbatch {microbatch}"
 
     def _take(self, store: dict[int, Any], microbatch: int, what: str) -> Any:
         if microbatch not in store:
