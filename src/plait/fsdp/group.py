@@ -63,6 +63,7 @@ class _Reduction:
     width: int
     dtype: torch.dtype
     even: bool  # no parameter is padded: the gradients concatenate in one kernel
+    all_used: bool = False  # this rank had a gradient for every parameter (this reduction)
     partial: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced (HSDP)
     # (output, work, input): the input stays referenced until the collective has finished
     inflight: tuple[torch.Tensor, dist.Work | None, torch.Tensor] | None = field(
@@ -262,7 +263,8 @@ class FSDPParamGroup:
                     for p, g, off in zip(red.params, grads, red.offsets, strict=True)
                 ]
             matrix[:, : red.width].div_(divisor)
-            if all(used):
+            red.all_used = all(used)  # then every count is positive: no need to read them
+            if red.all_used:
                 matrix[:, red.width :].fill_(1)
             else:
                 matrix[:, red.width :] = torch.tensor(used, dtype=red.dtype)
@@ -285,7 +287,7 @@ class FSDPParamGroup:
                     red.partial = out  # all-reduced with a later step's gradients
                     continue
                 all_reduce_sum(out, self.groups.replicate, self.owner)
-            counts = out[red.width :].tolist()
+            counts = [1] * len(red.params) if red.all_used else out[red.width :].tolist()
             for p, off, count in zip(red.params, red.offsets, counts, strict=True):
                 if count > 0:
                     p.accumulate_sharded_grad(out[off : off + p.padded_numel])

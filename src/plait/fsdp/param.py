@@ -311,7 +311,8 @@ class FSDPParam:
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""
         local = reduced[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
-        local = local.to(self.padded.device, self.dtype, non_blocking=True)
+        if local.dtype != self.dtype or local.device != self.padded.device:
+            local = local.to(self.padded.device, self.dtype, non_blocking=True)
         if self.sharded.grad is None:
             self.sharded.grad = make_dtensor(local, self.spec)
         else:
