@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from plait.train.cli import build_config, main
 from plait.train.config import ConfigError, TrainConfig, load_toml
 from plait.train.layout import resolve
 from plait.train.loop import TrainResult, train
+from plait.train.manifest import write_manifest
 from plait.train.metrics import read_metrics
 
 from harness import run_on_ranks
@@ -108,6 +108,36 @@ def test_activation_checkpointing_single_process(ac: str, shared_tmp: str, tmp_p
     _assert_close(result.losses, expected.losses, 1e-6)
 
 
+def _with_divergence_checking(cfg: TrainConfig, run_dir: str) -> tuple[list[float], int]:
+    """Train with plait.spmd checking on; the losses, and how many step checks ran."""
+    from plait import spmd
+
+    checks = []
+    real_check = spmd.check
+
+    def counting_check(where: str = "end of step") -> None:
+        checks.append(where)
+        real_check(where)
+
+    spmd.enable(timeout=30)
+    spmd.check = counting_check  # type: ignore[assignment]
+    try:
+        losses = _train_on_rank(cfg, run_dir).losses
+    finally:
+        spmd.check = real_check  # type: ignore[assignment]
+        spmd.disable()
+    return losses, checks.count("end of a training step")
+
+
+def test_divergence_checking_changes_nothing(tmp_path: Path) -> None:
+    cfg = TINY.replace(pp=2, dp_shard=2, schedule="1F1B")
+    plain = run_on_ranks(4, _train_on_rank, cfg, str(tmp_path / "plain"))[0]
+    checked = run_on_ranks(4, _with_divergence_checking, cfg, str(tmp_path / "checked"))
+    for losses, step_checks in checked:
+        assert losses == plain.losses
+        assert step_checks == cfg.steps
+
+
 def test_bf16_trains_close_to_fp32(shared_tmp: str, tmp_path: Path) -> None:
     cfg = TINY.replace(dp_shard=4, mp="bf16")
     expected = _reference(TINY.n_layer, shared_tmp)
@@ -156,41 +186,43 @@ def test_keeps_the_last_checkpoints(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def _stopped_copy(run_dir: Path, stop: int, dest: Path) -> Path:
-    """``run_dir`` as it was right after step ``stop``'s checkpoint (later ones removed)."""
-    shutil.copytree(run_dir, dest)
-    for path in list_checkpoints(dest):
-        if int(path.name.split("_")[1]) > stop:
-            shutil.rmtree(path)
-    return dest
-
-
-def test_resume_continues_exactly(tmp_path: Path) -> None:
-    cfg = TINY.replace(steps=6, ckpt_every=3, keep=5, eval_every=3)
+def test_stop_after_then_resume_continues_exactly(tmp_path: Path) -> None:
+    cfg = TINY.replace(steps=6, ckpt_every=0, keep=5, eval_every=3, dropout=0.1)
     full = _run(cfg, 1, tmp_path / "full")
-    resumed_dir = _stopped_copy(tmp_path / "full", 3, tmp_path / "resumed")
-    resumed = _run(cfg.replace(resume=True), 1, resumed_dir)
-    assert resumed.start_step == 3
-    assert resumed.losses == full.losses[3:]  # bitwise: same weights, moments, data, RNG
+    stopped = _run(cfg.replace(stop_after=4), 1, tmp_path / "resumed")
+    assert stopped.losses == full.losses[:4]  # the schedule still spans --steps 6
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed")] == ["step_000004"]
+    resumed = _run(cfg.replace(resume=True), 1, tmp_path / "resumed")
+    assert resumed.start_step == 4
+    assert resumed.losses == full.losses[4:]  # bitwise: same weights, moments, data, RNG
     assert resumed.val_losses == {6: full.val_losses[6]}
-    records = read_metrics(resumed_dir)
+    records = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in records if "loss" in r] == full.losses
 
 
-def _resume_sharded(cfg: TrainConfig, run_dir: str) -> list[float]:
-    return _train_on_rank(cfg.replace(resume=True), run_dir).losses
+def test_stop_after_applies_to_its_session_only(tmp_path: Path) -> None:
+    _run(TINY.replace(stop_after=2), 1, tmp_path)
+    assert build_config({"run_dir": str(tmp_path), "resume": True}).stop_after == 0
+    again = build_config({"run_dir": str(tmp_path), "resume": True, "stop_after": 2})
+    with pytest.raises(ConfigError, match="--stop-after 2: the run is already at step 2"):
+        train(again)
+
+
+def _stop_and_resume(cfg: TrainConfig, run_dir: str, stop: int) -> list[float]:
+    first = _train_on_rank(cfg.replace(stop_after=stop), run_dir).losses
+    return first + _train_on_rank(cfg.replace(resume=True), run_dir).losses
 
 
 def test_resume_sharded_run_and_reshard_to_one_process(tmp_path: Path) -> None:
-    cfg = TINY.replace(steps=4, ckpt_every=2, keep=5, dp_shard=4)
+    cfg = TINY.replace(steps=4, ckpt_every=0, keep=5, dp_shard=4)
     full = run_on_ranks(4, _train_on_rank, cfg, str(tmp_path / "full"))[0]
-    resumed_dir = _stopped_copy(tmp_path / "full", 2, tmp_path / "resumed")
-    resumed = run_on_ranks(4, _resume_sharded, cfg, str(resumed_dir))
+    resumed = run_on_ranks(4, _stop_and_resume, cfg, str(tmp_path / "resumed"), 2)
     for losses in resumed:
-        _assert_close(losses, full.losses[2:], 1e-6)
-    # The same checkpoint continued by one process: DCP gathers the shards.
-    one_dir = _stopped_copy(tmp_path / "full", 2, tmp_path / "one")
-    one = _run(cfg.replace(resume=True, dp_shard=0, nproc=0), 1, one_dir)
+        assert losses == full.losses  # same layout: bitwise
+    # A checkpoint of the sharded run continued by one process: DCP gathers the shards.
+    run_on_ranks(4, _train_on_rank, cfg.replace(stop_after=2), str(tmp_path / "one"))
+    one = _run(cfg.replace(resume=True, dp_shard=0, nproc=0), 1, tmp_path / "one")
     _assert_close(one.losses, full.losses[2:], 1e-5)
 
 
@@ -203,13 +235,11 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path: Path, monkeypatch) -> 
     real_save = checkpointing.dcp_save
     calls = []
 
-    def dying_save(state: Any, checkpoint_id: str) -> None:
+    def dying_save(state: Any, checkpoint_id: str, **kwargs: Any) -> None:
         calls.append(checkpoint_id)
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)
         if len(calls) == 2:  # the second save dies after writing its files
-            real_save(state, checkpoint_id=checkpoint_id)
             raise _Killed
-
-        real_save(state, checkpoint_id=checkpoint_id)
 
     monkeypatch.setattr(checkpointing, "dcp_save", dying_save)
     with pytest.raises(_Killed):
@@ -235,7 +265,11 @@ def test_loading_refuses_pickled_objects(tmp_path: Path) -> None:
             return (os.system, ("echo pwned",))
 
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(Exception, match=r"posix\.system|refusing"):
+    with pytest.raises(ConfigError, match=r"\.metadata: .* the file is (truncated|corrupted)"):
+        _run(TINY.replace(steps=2, resume=True), 1, tmp_path)
+    # Even with a manifest rewritten to match, the metadata is not unpickled.
+    write_manifest(path)
+    with pytest.raises(pickle.UnpicklingError, match=r"posix\.system.*refusing"):
         _run(TINY.replace(steps=2, resume=True), 1, tmp_path)
 
 
@@ -293,6 +327,8 @@ REFUSED = [
     (["--nproc", "2", "--dp-replicate", "2", "--cpu-offload"], "--cpu-offload"),
     (["--d-model", "30", "--n-head", "4"], "--d-model 30 is not divisible by --n-head 4"),
     (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--steps", "5", "--stop-after", "6"], "--stop-after 6 is past --steps 5"),
+    (["--fault-timeout", "0"], "--fault-timeout 0.0: must be positive seconds"),
     (["--resume"], "--resume needs --run-dir"),
     (["--data", "/no/such/dir"], "--data /no/such/dir: no such file or directory"),
 ]

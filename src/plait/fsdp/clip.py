@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from plait import spmd
+
 __all__ = ["clip_grad_norm_"]
 
 # The process groups one partial sum is all-reduced over, in mesh-dimension order.
@@ -135,7 +137,8 @@ def _all_reduce(value: torch.Tensor, group: dist.ProcessGroup, maximum: bool) ->
     device = _collective_device(group)
     buffer = value.detach().to(device).clone()
     op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
-    dist.all_reduce(buffer, op=op, group=group)
+    spmd.record("all_reduce", buffer, group, "clip_grad_norm_")
+    spmd.wait(dist.all_reduce(buffer, op=op, group=group, async_op=True), "clip_grad_norm_")
     return buffer
 
 

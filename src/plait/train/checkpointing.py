@@ -2,13 +2,21 @@
 
 Layout, under ``<run_dir>/checkpoints/``::
 
-    step_000100/          a complete checkpoint: DCP's files plus plait.json
+    step_000100/          a complete checkpoint: plait.json, DCP's files, manifest.json
     step_000200/
     .tmp-step_000300/     a save in progress (or one that crashed): never loaded
 
 A save writes into a ``.tmp-`` directory and renames it into place only once every rank's
-files and ``plait.json`` are on disk, so a crash at any moment leaves the previous
-checkpoint intact; older checkpoints beyond ``keep`` are deleted only after that rename.
+files are on disk and the manifest (size and SHA-256 of every file, :mod:`.manifest`)
+is written last, so a crash at any moment leaves the previous checkpoint intact; older
+checkpoints beyond ``keep`` are deleted only after that rename. Loading first checks the
+files against the manifest (:class:`~plait.train.manifest.CheckpointDamaged` names what
+is wrong) and, given the run's model settings, that the checkpoint holds that model
+(``ConfigError`` naming the setting), before anything is loaded.
+
+The collectives of saving and loading run over :func:`checkpoint_group`, a gloo group whose
+timeout allows for slow storage, so that the training collectives' short fault timeout
+(``--fault-timeout``) does not fail a large checkpoint's save.
 
 What is saved, keyed by parameter name (FQN), so DCP can reshard on load:
 
@@ -34,9 +42,10 @@ import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,21 +59,30 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from plait import spmd
+from plait.train.config import ConfigError
+from plait.train.manifest import CheckpointDamaged, verify_manifest, write_manifest
+
 __all__ = [
+    "CheckpointDamaged",
     "CheckpointInfo",
     "SafeFileSystemReader",
     "TensorsOnlyPlanner",
+    "check_settings",
+    "checkpoint_group",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_weights",
     "read_info",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 _NAME = re.compile(r"^step_(\d+)$")
 _INFO = "plait.json"
 _OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")  # AdamW's per-parameter state
+_SLOW_STORAGE = timedelta(minutes=10)  # the least patience of checkpoint collectives
 
 
 @dataclass(frozen=True)
@@ -81,11 +99,12 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of the run, oldest first (temporary directories excluded)."""
+    """Published checkpoints of the run, oldest first (temporary directories excluded;
+    whether their files are intact is for :func:`verify_checkpoint` to say)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / _INFO).is_file()]
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
@@ -98,6 +117,37 @@ def read_info(path: Path) -> CheckpointInfo:
     with open(path / _INFO) as f:
         raw = json.load(f)
     return CheckpointInfo(int(raw["step"]), int(raw["world_size"]), dict(raw["config"]))
+
+
+def verify_checkpoint(path: Path, group: dist.ProcessGroup | None = None) -> None:
+    """Raise :class:`CheckpointDamaged` if a file of ``path`` is missing, truncated or
+    corrupted (collective over ``group``)."""
+    verify_manifest(path, group)
+
+
+def check_settings(path: Path, expected: Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` naming each setting in ``expected`` (e.g. the model's
+    ``d_model``) that checkpoint ``path`` was saved with a different value of."""
+    saved = read_info(path).config
+    wrong = [(k, saved.get(k), v) for k, v in expected.items() if saved.get(k) != v]
+    if not wrong:
+        return
+    described = ", ".join(f"{k} {s} (this run: --{k.replace('_', '-')} {v})" for k, s, v in wrong)
+    raise ConfigError(
+        f"checkpoint {path} was saved from a different model: {described}. A checkpoint "
+        "loads only into the model it was saved from: drop those flags to continue the run "
+        "as it was saved, or start a new run in another --run-dir"
+    )
+
+
+def checkpoint_group(fault_timeout: float) -> dist.ProcessGroup | None:
+    """A gloo group of every rank for checkpoint collectives (None without a process
+    group), waiting at least ten minutes: storage may be slower than any training step.
+    Collective: every rank calls it."""
+    if not dist.is_initialized():
+        return None
+    timeout = max(_SLOW_STORAGE, timedelta(seconds=fault_timeout))
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 # ----------------------------------------------------------------------------------------
@@ -160,9 +210,9 @@ def _single_process_is_fine() -> Iterator[None]:
         yield
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _barrier(group: dist.ProcessGroup | None, what: str) -> None:
+    if group is not None:
+        spmd.wait(dist.barrier(group=group, async_op=True), f"barrier at {what}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -177,29 +227,32 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     config: dict[str, Any],
     keep: int,
+    group: dist.ProcessGroup | None = None,
 ) -> Path:
-    """Save step ``step`` atomically (module docstring); collective: every rank calls it."""
+    """Save step ``step`` atomically (module docstring); collective over ``group`` (every
+    rank: see :func:`checkpoint_group`) when there is a process group."""
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-{final.name}"
     if _is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save
         tmp.mkdir(parents=True)
-    _barrier()
+        info = {"step": step, "world_size": _world_size(), "config": config}
+        _write_json(tmp / _INFO, info)
+    _barrier(group, f"the start of checkpoint {final.name}")
     state = {
         "model": _model_state(modules),
         "optim": _optim_state(modules, optimizer, create=False),
         "rng": _rng_state(config["device"]),
     }
-    with _single_process_is_fine():
-        dcp_save(state, checkpoint_id=str(tmp))  # returns on every rank once all are written
+    with _single_process_is_fine():  # returns on every rank once all files are written
+        dcp_save(state, checkpoint_id=str(tmp), process_group=group)
+    write_manifest(tmp, group)  # the last file: it describes all the others
     if _is_rank0():
-        info = {"step": step, "world_size": _world_size(), "config": config}
-        _write_json(tmp / _INFO, info)
         _publish(tmp, final)
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
-    _barrier()
+    _barrier(group, f"the end of checkpoint {final.name}")
     return final
 
 
@@ -217,6 +270,11 @@ def _publish(tmp: Path, final: Path) -> None:
     if final.exists():
         final.rename(stale)
     tmp.rename(final)
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:  # make the rename itself durable
+        os.fsync(directory)
+    finally:
+        os.close(directory)
     shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -226,13 +284,25 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 def load_checkpoint(
-    path: Path, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, device: str
+    path: Path,
+    modules: Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    device: str,
+    *,
+    expected: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> CheckpointInfo:
-    """Load ``path`` into ``modules`` and ``optimizer`` (in place; collective).
+    """Load ``path`` into ``modules`` and ``optimizer`` (in place; collective over
+    ``group``).
 
-    RNG states are restored only when the world size matches the saving run's; parameters
-    and optimizer state load into any layout (DCP reshards).
+    First, before anything is loaded: the files are checked against the manifest
+    (:class:`CheckpointDamaged`), and the settings in ``expected`` (the model's, such as
+    ``d_model``) against the checkpoint's (``ConfigError``). RNG states are restored only
+    when the world size matches the saving run's; parameters and optimizer state load into
+    any layout (DCP reshards).
     """
+    verify_checkpoint(path, group)
+    check_settings(path, expected or {})
     info = read_info(path)
     state: dict[str, Any] = {
         "model": _model_state(modules),
@@ -241,7 +311,7 @@ def load_checkpoint(
     same_world = info.world_size == _world_size()
     if same_world:
         state["rng"] = _rng_state(device)
-    _dcp_load(path, state)
+    _dcp_load(path, state, group)
     for m in modules:
         m.load_state_dict({k: state["model"][k] for k in m.state_dict()})
     if same_world:
@@ -253,20 +323,24 @@ def load_checkpoint(
     return info
 
 
-def _dcp_load(path: Path, state: dict[str, Any]) -> None:
+def _dcp_load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     reader = SafeFileSystemReader(str(path))
     # Read once up front, so a refused metadata file raises its own clear error here
     # rather than inside DCP's collective plan (which wraps it in a rank report).
     reader.read_metadata()
     with _single_process_is_fine():
-        dcp_load(state, storage_reader=reader, planner=TensorsOnlyPlanner())
+        planner = TensorsOnlyPlanner()
+        dcp_load(state, storage_reader=reader, planner=planner, process_group=group)
 
 
-def load_weights(path: Path, module: nn.Module) -> None:
+def load_weights(path: Path, module: nn.Module, *, verify: bool = True) -> None:
     """Load only the parameters of checkpoint ``path`` into ``module`` (any layout, e.g. a
-    plain single-process model from a sharded run's checkpoint)."""
+    plain single-process model from a sharded run's checkpoint), in this process alone.
+    ``verify=False``: the caller has already called :func:`verify_checkpoint`."""
+    if verify:
+        verify_checkpoint(path)
     state = {"model": module.state_dict()}
-    _dcp_load(path, state)
+    _dcp_load(path, state, None)
     module.load_state_dict(state["model"])
 
 

@@ -16,12 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from plait.train.checkpointing import latest_checkpoint
+from plait.train.checkpointing import (
+    CheckpointDamaged,
+    check_settings,
+    latest_checkpoint,
+    read_info,
+)
 from plait.train.config import AC_MODES, DEVICES, PRECISIONS, ConfigError, TrainConfig, load_toml
 from plait.train.config import from_mapping as config_from_mapping
 from plait.train.launch import WorkerFailed, launch, under_torchrun
 from plait.train.layout import resolve
-from plait.train.loop import CONFIG_FILE
+from plait.train.loop import CONFIG_FILE, model_settings
 from plait.train.worker import default_run_dir
 
 __all__ = ["build_config", "main"]
@@ -41,7 +46,8 @@ examples:
   plait train
   plait train --dp-replicate 2 --dp-shard 2 --ac full --mp bf16
   plait train --pp 2 --dp-shard 2 --schedule 1F1B --microbatches 4
-  plait train --run-dir runs/a --resume --steps 600
+  plait train --run-dir runs/a --steps 600 --stop-after 200
+  plait train --run-dir runs/a --resume
 """
 
 # (flag, type or choices, help); the default shown comes from TrainConfig.
@@ -84,7 +90,11 @@ _FLAGS: dict[str, list[tuple[str, Any, str]]] = {
         ("--eval-batches", int, "validation batches per evaluation"),
         ("--ckpt-every", int, "checkpoint every N steps (0: last only)"),
         ("--keep", int, "checkpoints kept (the newest)"),
-        ("--resume", bool, "continue the run in --run-dir from its latest checkpoint"),
+        ("--resume", bool, "continue the run in --run-dir from its latest intact checkpoint"),
+        ("--stop-after", int, "stop after this step, with a checkpoint (0: at --steps); "),
+    ],
+    "faults": [
+        ("--fault-timeout", float, "seconds a worker waits for a peer before the run fails"),
     ],
 }
 
@@ -93,6 +103,8 @@ def _add_flag(group: argparse._ArgumentGroup, flag: str, kind: Any, text: str) -
     default = getattr(TrainConfig(), flag[2:].replace("-", "_"))
     if flag == "--schedule":
         text += "InterleavedZeroBubble, ZBVZeroBubble"
+    if flag == "--stop-after":
+        text += "the learning-rate schedule still spans --steps"
     if kind is bool:
         action = "store_true" if flag == "--resume" else argparse.BooleanOptionalAction
         group.add_argument(flag, action=action, help=f"{text} (default: {default})")
@@ -143,7 +155,8 @@ def build_config(flags: dict[str, Any]) -> TrainConfig:
         if not saved.is_file():
             raise ConfigError(f"--resume: {saved} does not exist; is {run_dir} a plait run?")
         cfg = config_from_mapping(json.loads(saved.read_text()), cfg)
-        cfg = cfg.replace(resume=True, run_dir=run_dir)
+        # --stop-after stopped the session that gave it; this one runs on unless told.
+        cfg = cfg.replace(resume=True, run_dir=run_dir, stop_after=0)
     return config_from_mapping(flags, cfg)
 
 
@@ -152,14 +165,21 @@ def _check_paths(cfg: TrainConfig) -> None:
         raise ConfigError(f"--data {cfg.data}: no such file or directory")
     if not cfg.run_dir:
         return
-    has_checkpoint = latest_checkpoint(cfg.run_dir) is not None
-    if cfg.resume and not has_checkpoint:
+    latest = latest_checkpoint(cfg.run_dir)
+    if cfg.resume and latest is None:
         raise ConfigError(f"--resume: {cfg.run_dir} holds no complete checkpoint to continue from")
-    if not cfg.resume and has_checkpoint:
+    if not cfg.resume and latest is not None:
         raise ConfigError(
             f"--run-dir {cfg.run_dir} already holds a run's checkpoints: add --resume to "
             "continue it, or choose another --run-dir"
         )
+    if latest is None:
+        return
+    try:
+        read_info(latest)
+    except (OSError, ValueError, KeyError):
+        return  # unreadable: the workers check the files, and fall back to an older one
+    check_settings(latest, model_settings(cfg))  # a checkpoint of another model: refused
 
 
 def _train(flags: dict[str, Any]) -> None:
@@ -171,7 +191,20 @@ def _train(flags: dict[str, Any]) -> None:
     _check_paths(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(_describe(cfg), file=sys.stderr, flush=True)
-    launch(cfg)
+    try:
+        launch(cfg)
+    except WorkerFailed as err:
+        raise WorkerFailed(f"{err}{_resume_hint(cfg)}") from None
+
+
+def _resume_hint(cfg: TrainConfig) -> str:
+    latest = latest_checkpoint(cfg.run_dir)
+    if latest is None:
+        return ""
+    return (
+        f"\nthe last checkpoint is {latest}; continue from it with: "
+        f"plait train --run-dir {cfg.run_dir} --resume"
+    )
 
 
 def _describe(cfg: TrainConfig) -> str:
@@ -201,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"plait {command}: error: {err}", file=sys.stderr)
         return 2
-    except WorkerFailed as err:
+    except (WorkerFailed, CheckpointDamaged) as err:
         print(f"plait {command}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,7 +1,8 @@
 """The training configuration: one frozen dataclass, filled from defaults, TOML and flags.
 
 Precedence, lowest first: the defaults below, a TOML file (``--config``), the configuration
-saved in the run directory (when resuming), then command-line flags. Zero in a field marked
+saved in the run directory (when resuming; except ``stop_after``, which applies only to the
+session that gives it), then command-line flags. Zero in a field marked
 *auto* means "derive it" (see :func:`plait.train.layout.resolve`), which also refuses
 impossible combinations; the resolved configuration, with every auto field filled in, is
 what the run directory records.
@@ -83,6 +84,9 @@ class TrainConfig:
     ckpt_every: int = 100  # 0: only after the last step
     keep: int = 2
     resume: bool = False
+    stop_after: int = 0  # stop (with a checkpoint) after this step; 0: run to --steps
+    # faults
+    fault_timeout: float = 30.0  # seconds a collective may wait for a peer before failing
 
     @property
     def dp(self) -> int:

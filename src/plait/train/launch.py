@@ -10,12 +10,18 @@
   ``torch.distributed.launcher.api.elastic_launch`` (what torchrun uses inside, in its
   ``--standalone`` configuration: a c10d rendezvous on a free local port) and waits for
   them. One process trains in this process, without launching anything.
+
+When a worker fails (an exception, a signal such as SIGKILL, or a peer's
+``--fault-timeout`` running out while it hangs), the launcher stops the others and
+:class:`WorkerFailed` names the first failed worker's rank, with its traceback. The
+workers die with the launcher, even when it is SIGKILLed (Linux), so none is orphaned.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import uuid
 from typing import Any
 
@@ -24,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from plait.train.config import ConfigError, TrainConfig
-from plait.train.worker import worker_main
+from plait.train.worker import LAUNCHER_PID, worker_main
 
 __all__ = ["WorkerFailed", "launch", "under_torchrun"]
 
@@ -59,12 +65,15 @@ def launch(cfg: TrainConfig) -> None:
     # The agent logs its progress, and every failed worker's traceback: too much to read.
     # WorkerFailed carries the first failure's traceback, which is what one needs.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the workers
     try:
         elastic_launch(config, worker_main)(cfg)
     except ChildFailedError as err:
         raise WorkerFailed(_first_failure(err)) from None
     except SignalException as err:  # Ctrl-C or a kill: the agent has stopped the workers
         raise KeyboardInterrupt(str(err)) from None
+    finally:
+        del os.environ[LAUNCHER_PID]
 
 
 def _first_failure(err: ChildFailedError) -> str:
@@ -77,5 +86,14 @@ def _first_failure(err: ChildFailedError) -> str:
         message = message.get("message", "")
     if str(message).startswith(ConfigError.__name__):
         stack = ""
+    if failure.exitcode < 0:  # killed by a signal: no traceback, say which signal
+        message = f"killed by {_signal_name(-failure.exitcode)} (pid {failure.pid})"
     head = f"worker {rank} failed (exit code {failure.exitcode}): {message}"
     return f"{head}\n{stack}" if stack else head
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -90,6 +90,7 @@ def _check_positive(cfg: TrainConfig) -> None:
         ("--warmup", cfg.warmup),
         ("--ckpt-every", cfg.ckpt_every),
         ("--eval-every", cfg.eval_every),
+        ("--stop-after", cfg.stop_after),
     )
     for flag, value in at_least_one:
         if value < 1:
@@ -99,6 +100,13 @@ def _check_positive(cfg: TrainConfig) -> None:
             raise ConfigError(f"{flag} {value}: must be 0 (auto) or more")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr {cfg.lr}: must be positive")
+    if cfg.fault_timeout <= 0:
+        raise ConfigError(f"--fault-timeout {cfg.fault_timeout}: must be positive seconds")
+    if cfg.stop_after > cfg.steps:
+        raise ConfigError(
+            f"--stop-after {cfg.stop_after} is past --steps {cfg.steps}: stop at a step of "
+            "the run (--steps is where it ends, and sets the learning-rate schedule)"
+        )
     if cfg.d_model % cfg.n_head:
         raise ConfigError(
             f"--d-model {cfg.d_model} is not divisible by --n-head {cfg.n_head}: "

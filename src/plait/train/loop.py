@@ -2,12 +2,14 @@
 
 Runs inside an initialised process group (or alone, for one process). Every rank runs the
 same steps; rank 0 alone writes the run directory's metrics, configuration, summary and
-loss curve, and draws the progress bar.
+loss curve, and draws the progress bar. With divergence checking on (``PLAIT_CHECK_SPMD=1``,
+:mod:`plait.spmd`) the ranks compare the collectives they issued after every step.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +18,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from plait import spmd
+from plait.train.checkpointing import (
+    CheckpointDamaged,
+    checkpoint_group,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.data import Corpus, global_batch, load_corpus, local_slice
+from plait.train.faults import FaultInjector
 from plait.train.metrics import MetricsLog, gather_peak_memory
 from plait.train.model import GPT, GPTConfig
 from plait.train.optimizer import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -27,9 +37,12 @@ from plait.train.progress import Progress
 from plait.train.report import plot_loss_curve, summary_table
 from plait.train.step import Stepper, global_mean, make_stepper
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["TrainResult", "model_settings", "train"]
 
 CONFIG_FILE = "config.json"
+#: The settings a checkpoint's weights depend on: a checkpoint loads only into a run with
+#: the same values (dropout changes no weight, so it may differ).
+MODEL_SETTINGS = ("seq_len", "n_layer", "n_head", "d_model")
 
 
 @dataclass
@@ -52,8 +65,19 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
     )
 
 
+def model_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The values of :data:`MODEL_SETTINGS` in ``cfg``."""
+    return {name: getattr(cfg, name) for name in MODEL_SETTINGS}
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _warn(text: str) -> None:
+    """A warning on rank 0's stderr (every rank sees the same, one says it)."""
+    if _rank() == 0:
+        print(f"plait train: warning: {text}", file=sys.stderr, flush=True)
 
 
 class _Session:
@@ -74,6 +98,9 @@ class _Session:
         self.pipeline_group = self.mesh["pp"].get_group() if self.mesh and cfg.pp > 1 else None
         dp_shard = mesh_coordinate(self.mesh, "dp_shard")
         self.dp_rank = mesh_coordinate(self.mesh, "dp_replicate") * cfg.dp_shard + dp_shard
+        self.checkpoint_group = checkpoint_group(cfg.fault_timeout)
+        self.faults = FaultInjector(_rank())  # test-only: see plait.train.faults
+        self.faults.arm(self.modules[0])
         # Dropout draws differ per rank (each rank sees different data), yet are reproducible.
         torch.manual_seed(cfg.seed + 1 + _rank())
 
@@ -87,10 +114,13 @@ class _Session:
     def train_step(self, step: int) -> tuple[float, float]:
         """Optimizer step ``step`` (0-based); returns (global loss, gradient norm)."""
         set_lr(self.optimizer, lr_at(step, self.cfg))
+        self.faults.step = step + 1
         local = self.stepper.train(*self.batch("train", step))
+        self.faults.step = 0
         norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        spmd.check("end of a training step")  # free unless divergence checking is on
         return global_mean(local, self.cfg), norm
 
     def validate(self) -> float:
@@ -100,15 +130,40 @@ class _Session:
         return sum(global_mean(loss, self.cfg) for loss in losses) / len(losses)
 
     def save(self, step: int) -> Path:
+        cfg = self.cfg
         return save_checkpoint(
-            self.run_dir, step, self.modules, self.optimizer, self.cfg.to_dict(), self.cfg.keep
+            self.run_dir,
+            step,
+            self.modules,
+            self.optimizer,
+            cfg.to_dict(),
+            cfg.keep,
+            self.checkpoint_group,
         )
 
     def resume(self) -> int:
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
-            raise ConfigError(f"--resume: {self.run_dir} holds no complete checkpoint")
-        return load_checkpoint(path, self.modules, self.optimizer, self.cfg.device).step
+        """Load the newest intact checkpoint (warning about each damaged newer one); its
+        step. Refuses a checkpoint of another model before loading anything."""
+        damaged: list[str] = []
+        for path in reversed(list_checkpoints(self.run_dir)):
+            try:
+                info = load_checkpoint(
+                    path,
+                    self.modules,
+                    self.optimizer,
+                    self.cfg.device,
+                    expected=model_settings(self.cfg),
+                    group=self.checkpoint_group,
+                )
+            except CheckpointDamaged as error:
+                damaged.append(str(error))
+                _warn(f"{error}; falling back to the previous checkpoint")
+                continue
+            if damaged:
+                _warn(f"resuming from {path} (step {info.step}), the newest intact checkpoint")
+            return info.step
+        found = f": {'; '.join(damaged)}" if damaged else ""
+        raise ConfigError(f"--resume: {self.run_dir} holds no intact checkpoint{found}")
 
 
 class _Reporter:
@@ -125,7 +180,8 @@ class _Reporter:
         (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         self.log = MetricsLog(run_dir, start if cfg.resume else None)
         self.progress = Progress(cfg.steps, start)
-        self.progress.note(f"training steps {start + 1}..{cfg.steps}; run directory {run_dir}")
+        last = f"{cfg.stop_after} (--stop-after) of {cfg.steps}" if cfg.stop_after else cfg.steps
+        self.progress.note(f"training steps {start + 1}..{last}; run directory {run_dir}")
 
     def step(self, record: dict[str, Any]) -> None:
         self.session_steps.append(record)
@@ -142,6 +198,13 @@ class _Reporter:
         if self.enabled:
             self.progress.note(f"step {step}: checkpoint {path}")
 
+    def stopped(self, step: int) -> None:
+        if self.enabled:
+            self.progress.note(
+                f"stopped after step {step} of {self.cfg.steps} (--stop-after); continue with: "
+                f"plait train --run-dir {self.cfg.run_dir} --resume"
+            )
+
     def finish(self) -> None:
         memory = gather_peak_memory(self.cfg.device)  # collective: every rank takes part
         if not self.enabled:
@@ -155,9 +218,14 @@ class _Reporter:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Train for ``cfg.steps`` steps (from the latest checkpoint with ``cfg.resume``)."""
+    """Train to step ``cfg.steps`` (from the latest intact checkpoint with ``cfg.resume``),
+    or only to ``cfg.stop_after`` (then checkpoint and stop; the schedules still span
+    ``cfg.steps``, so resuming later continues as if never stopped)."""
     session = _Session(cfg)
     start = session.resume() if cfg.resume else 0
+    last = cfg.stop_after or cfg.steps
+    if cfg.stop_after and cfg.stop_after <= start:
+        raise ConfigError(f"--stop-after {cfg.stop_after}: the run is already at step {start}")
     result = TrainResult(session.run_dir, start)
     report = _Reporter(cfg, start, enabled=_rank() == 0)
 
@@ -168,7 +236,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if start == 0:
         validate(0)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    for step in range(start + 1, cfg.steps + 1):
+    for step in range(start + 1, last + 1):
         began = time.perf_counter()
         loss, norm = session.train_step(step - 1)
         elapsed = time.perf_counter() - began
@@ -186,7 +254,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         )
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             validate(step)
-        if step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+        if step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             report.checkpoint(step, session.save(step))
+    if last < cfg.steps:
+        report.stopped(last)
     report.finish()
     return result

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait import spmd
+
 __all__ = ["MetricsLog", "gather_peak_memory", "peak_memory_bytes", "read_metrics"]
 
 FILENAME = "metrics.jsonl"
@@ -69,5 +71,7 @@ def gather_peak_memory(device: str) -> list[int]:
     if device == "cuda":
         mine = mine.cuda()
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    world = dist.group.WORLD
+    spmd.record("all_gather", mine, world, "the peak memory report")
+    spmd.wait(dist.all_gather(every, mine, group=world, async_op=True), "all_gather of memory")
     return [int(t.item()) for t in every]

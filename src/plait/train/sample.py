@@ -11,7 +11,12 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from plait.train.checkpointing import latest_checkpoint, load_weights, read_info
+from plait.train.checkpointing import (
+    latest_checkpoint,
+    load_weights,
+    read_info,
+    verify_checkpoint,
+)
 from plait.train.config import ConfigError, from_mapping
 from plait.train.loop import model_config
 from plait.train.model import GPT
@@ -20,10 +25,11 @@ __all__ = ["generate", "load_model", "sample_command"]
 
 
 def load_model(checkpoint: Path) -> GPT:
-    """The whole model of ``checkpoint``, on CPU, in eval mode."""
+    """The whole model of ``checkpoint``, on CPU, in eval mode (its files checked first)."""
+    verify_checkpoint(checkpoint)
     cfg = from_mapping(read_info(checkpoint).config)
     model = GPT(model_config(cfg))
-    load_weights(checkpoint, model)
+    load_weights(checkpoint, model, verify=False)
     return model.eval()
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait import spmd
 from plait.fsdp import FSDPModule
 from plait.replicate import ReplicateModule
 from plait.train.config import TrainConfig
@@ -56,7 +57,9 @@ def global_mean(local: torch.Tensor, cfg: TrainConfig) -> float:
     if cfg.device == "cuda":
         local = local.cuda()
     total = local.detach().float().clone()
-    dist.all_reduce(total)
+    world = dist.group.WORLD
+    spmd.record("all_reduce", total, world, "the step's loss")
+    spmd.wait(dist.all_reduce(total, group=world, async_op=True), "all_reduce of the loss")
     return float(total.item()) / cfg.dp
 
 

@@ -4,11 +4,20 @@ The elastic launcher (``plait train`` on one machine) and torchrun (any number o
 machines) both start workers with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; a single process without
 them trains without a process group.
+
+``--fault-timeout`` bounds every wait for a peer: it is the process group's timeout (a
+collective that a hung peer never joins fails after it) and ``PLAIT_FAULT_TIMEOUT`` (how
+long the survivors of a failed collective wait for each other before naming the ranks
+that did not answer, :mod:`plait.spmd`). Checkpoint collectives have their own, longer
+timeout (:func:`plait.train.checkpointing.checkpoint_group`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 import time
 from datetime import timedelta
 
@@ -16,14 +25,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from plait import spmd
 from plait.train.config import TrainConfig
 from plait.train.loop import TrainResult, train
 
-__all__ = ["default_run_dir", "worker_main"]
+__all__ = ["LAUNCHER_PID", "default_run_dir", "worker_main"]
 
-# Long enough for a slow checkpoint on a loaded machine; a dead peer still fails the run.
-_TIMEOUT = timedelta(minutes=10)
+#: Set by plait's local launcher for its workers: its own process id.
+LAUNCHER_PID = "PLAIT_LAUNCHER_PID"
 _MAX_PATH = 4096
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def default_run_dir() -> str:
@@ -37,13 +48,25 @@ def _threads_per_worker() -> int:
     return max(1, (cores or 1) // local_world)
 
 
+def _die_with_the_launcher() -> None:
+    """On Linux, under plait's launcher: have the kernel SIGKILL this worker when the
+    launcher dies (even by SIGKILL, which it cannot pass on), so none is left orphaned."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # it died before prctl took effect
+        os._exit(1)
+
+
 def _join_process_group(cfg: TrainConfig) -> None:
+    timeout = timedelta(seconds=cfg.fault_timeout)
     if cfg.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl", timeout=_TIMEOUT)
+        dist.init_process_group("nccl", timeout=timeout)
     else:
         torch.set_num_threads(_threads_per_worker())
-        dist.init_process_group("gloo", timeout=_TIMEOUT)
+        dist.init_process_group("gloo", timeout=timeout)
 
 
 def _agree_on_run_dir(cfg: TrainConfig) -> str:
@@ -56,13 +79,17 @@ def _agree_on_run_dir(cfg: TrainConfig) -> str:
     if dist.get_rank() == 0:
         encoded = default_run_dir().encode()
         buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    dist.broadcast(buffer, src=0)
+    world = dist.group.WORLD
+    spmd.record("broadcast", buffer, world, "the run directory's name")
+    spmd.wait(dist.broadcast(buffer, src=0, group=world, async_op=True), "broadcast of run_dir")
     return bytes(buffer.cpu().tolist()).rstrip(b"\0").decode()
 
 
 @record  # a failing worker's traceback reaches the launcher's error report
 def worker_main(cfg: TrainConfig) -> TrainResult:
     """Train ``cfg`` (resolved: see :func:`plait.train.layout.resolve`) in this process."""
+    _die_with_the_launcher()
+    os.environ["PLAIT_FAULT_TIMEOUT"] = f"{cfg.fault_timeout:g}"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _join_process_group(cfg)
     try:
