@@ -1,9 +1,14 @@
-"""Small models shared by the tests."""
+"""Small models shared by the tests, and the usual way to shard them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from plait.fsdp import fully_shard
 
 
 class MLP(nn.Module):
@@ -30,3 +35,19 @@ class MLPStack(nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return self.head(x)
+
+
+def hsdp_mesh() -> DeviceMesh:
+    """A 2 x 2 (dp_replicate, dp_shard) mesh over 4 ranks: HSDP."""
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def shard_blocks(
+    model: nn.Module, *, root_kwargs: dict[str, Any] | None = None, **kwargs: Any
+) -> nn.Module:
+    """plait's ``fully_shard`` on each of ``model.blocks``, then on the root (the usual
+    recipe); ``kwargs`` go to every call, ``root_kwargs`` to the root's only."""
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs, **(root_kwargs or {}))
+    return model

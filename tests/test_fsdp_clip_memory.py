@@ -23,7 +23,7 @@ from plait.fsdp.memory import FSDPMemoryReport, memory_report
 
 from collective_spy import spy_collectives
 from harness import run_on_ranks
-from models import MLP, MLPStack
+from models import MLP, MLPStack, hsdp_mesh, shard_blocks
 from parity import full_value, local_slice, random_batches
 
 DIM, HIDDEN = 7, 13
@@ -34,15 +34,10 @@ def _stack() -> MLPStack:
     return MLPStack(3, dim=DIM, hidden=HIDDEN)
 
 
-def _shard(model: MLPStack, hsdp: bool = False) -> MLPStack:
+def _shard(model: MLPStack, hsdp: bool = False) -> nn.Module:
     """Shard each block and the root, except ``head.bias``; ``hsdp``: on a 2x2 mesh."""
-    mesh = None
-    if hsdp:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh, ignored_params={model.head.bias})  # one plain grad
-    return model
+    root = {"ignored_params": {model.head.bias}}  # one plain grad
+    return shard_blocks(model, mesh=hsdp_mesh() if hsdp else None, root_kwargs=root)
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -30,7 +29,7 @@ from plait.fsdp import (
 
 from collective_spy import spy_collectives
 from harness import run_on_ranks
-from models import MLPStack
+from models import MLPStack, hsdp_mesh, shard_blocks
 from parity import check_parity, default_optimizer, full_value, local_slice, random_batches
 
 DIM, HIDDEN = 7, 13
@@ -39,13 +38,6 @@ BF16 = torch.bfloat16
 
 def _stack() -> MLPStack:
     return MLPStack(3, dim=DIM, hidden=HIDDEN)
-
-
-def _shard_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
 
 
 # --- mixed precision ------------------------------------------------------------------------
@@ -83,7 +75,7 @@ def _mp_parity(reduce_dtype: torch.dtype, microbatches: int, freeze_step: int | 
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype, output_dtype=None)
     torch.manual_seed(0)
     master = _stack()
-    model = _shard_blocks(copy.deepcopy(master), mp_policy=policy)
+    model = shard_blocks(copy.deepcopy(master), mp_policy=policy)
     ref_opt, opt = default_optimizer(master.parameters()), default_optimizer(model.parameters())
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = random_batches(3 * microbatches, 8, DIM, DIM)
@@ -199,12 +191,12 @@ def test_mixed_dtype_unit_gathers_once_and_reduces_per_dtype(world_size: int) ->
 def _offload() -> None:
     offload = CPUOffloadPolicy(pin_memory=False)
     check_parity(
-        _stack, lambda m: _shard_blocks(m, offload_policy=offload), random_batches(3, 8, DIM, DIM)
+        _stack, lambda m: shard_blocks(m, offload_policy=offload), random_batches(3, 8, DIM, DIM)
     )
     torch.manual_seed(0)
     base = _stack()
-    plain = _shard_blocks(copy.deepcopy(base))
-    moved = _shard_blocks(copy.deepcopy(base), offload_policy=CPUOffloadPolicy())
+    plain = shard_blocks(copy.deepcopy(base))
+    moved = shard_blocks(copy.deepcopy(base), offload_policy=CPUOffloadPolicy())
     for model in (plain, moved):
         opt = default_optimizer(model.parameters())
         for inputs, targets in random_batches(3, 8, DIM, DIM):
@@ -224,17 +216,13 @@ def test_cpu_offload_equals_no_offload(world_size: int) -> None:
 # --- HSDP -----------------------------------------------------------------------------------
 
 
-def _hsdp_mesh() -> Any:
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-
-
 def _hsdp() -> None:
-    mesh = _hsdp_mesh()
+    mesh = hsdp_mesh()
     batches = random_batches(3, 8, DIM, DIM)
-    check_parity(_stack, lambda m: _shard_blocks(m, mesh=mesh), batches)
+    check_parity(_stack, lambda m: shard_blocks(m, mesh=mesh), batches)
     torch.manual_seed(0)
     base = _stack()
-    ours = _shard_blocks(copy.deepcopy(base), mesh=mesh)
+    ours = shard_blocks(copy.deepcopy(base), mesh=mesh)
     theirs = copy.deepcopy(base)
     for block in theirs.blocks:
         torch_fully_shard(block, mesh=mesh)
@@ -259,12 +247,12 @@ def test_hsdp_2x2_equals_one_process_and_torch() -> None:
 def _hsdp_deferred_all_reduce() -> list[int]:
     """Microbatch 1 with the all-reduce deferred, microbatch 2 with it: equal to one
     process accumulating both."""
-    mesh = _hsdp_mesh()
+    mesh = hsdp_mesh()
     batches = random_batches(2, 8, DIM, DIM)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = _stack()
-    model = _shard_blocks(copy.deepcopy(reference), mesh=mesh)
+    model = shard_blocks(copy.deepcopy(reference), mesh=mesh)
     all_reduces = []
     for i, (inputs, targets) in enumerate(batches):
         nn.functional.mse_loss(reference(inputs), targets).backward()
@@ -305,8 +293,8 @@ def _gather_group_sizes() -> Iterator[list[int]]:
 
 def _partial_reshard() -> tuple[list[int], list[int], bool]:
     batches = random_batches(3, 8, DIM, DIM)
-    check_parity(_stack, lambda m: _shard_blocks(m, reshard_after_forward=2), batches)
-    model = _shard_blocks(_stack(), reshard_after_forward=2)
+    check_parity(_stack, lambda m: shard_blocks(m, reshard_after_forward=2), batches)
+    model = shard_blocks(_stack(), reshard_after_forward=2)
     model(torch.randn(4, DIM)).sum().backward()  # the first step records the order
     with _gather_group_sizes() as forward:
         loss = model(torch.randn(4, DIM)).sum()
@@ -346,7 +334,7 @@ def _meta_init() -> None:
     def deferred() -> nn.Module:
         with torch.device("meta"):
             model = _stack()
-        _shard_blocks(model)
+        shard_blocks(model)
         model.to_empty(device="cpu")
         _init_weights(model)
         return model
@@ -360,7 +348,7 @@ def _meta_init() -> None:
     # torch's own initialisers run on the shards too (values differ from eager: DTensor RNG)
     with torch.device("meta"):
         model = _stack()
-    _shard_blocks(model).to_empty(device="cpu")
+    shard_blocks(model).to_empty(device="cpu")
     for m in model.modules():
         if isinstance(m, nn.Linear):
             m.reset_parameters()
@@ -376,7 +364,7 @@ def test_meta_device_init_equals_eager_init(world_size: int) -> None:
 def _uninitialised() -> str:
     with torch.device("meta"):
         model = _stack()
-    _shard_blocks(model)
+    shard_blocks(model)
     with pytest.raises(RuntimeError) as info:
         model(torch.randn(2, DIM))
     return str(info.value)

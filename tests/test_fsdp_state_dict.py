@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from plait.fsdp import MixedPrecisionPolicy, fully_shard
@@ -34,7 +33,7 @@ from plait.fsdp.state_dict import (
 )
 
 from harness import run_on_ranks
-from models import MLPStack
+from models import MLPStack, hsdp_mesh, shard_blocks
 from parity import default_optimizer, local_slice, random_batches
 
 # Dimensions that do not divide by 2 or 4; the 7-row bias leaves rank 3 of 4 one row.
@@ -47,15 +46,9 @@ def _stack() -> MLPStack:
     return MLPStack(3, dim=DIM, hidden=HIDDEN)
 
 
-def _shard(model: MLPStack, hsdp: bool = False) -> MLPStack:
+def _shard(model: MLPStack, hsdp: bool = False) -> nn.Module:
     """Shard each block and the root; ``hsdp``: over a 2x2 (replicate, shard) mesh."""
-    mesh = None
-    if hsdp:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_blocks(model, mesh=hsdp_mesh() if hsdp else None)
 
 
 def _batches() -> Batches:

@@ -62,8 +62,19 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The compute device of ``mesh`` on this rank (the current CUDA device for "cuda")."""
     if mesh.device_type == "cpu":
         return torch.device("cpu")
-    module = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
+    return torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+    )
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device a tensor must be on for a collective on ``group`` (CPU for gloo)."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 _SUBGROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[int, int], dist.ProcessGroup]]

@@ -68,6 +68,7 @@ class _Bucket:
         self.flat: torch.Tensor | None = None
         self.work: dist.Work | None = None
         self.owner = "a replicate bucket"  # for divergence reports (plait.spmd)
+        self.all_used = False  # this rank had a gradient for every parameter (last launch)
 
     def launch(self, group: dist.ProcessGroup, world: int) -> None:
         """Pack the gradients (zeros where missing) plus usage counts and start the reduce."""
@@ -83,7 +84,13 @@ class _Bucket:
             else:
                 piece.copy_(p.grad.reshape(-1))
             used.append(p.grad is not None)
-        flat[self.numel :].copy_(torch.tensor(used, dtype=self.reduce_dtype))
+        # Every rank that used a parameter adds one; reading the counts back costs a device
+        # sync, so it is skipped when this rank used them all (then every count is > 0).
+        self.all_used = all(used)
+        if self.all_used:
+            flat[self.numel :].fill_(1)
+        else:
+            flat[self.numel :].copy_(torch.tensor(used, dtype=self.reduce_dtype))
         # Pre-divide (as torch's DDP does) so low-precision reductions do not overflow.
         flat[: self.numel].div_(world)
         self.flat = flat
@@ -93,8 +100,9 @@ class _Bucket:
     def finish(self) -> None:
         """Wait for the reduce and write averaged gradients back into ``param.grad``."""
         assert self.flat is not None and self.work is not None
-        spmd.wait(self.work, f"all_reduce of {self.owner}")
-        flat, counts = self.flat, self.flat[self.numel :].tolist()
+        spmd.wait(self.work, "all_reduce", self.owner)
+        flat = self.flat
+        counts = [1] * len(self.params) if self.all_used else flat[self.numel :].tolist()
         for p, offset, count in zip(self.params, self.offsets, counts, strict=True):
             if count == 0:
                 continue  # no rank used this parameter: keep grad None, as one process would

@@ -210,11 +210,13 @@ def deferred_checks() -> Iterator[None]:
         _deferred -= 1
 
 
-def wait(work: dist.Work | None, what: str) -> None:
+def wait(work: dist.Work | None, what: str, owner: str = "") -> None:
     """Wait for ``work``; with checking on, past the deadline compare ranks and raise.
 
-    Checking on or off, a collective that fails (a peer died) raises
-    :class:`RankLostError` naming the ranks that no longer answer.
+    ``what`` (and ``owner``, when given: "``what`` of ``owner``") names the operation in
+    errors; the two are joined only when an error needs them. Checking on or off, a
+    collective that fails (a peer died) raises :class:`RankLostError` naming the ranks
+    that no longer answer.
     """
     if work is None:
         return
@@ -223,9 +225,10 @@ def wait(work: dist.Work | None, what: str) -> None:
         try:
             work.wait()
         except RuntimeError as error:
-            _name_lost_ranks(what, error)
+            _name_lost_ranks(_describe(what, owner), error)
             raise
         return
+    what = _describe(what, owner)
     # Waited on a helper thread: ``work.wait(timeout)`` is not honoured by every backend's
     # collective (gloo's reduce-scatter waits forever, and only progresses inside wait()).
     done = _waiter().submit(work.wait)
@@ -254,6 +257,10 @@ def check(where: str = "end of step") -> None:
         _compare(checker, where)
 
 
+def _describe(what: str, owner: str) -> str:
+    return f"{what} of {owner}" if owner else what
+
+
 @functools.cache
 def _waiter() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-spmd-wait")
@@ -265,18 +272,36 @@ def _fault_timeout() -> float:
 
 def _name_lost_ranks(what: str, error: BaseException) -> None:
     """After a failed collective: every survivor reports in; raise naming who did not."""
-    store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
-    keys = [f"plait/alive/{_generation}/{r}" for r in range(world)]
-    store.set(keys[rank], "1")
     try:
-        store.wait(keys, timedelta(seconds=_fault_timeout()))
-    except RuntimeError:
-        lost = [r for r, key in enumerate(keys) if not store.check([key])]
+        _exchange(f"plait/alive/{_generation}", "1", _fault_timeout())
+    except _Missing as missing:
         raise RankLostError(
-            f"plait: {what} failed ({error}); rank(s) {lost} did not answer within "
+            f"plait: {what} failed ({error}); rank(s) {missing.ranks} did not answer within "
             f"{_fault_timeout():g} s (PLAIT_FAULT_TIMEOUT): they were lost (the process died "
             "or hung). Restart the job, e.g. plait train --resume."
         ) from error
+
+
+class _Missing(Exception):
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(ranks)
+        self.ranks = ranks
+
+
+def _exchange(prefix: str, mine: str, timeout: float) -> list[str]:
+    """Publish ``mine`` under ``prefix`` and read every rank's value, through the store.
+
+    Not a collective, so it works whatever state the process groups are in; raises
+    :class:`_Missing` naming the ranks that did not publish within ``timeout`` seconds.
+    """
+    store, world = _store(), dist.get_world_size()
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    store.set(keys[dist.get_rank()], mine)
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError as error:
+        raise _Missing([r for r, key in enumerate(keys) if not store.check([key])]) from error
+    return [store.get(key).decode() for key in keys]
 
 
 def _store() -> Store:
@@ -287,12 +312,10 @@ def _store() -> Store:
 
 def _compare(checker: _Checker, where: str) -> None:
     """Publish this rank's fingerprint, read everyone's, raise on a difference."""
-    store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
     prefix = f"plait/spmd/{checker.generation}/{checker.round}"
     checker.round += 1
     mine = {"fingerprints": checker.fingerprints, "where": where}
-    store.set(f"{prefix}/fp/{rank}", json.dumps(mine))
-    summaries = _read_all(store, f"{prefix}/fp", world, 2 * checker.timeout, where)
+    summaries = _read_all(f"{prefix}/fp", mine, 2 * checker.timeout, where)
     records, p2p = checker.records, checker.p2p[-_P2P_KEPT:]
     checker.records, checker.p2p, checker.fingerprints = [], [], {}
     differing = _differing_groups(summaries)
@@ -300,8 +323,7 @@ def _compare(checker: _Checker, where: str) -> None:
         return
     # Every rank sees the same mismatch, so every rank takes part in this second round.
     log = {"collectives": [asdict(r) for r in records], "p2p": [asdict(r) for r in p2p]}
-    store.set(f"{prefix}/log/{rank}", json.dumps(log))
-    logs = _read_all(store, f"{prefix}/log", world, 2 * checker.timeout, where)
+    logs = _read_all(f"{prefix}/log", log, 2 * checker.timeout, where)
     raise DivergenceError(_explain(logs, summaries, differing))
 
 
@@ -316,17 +338,15 @@ def _differing_groups(summaries: list[dict[str, Any]]) -> list[str]:
     return differing
 
 
-def _read_all(store: Store, prefix: str, world: int, timeout: float, where: str) -> list[Any]:
-    keys = [f"{prefix}/{r}" for r in range(world)]
+def _read_all(prefix: str, mine: Any, timeout: float, where: str) -> list[Any]:
+    """Every rank's JSON value published under ``prefix`` (this rank's is ``mine``)."""
     try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except RuntimeError as error:
-        lost = [r for r, key in enumerate(keys) if not store.check([key])]
+        return [json.loads(v) for v in _exchange(prefix, json.dumps(mine), timeout)]
+    except _Missing as missing:
         raise DivergenceError(
-            f"plait: rank(s) {lost} did not reach the collective check ({where}) within "
-            f"{timeout:g} s: they were lost (died or hung outside plait's collectives)"
-        ) from error
-    return [json.loads(store.get(key)) for key in keys]
+            f"plait: rank(s) {missing.ranks} did not reach the collective check ({where}) "
+            f"within {timeout:g} s: they were lost (died or hung outside plait's collectives)"
+        ) from missing
 
 
 def _explain(

@@ -64,6 +64,9 @@ class FSDPModule(nn.Module):
     def _states(self, recurse: bool) -> list[FSDPState]:
         return fsdp_states_in(self) if recurse else [self._fsdp_state()]
 
+    def _units(self, recurse: bool) -> list[FSDPParamGroup]:
+        return [s.unit for s in self._states(recurse) if s.unit is not None]
+
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s, after taking in parameters replaced since ``fully_shard``.
 
@@ -90,16 +93,14 @@ class FSDPModule(nn.Module):
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """Off: gradients accumulate unsharded and unreduced until it is turned back on."""
-        for state in self._states(recurse):
-            if state.unit is not None:
-                state.unit.requires_gradient_sync = requires_gradient_sync
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        for state in self._states(recurse):
-            if state.unit is not None:
-                state.unit.reshard_after_backward = reshard_after_backward
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
@@ -109,9 +110,8 @@ class FSDPModule(nn.Module):
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False defers the cross-replica all-reduce (the reduce-scatter still runs)."""
-        for state in self._states(recurse):
-            if state.unit is not None:
-                state.unit.requires_all_reduce = requires_all_reduce
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """As ``nn.Module._apply`` (``to_empty``, ``.to``, ...), keeping shards consistent.

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from plait import spmd
+from plait.mesh import collective_device
 
 __all__ = ["clip_grad_norm_"]
 
@@ -134,22 +135,12 @@ def _combine(values: torch.Tensor, maximum: bool) -> torch.Tensor:
 
 
 def _all_reduce(value: torch.Tensor, group: dist.ProcessGroup, maximum: bool) -> torch.Tensor:
-    device = _collective_device(group)
+    device = collective_device(group)
     buffer = value.detach().to(device).clone()
     op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
     spmd.record("all_reduce", buffer, group, "clip_grad_norm_")
     spmd.wait(dist.all_reduce(buffer, op=op, group=group, async_op=True), "clip_grad_norm_")
     return buffer
-
-
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    """The device a tensor must be on for a collective on ``group``."""
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _scale_(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:

@@ -47,4 +47,4 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, owner: str) -
     """Sum ``tensor`` in place over ``group`` (HSDP: across the replicas of a shard)."""
     spmd.record("all_reduce", tensor, group, owner)
     with traced("plait.fsdp.all_reduce"):
-        spmd.wait(dist.all_reduce(tensor, group=group, async_op=True), f"all_reduce of {owner}")
+        spmd.wait(dist.all_reduce(tensor, group=group, async_op=True), "all_reduce", owner)

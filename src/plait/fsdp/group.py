@@ -75,7 +75,6 @@ class FSDPParamGroup:
     def __init__(self, params: list[FSDPParam], groups: Groups) -> None:
         self.params = params
         self.groups = groups
-        self.world = groups.world
         # Widest dtypes first, so every parameter's byte offset is aligned for its dtype.
         self.gather_order = sorted(params, key=lambda p: -p.param_dtype.itemsize)
         offset = 0
@@ -95,12 +94,16 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.reshard_after_backward = True
-        self._gather: tuple[torch.Tensor, dist.Work | None, bool] | None = None
+        self._gather: tuple[torch.Tensor, dist.Work | None] | None = None  # (world, segment)
         self._post_forward_rows: torch.Tensor | None = None  # (world / k, segment) bytes
         self._keep_block = False  # the next unshard feeds a post-forward reshard
         self._reductions: dict[tuple[bool, ...], list[_Reduction]] = {}
         self._reducing: list[_Reduction] = []
         self.owner = "a fully_shard unit"  # named by the root at lazy init (spmd reports)
+
+    @property
+    def world(self) -> int:
+        return self.groups.world
 
     @property
     def device(self) -> torch.device:
@@ -114,10 +117,9 @@ class FSDPParamGroup:
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 self._gather = self._gather_post_forward()
             else:
-                out, work = all_gather_segments(
+                self._gather = all_gather_segments(
                     self._segment(), self.groups.shard, self.world, self.owner
                 )
-                self._gather = (out, work, False)
         if not async_op:
             self.wait_for_unshard()
 
@@ -152,7 +154,7 @@ class FSDPParamGroup:
             pieces.append(torch.zeros(self.segment_tail, dtype=torch.uint8, device=self.device))
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
-    def _gather_post_forward(self) -> tuple[torch.Tensor, dist.Work | None, bool]:
+    def _gather_post_forward(self) -> tuple[torch.Tensor, dist.Work | None]:
         """All-gather the kept blocks inside the post-forward group (hpZ backward)."""
         rows = self._post_forward_rows
         assert rows is not None and self.groups.post_forward is not None
@@ -160,7 +162,7 @@ class FSDPParamGroup:
         out, work = all_gather_segments(
             rows.view(-1), self.groups.post_forward, self.groups.post_forward_world, self.owner
         )
-        return out.view(self.world, -1), work, True
+        return out.view(self.world, -1), work
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather (issuing one if needed) and swap in full parameters."""
@@ -169,10 +171,10 @@ class FSDPParamGroup:
         if self._gather is None:
             self.unshard(async_op=True)
         assert self._gather is not None
-        gathered, work, _ = self._gather
+        gathered, work = self._gather
         self._gather = None
         with traced("plait.fsdp.copy_out"):
-            spmd.wait(work, f"all_gather of {self.owner}")
+            spmd.wait(work, "all_gather", self.owner)
             if self.split_copy:
                 outs = [p.alloc_unsharded().view(self.world, -1) for p in self.gather_order]
                 dtype = self.gather_order[0].param_dtype
@@ -278,7 +280,7 @@ class FSDPParamGroup:
             assert red.inflight is not None
             out, work, _ = red.inflight
             red.inflight = None
-            spmd.wait(work, f"reduce_scatter of {self.owner}")
+            spmd.wait(work, "reduce_scatter", self.owner)
             if red.partial is not None:
                 out += red.partial
                 red.partial = None

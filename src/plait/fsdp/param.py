@@ -264,12 +264,9 @@ class FSDPParam:
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded parameter from ``gathered``: (world, gather_nbytes) bytes."""
-        rows = gathered.view(self.param_dtype)
-        full = self.alloc_unsharded()
-        if self.even:
-            full.view(rows.shape).copy_(rows)
-        else:
-            copy_padded_to_full(rows, full, self.chunk_rows)
+        copy_padded_to_full(
+            gathered.view(self.param_dtype), self.alloc_unsharded(), self.chunk_rows
+        )
 
     def stash_grad(self) -> None:
         """Move the unsharded gradient into the reduce-dtype accumulator (no-sync steps).
@@ -302,10 +299,7 @@ class FSDPParam:
         if grad is None:
             dest.zero_()
             return False
-        if self.even:
-            dest.copy_(grad.view(dest.shape))
-        else:
-            copy_full_to_padded(grad, dest, self.chunk_rows)
+        copy_full_to_padded(grad, dest, self.chunk_rows)
         return True
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
@@ -347,6 +341,9 @@ def _row_pairs(
 
 def copy_full_to_padded(full: torch.Tensor, dest: torch.Tensor, chunk_rows: int) -> None:
     """Scatter ``full`` (rows, ...) into ``dest`` (world, chunk_rows * row_numel), zero-padded."""
+    if full.shape[0] == dest.shape[0] * chunk_rows:  # no padding: the layouts coincide
+        dest.copy_(full.reshape(dest.shape))
+        return
     pairs, padding = _row_pairs(full.contiguous(), dest, chunk_rows)
     for src_rows, dest_rows in pairs:
         dest_rows.copy_(src_rows)
@@ -356,6 +353,9 @@ def copy_full_to_padded(full: torch.Tensor, dest: torch.Tensor, chunk_rows: int)
 
 def copy_padded_to_full(src: torch.Tensor, full: torch.Tensor, chunk_rows: int) -> None:
     """Gather ``src`` (world, chunk_rows * row_numel) into ``full`` (rows, ...)."""
+    if full.shape[0] == src.shape[0] * chunk_rows:  # no padding: the layouts coincide
+        full.view(src.shape).copy_(src)
+        return
     pairs, _ = _row_pairs(full, src, chunk_rows)
     for full_rows, src_rows in pairs:
         full_rows.copy_(src_rows)

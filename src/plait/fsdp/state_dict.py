@@ -43,8 +43,9 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.nn.modules.module import _IncompatibleKeys
 
 from plait.fsdp.group import ShardedState
-from plait.fsdp.param import FSDPParam
+from plait.fsdp.param import FSDPParam, shard_rows
 from plait.fsdp.state import FSDPState, TrainingState
+from plait.mesh import collective_device, mesh_device
 
 __all__ = [
     "get_full_state_dict",
@@ -75,11 +76,11 @@ def _local_piece(
                 f"loading a full tensor into a DTensor with placement {placement} is not "
                 "supported (only Shard and Replicate)"
             )
-        dim, parts = placement.dim, mesh.size(mesh_dim)
-        size = piece.shape[dim]
-        chunk = -(-size // parts)
-        start = min(coordinate[mesh_dim] * chunk, size)
-        piece = piece.narrow(dim, start, min(chunk, size - start))
+        dim = placement.dim
+        if piece.shape[dim] == 0:
+            continue  # nothing to split
+        _, start, length = shard_rows(piece.shape[dim], coordinate[mesh_dim], mesh.size(mesh_dim))
+        piece = piece.narrow(dim, start, length)
     return piece
 
 
@@ -105,12 +106,10 @@ def shard_full_tensor(full: torch.Tensor, like: DTensor) -> DTensor:
 
 def _full_value(value: DTensor) -> torch.Tensor:
     """Gather a DTensor (a collective over its mesh) into a plain tensor."""
-    mesh_device = value.device_mesh.device_type
     local = value.to_local()
-    if local.device.type != mesh_device:  # e.g. shards offloaded to CPU on a GPU mesh
-        device = torch.device(mesh_device, torch.get_device_module(mesh_device).current_device())
+    if local.device.type != value.device_mesh.device_type:  # e.g. offloaded to CPU on a GPU
         value = DTensor.from_local(
-            local.to(device),
+            local.to(mesh_device(value.device_mesh)),
             value.device_mesh,
             value.placements,
             run_check=False,
@@ -299,7 +298,7 @@ def _broadcast_full(
     error, keys, received = plan
     if error is not None:
         raise RuntimeError(error)
-    device = _collective_device(group)
+    device = collective_device(group)
     for key in keys:
         like = template[key]
         if dist.get_rank() == src:
@@ -339,14 +338,3 @@ def _broadcast_plan(
     tensors = [k for k in present if isinstance(template[k], torch.Tensor)]
     others = {k: full[k] for k in present if not isinstance(template[k], torch.Tensor)}
     return [error, tensors, others]
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """The device a tensor must be on for a collective on ``group``."""
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        return torch.device("cpu")
-    index = torch.accelerator.current_device_index()
-    return torch.device(accelerator.type, index)
