@@ -15,18 +15,21 @@ from plait.train.model import GPTConfig
 
 
 def main() -> None:
+    default = BenchConfig()  # the defaults live in the config classes only
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--suite", choices=sorted(SUITES), help="a named list of modes")
     parser.add_argument("--modes", help=f"comma-separated modes, from: {', '.join(MODES)}")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per mode per repeat")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--nproc", type=int, default=default.nproc)
+    parser.add_argument("--repeats", type=int, default=default.repeats)
+    parser.add_argument(
+        "--steps", type=int, default=default.steps, help="timed steps per mode per repeat"
+    )
+    parser.add_argument("--warmup", type=int, default=default.warmup)
+    parser.add_argument("--batch", type=int, default=default.batch, help="sequences per rank")
+    parser.add_argument("--layers", type=int, default=default.gpt.n_layer)
+    parser.add_argument("--d-model", type=int, default=default.gpt.d_model)
+    parser.add_argument("--heads", type=int, default=default.gpt.n_head)
+    parser.add_argument("--seq-len", type=int, default=default.gpt.seq_len)
     parser.add_argument("--out", type=Path, default=Path("bench-results/latest.json"))
     args = parser.parse_args()
 

@@ -15,7 +15,7 @@ matches to rounding error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,14 +27,16 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 StepFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, LossFn], torch.Tensor]
 
 
-def default_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn):
+def default_step(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn
+) -> torch.Tensor:
     """Forward, loss and backward of one batch; returns the (detached) loss."""
     loss = loss_fn(model(inputs), targets)
     loss.backward()
     return loss.detach()
 
 
-def default_optimizer(params) -> torch.optim.Optimizer:
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
@@ -119,9 +121,10 @@ def check_parity(
     for name, param in parallel.named_parameters():
         got = full_value(param.detach())
         want = ref_params[name].detach()
-        diff = (got - want).abs().max().item() if got.numel() else 0.0
+        same_shape = got.shape == want.shape
+        diff = (got - want).abs().max().item() if same_shape and got.numel() else 0.0
         report.max_param_diff = max(report.max_param_diff, diff)
-        if got.shape != want.shape or not torch.allclose(got, want, atol=atol, rtol=rtol):
+        if not same_shape or not torch.allclose(got, want, atol=atol, rtol=rtol):
             raise AssertionError(
                 f"parameter {name!r} differs from the reference after {len(batches)} steps: "
                 f"shape {tuple(got.shape)} vs {tuple(want.shape)}, max abs diff {diff:.3g}"
@@ -153,9 +156,12 @@ def train_local(model: nn.Module, batches: Sequence[Batch], steps_per_opt: int =
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for i, (inputs, targets) in enumerate(batches):
-        out = model(local_slice(inputs, rank, world))
-        loss = nn.functional.mse_loss(out, local_slice(targets, rank, world))
-        loss.backward()
+        loss = default_step(
+            model,
+            local_slice(inputs, rank, world),
+            local_slice(targets, rank, world),
+            nn.functional.mse_loss,
+        )
         losses.append(loss.item())
         if (i + 1) % steps_per_opt == 0:
             opt.step()

@@ -199,17 +199,17 @@ def _open(
             if forward_ctx is not None:
                 stack.enter_context(forward_ctx)
             return stack.pop_all()
+    kept = KeptOutputs(options.keep) if options.keep is not None else None
     forward_contexts = [forward_ctx] if forward_ctx is not None else []
-    replay_kept: list[Callable[[], AbstractContextManager[Any]]] = []
-    if options.keep is not None:
-        kept = KeptOutputs(options.keep)
+    if kept is not None:
         forward_contexts.append(kept.recording())
-        replay_kept.append(kept.replaying)
 
     def recompute_contexts() -> list[AbstractContextManager[Any]]:
         # The user's recompute context is entered by every recompute (as in torch).
         contexts = [recompute_ctx] if recompute_ctx is not None else []
-        return contexts + [make() for make in replay_kept]
+        if kept is not None:
+            contexts.append(kept.replaying())
+        return contexts
 
     def rerun(replay: Replay, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         outer, state.replaying = state.replaying, replay
@@ -218,12 +218,7 @@ def _open(
         finally:
             state.replaying = outer
 
-    return Region.open(
-        type(module).__name__,
-        args,
-        kwargs,
-        options.recompute,
-        rerun,
-        forward_contexts,
-        recompute_contexts,
+    region = Region(
+        type(module).__name__, args, kwargs, options.recompute, rerun, recompute_contexts
     )
+    return region.open(forward_contexts)

@@ -36,7 +36,7 @@ from torch._C._autograd import _make_saved_tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from plait.hooks import traced
+from plait.hooks import backward_pass_id, traced
 
 __all__ = ["CheckpointError", "RecomputeOptions", "Region", "Replay"]
 
@@ -131,8 +131,8 @@ _fresh_ids = itertools.count(start=-2, step=-1)
 
 def _backward_id() -> int:
     """Autograd's id for the running backward pass; a fresh id when unpacked outside one."""
-    graph_task = torch._C._current_graph_task_id()
-    return graph_task if graph_task != -1 else next(_fresh_ids)
+    graph_task = backward_pass_id()
+    return graph_task if graph_task is not None else next(_fresh_ids)
 
 
 class _SavedLeaf:
@@ -176,19 +176,22 @@ class _RngState:
 
     def __init__(self, devices: set[torch.device]) -> None:
         self._cpu = torch.get_rng_state()
-        self._devices = {
-            d: module.get_rng_state(d) for d in devices if (module := _rng_module(d)) is not None
-        }
+        # (device, its device module, the state) for each device with a generator of its own.
+        self._devices = [
+            (d, module, module.get_rng_state(d))
+            for d in devices
+            if (module := _rng_module(d)) is not None
+        ]
 
     def _apply(self) -> None:
         torch.set_rng_state(self._cpu)
-        for device, state in self._devices.items():
-            _rng_module(device).set_rng_state(state, device)
+        for device, module, state in self._devices:
+            module.set_rng_state(state, device)
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
         """Run with this state, then put back whatever state the generators had before."""
-        current = _RngState(set(self._devices))
+        current = _RngState({device for device, _, _ in self._devices})
         self._apply()
         try:
             yield
@@ -231,12 +234,12 @@ Rerun = Callable[["Replay", tuple[Any, ...], dict[str, Any]], None]
 
 
 class Region:
-    """One checkpointed call. ``open`` it before the module's forward, ``close`` it after.
+    """One checkpointed call: ``Region(...).open(forward_contexts)`` before the module's
+    forward, ``close()`` after.
 
     ``rerun(replay, args, kwargs)`` must call the module again (with this API's own hooks
     off, everything else as in the forward) and call ``replay.finish()`` when the forward
-    ends. ``forward_contexts`` are entered for the forward; ``recompute_contexts()`` gives
-    the contexts of each recompute.
+    ends. ``recompute_contexts()`` gives the contexts of each recompute.
     """
 
     def __init__(
@@ -264,28 +267,16 @@ class Region:
         self._stack: ExitStack | None = None
         self.forward_done = False
 
-    @classmethod
-    def open(
-        cls,
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        options: RecomputeOptions,
-        rerun: Rerun,
-        forward_contexts: list[AbstractContextManager[Any]],
-        recompute_contexts: Callable[[], list[AbstractContextManager[Any]]],
-    ) -> Region:
-        region = cls(name, args, kwargs, options, rerun, recompute_contexts)
+    def open(self, forward_contexts: list[AbstractContextManager[Any]]) -> Region:
+        """Start the forward: enter this region's hooks, then ``forward_contexts``."""
         with ExitStack() as stack:
-            stack.enter_context(
-                torch.autograd.graph.saved_tensors_hooks(region._pack, region.unpack)
-            )
-            if region._labeler is not None:
-                stack.enter_context(region._labeler)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self.unpack))
+            if self._labeler is not None:
+                stack.enter_context(self._labeler)
             for ctx in forward_contexts:
                 stack.enter_context(ctx)
-            region._stack = stack.pop_all()  # entered them all: keep them open
-        return region
+            self._stack = stack.pop_all()  # entered them all: keep them open
+        return self
 
     def close(self) -> None:
         """End the forward: leave the hooks and contexts that ``open`` entered."""

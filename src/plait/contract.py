@@ -148,8 +148,9 @@ def _check_fqns(api_name: str, before: dict[str, list[str]], after: dict[str, li
         new = after[kind]
         if old == new:
             continue
-        only_old = [n for n in old if n not in set(new)]
-        only_new = [n for n in new if n not in set(old)]
+        old_set, new_set = set(old), set(new)
+        only_old = [n for n in old if n not in new_set]
+        only_new = [n for n in new if n not in old_set]
         if only_old or only_new:
             detail = f"FQNs only in original: {only_old}\nFQNs only in new: {only_new}"
         else:
@@ -162,9 +163,7 @@ def _check_fqns(api_name: str, before: dict[str, list[str]], after: dict[str, li
         )
 
 
-def _as_list(modules: nn.Module | Sequence[nn.Module] | None) -> list[nn.Module]:
-    if modules is None:
-        return []
+def _as_list(modules: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return [modules] if isinstance(modules, nn.Module) else list(modules)
 
 
@@ -234,8 +233,7 @@ def _make_api(
             m.__dict__.setdefault(_REGISTRY_KEY, OrderedDict())[name] = item
         try:
             result = func(module, *args, **kwargs)
-            updated = _root_modules(module, name) if result is None else _as_list(result)
-            updated = _root_modules(updated, name)
+            updated = _root_modules(module if result is None else _as_list(result), name)
             if len(updated) != len(roots):
                 raise RuntimeError(
                     f"{name} must return as many modules as it was given: "

@@ -23,13 +23,19 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def backward_pass_id() -> int | None:
+    """Autograd's id for the backward pass running on this thread, or ``None`` outside one."""
+    graph_task = torch._C._current_graph_task_id()
+    return None if graph_task == -1 else graph_task
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward pass on this thread.
 
     Forwards run inside backward (activation-checkpoint recomputation) must not redo the
     per-step work of an API's forward hooks.
     """
-    return torch._C._current_graph_task_id() != -1
+    return backward_pass_id() is not None
 
 
 _NO_LABEL = contextlib.nullcontext()
