@@ -16,16 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness import BenchConfig, Mode, Step
-from plait.pipeline import schedule_spec, split_model, stage_to_rank
+from plait.pipeline import SCHEDULE_CLASSES, SCHEDULES, split_model, stages_of_rank
 from plait.train.model import GPT, lm_loss
 
-# plait / torch class names per schedule, and stages per rank.
-_SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", 1),
-    "1f1b": ("Schedule1F1B", 1),
-    "interleaved": ("ScheduleInterleaved1F1B", 2),
-}
-_GENERATOR_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+# Mode suffix -> schedule name; plait's class and torch's share the class name.
+_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 
 
 def _pipeline_batch(cfg: BenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,17 +42,17 @@ def _api(which: str) -> Any:
 
 def _pipelined(cfg: BenchConfig, which: str, schedule: str) -> Step:
     """This rank's stages of the GPT under ``schedule``, by ``which`` ("plait" / "torch")."""
-    class_name, per_rank = _SCHEDULES[schedule]
+    spec = SCHEDULES[_SCHEDULES[schedule]]
+    per_rank = spec.stages_per_rank or 2  # interleaved: two stages per rank
     rank, world = dist.get_rank(), dist.get_world_size()
     n_stages = world * per_rank
-    style = schedule_spec(_GENERATOR_NAMES[schedule]).style
-    ids = [s for s in range(n_stages) if stage_to_rank(s, world, style) == rank]
+    ids = stages_of_rank(rank, world, n_stages, spec.style)
     torch.manual_seed(0)
     modules = split_model(GPT(cfg.gpt), n_stages, layers="blocks", stages=ids)
     api = _api(which)
     cpu = torch.device("cpu")
     stages = [api.PipelineStage(m, s, n_stages, cpu) for m, s in zip(modules, ids, strict=True)]
-    cls = getattr(api, class_name)
+    cls = getattr(api, SCHEDULE_CLASSES[spec.name].__name__)
     pipe = cls(stages[0] if per_rank == 1 else stages, cfg.microbatches, loss_fn=lm_loss)
     return _pipeline_step(pipe, modules, cfg, first=0 in ids, last=n_stages - 1 in ids)
 

@@ -24,18 +24,17 @@ from torch.nn import functional as F
 from plait import checkpoint, fully_shard, replicate
 from plait.fsdp import MixedPrecisionPolicy
 from plait.pipeline import (
+    SCHEDULE_CLASSES,
     SCHEDULES,
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
     schedule_spec,
     split_model,
     stage_layers,
-    stage_to_rank,
+    stages_of_rank,
 )
 from plait.pipeline.backward import backward_full, backward_input, backward_weight
 from plait.train.model import GPT, GPTConfig, lm_loss
@@ -51,20 +50,22 @@ from parity import (
     random_batches,
 )
 
-CLASSES: dict[str, Any] = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "LoopedBFS": ScheduleLoopedBFS,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-}
 ATOL, RTOL = 1e-6, 1e-5
 
 
 def layer_stack(n: int = 8, dim: int = 6) -> nn.Sequential:
     """``n`` Linear-Tanh layers on the last dimension: works on (B, C) and (B, T, C)."""
     return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n)))
+
+
+def layers_with_parameters(module: nn.Module) -> list[nn.Module]:
+    """The children of a stage module that kept their layer (the others are Identity)."""
+    return [c for c in module.children() if any(True for _ in c.parameters())]
+
+
+def per_rank(name: str) -> int:
+    """Stages per rank for ``name``: its fixed count, else 2 (looped schedules)."""
+    return SCHEDULES[name].stages_per_rank or 2
 
 
 def tiny_gpt(n_layer: int = 4) -> GPT:
@@ -143,9 +144,9 @@ def test_split_gpt_by_blocks() -> None:
 # --- schedules on ranks: parity with one process -------------------------------------------
 
 
-def _local_stage_ids(name: str, n_ranks: int, n_stages: int, rank: int) -> list[int]:
-    style = schedule_spec(name).style
-    return [s for s in range(n_stages) if stage_to_rank(s, n_ranks, style) == rank]
+def test_every_schedule_has_its_class() -> None:
+    assert list(SCHEDULE_CLASSES) == list(SCHEDULES)
+    assert all(cls.name == name for name, cls in SCHEDULE_CLASSES.items())
 
 
 def _build_schedule(
@@ -160,14 +161,15 @@ def _build_schedule(
     wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
 ) -> tuple[Any, list[nn.Module]]:
     """This rank's stages of ``model`` and the schedule ``name`` over them."""
-    n_ranks = dist.get_world_size(group)
-    ids = _local_stage_ids(name, n_ranks, n_stages, dist.get_rank(group))
+    style = schedule_spec(name).style
+    ids = stages_of_rank(dist.get_rank(group), dist.get_world_size(group), n_stages, style)
     modules = [wrap(m) for m in split_model(model, n_stages, layers=layers, stages=ids)]
     stages = [
         PipelineStage(m, s, n_stages, "cpu", group=group) for m, s in zip(modules, ids, strict=True)
     ]
-    single = SCHEDULES[name].stages_per_rank == 1
-    return CLASSES[name](stages[0] if single else stages, n_microbatches, loss_fn), modules
+    # The single-stage classes take a stage, the looped ones this rank's list of stages.
+    given: Any = stages[0] if SCHEDULES[name].stages_per_rank == 1 else stages
+    return SCHEDULE_CLASSES[name](given, n_microbatches, loss_fn), modules
 
 
 def _assert_grads_match(modules: list[nn.Module], reference: nn.Module, what: str) -> None:
@@ -182,9 +184,9 @@ def _assert_grads_match(modules: list[nn.Module], reference: nn.Module, what: st
                 raise AssertionError(f"{what}: gradient of {name} differs by {diff:.3g}")
 
 
-def _parity_body(name: str, per_rank: int, batches: list[tuple[int, int]], m: int) -> int:
+def _parity_body(name: str, batches: list[tuple[int, int]], m: int) -> int:
     """Run ``name`` for steps with (batch, seq) shapes; compare every loss and gradient."""
-    n_stages = per_rank * dist.get_world_size()
+    n_stages = per_rank(name) * dist.get_world_size()
     model = layer_stack(n_stages)
     reference = copy.deepcopy(model)
     schedule, modules = _build_schedule(name, model, n_stages, m, F.mse_loss)
@@ -207,19 +209,17 @@ def _parity_body(name: str, per_rank: int, batches: list[tuple[int, int]], m: in
     return len(modules)
 
 
-@pytest.mark.parametrize("name", list(CLASSES))
+@pytest.mark.parametrize("name", list(SCHEDULE_CLASSES))
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_schedule_matches_one_process(name: str, world: int) -> None:
-    per_rank = SCHEDULES[name].stages_per_rank or 2
-    counts = run_on_ranks(world, _parity_body, name, per_rank, [(8, 3), (8, 3)], 4)
-    assert counts == [per_rank] * world
+    counts = run_on_ranks(world, _parity_body, name, [(8, 3), (8, 3)], 4)
+    assert counts == [per_rank(name)] * world
 
 
 @pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble"])
 def test_uneven_microbatches_and_changing_shapes(name: str) -> None:
     # 7 rows in 4 microbatches (2, 2, 2, 1); then the sequence length changes, then the batch.
-    per_rank = SCHEDULES[name].stages_per_rank or 2
-    run_on_ranks(2, _parity_body, name, per_rank, [(7, 3), (7, 5), (9, 2), (7, 3)], 4)
+    run_on_ranks(2, _parity_body, name, [(7, 3), (7, 5), (9, 2), (7, 3)], 4)
 
 
 def _gpt_body(name: str) -> None:
@@ -252,9 +252,8 @@ def _checkpoint_body(name: str) -> None:
     reference = copy.deepcopy(model)
 
     def wrap(m: nn.Module) -> nn.Module:
-        for child in m.children():
-            if any(True for _ in child.parameters()):
-                checkpoint(child)
+        for layer in layers_with_parameters(m):
+            checkpoint(layer)
         return m
 
     schedule, modules = _build_schedule(name, model, 4, 4, F.mse_loss, wrap=wrap)
@@ -370,9 +369,8 @@ class _Stages(nn.Module):
 
 
 def _shard(module: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
-    for child in module.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, **kwargs)
+    for layer in layers_with_parameters(module):
+        fully_shard(layer, mesh=mesh, **kwargs)
     fully_shard(module, mesh=mesh, **kwargs)
     return module
 
@@ -396,8 +394,7 @@ def _reductions_per_step(stages: nn.Module) -> int:
 def _pp_dp_body(name: str, kind: str) -> None:
     mesh = _dp_pp_mesh()
     pp_group, dp_mesh = mesh["pp"].get_group(), mesh["dp"]
-    per_rank = SCHEDULES[name].stages_per_rank or 2
-    n_stages = 2 * per_rank
+    n_stages = 2 * per_rank(name)
     schedules: dict[int, Any] = {}
 
     def wrap(m: nn.Module) -> nn.Module:
@@ -479,7 +476,7 @@ def _fsdp_schedule_points_body() -> dict[str, Any]:
         torch.testing.assert_close(evaluated, out)
     assert all(isinstance(p, DTensor) for p in module.parameters())
     # One unit per kept layer; the stage's root unit owns no parameters of its own.
-    units = sum(1 for c in module.children() if any(True for _ in c.parameters()))
+    units = len(layers_with_parameters(module))
     return {
         "trace": trace,
         "gathers": len(calls["all_gather_single"]),
@@ -548,7 +545,7 @@ def _mixed_precision_body(name: str) -> None:
     """bf16 parameters, fp32 reduction, on a 2 x 2 (dp, pp) mesh, against hand-made casts."""
     mesh = _dp_pp_mesh()
     dp_rank = mesh["dp"].get_local_rank()
-    n_stages, m = 2 * (SCHEDULES[name].stages_per_rank or 2), 2
+    n_stages, m = 2 * per_rank(name), 2
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     master = layer_stack(n_stages)
     schedule, modules = _build_schedule(

@@ -15,7 +15,8 @@ Running them (torch's names):
 * :mod:`~plait.pipeline.split`: ``split_model``, stage modules that keep parameter names;
 * :mod:`~plait.pipeline.stage`: ``PipelineStage``;
 * :mod:`~plait.pipeline.schedule_classes`: ``ScheduleGPipe``, ``Schedule1F1B``, ... whose
-  ``step`` runs the generated action list through :mod:`~plait.pipeline.runtime`.
+  ``step`` runs the generated action list through :mod:`~plait.pipeline.runtime`;
+  ``SCHEDULE_CLASSES`` maps each name of ``SCHEDULES`` to its class.
 """
 
 from plait.pipeline.actions import (
@@ -29,6 +30,7 @@ from plait.pipeline.actions import (
     parse_schedule,
     requirements,
     stage_to_rank,
+    stages_of_rank,
 )
 from plait.pipeline.microbatch import (
     TensorChunkSpec,
@@ -36,6 +38,7 @@ from plait.pipeline.microbatch import (
     split_args_kwargs_into_chunks,
 )
 from plait.pipeline.schedule_classes import (
+    SCHEDULE_CLASSES,
     PipelineSchedule,
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -67,6 +70,7 @@ from plait.pipeline.validate import validate
 
 __all__ = [
     "SCHEDULES",
+    "SCHEDULE_CLASSES",
     "Action",
     "ActionKind",
     "PipelineSchedule",
@@ -102,5 +106,6 @@ __all__ = [
     "split_model",
     "stage_layers",
     "stage_to_rank",
+    "stages_of_rank",
     "validate",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "parse_schedule",
     "requirements",
     "stage_to_rank",
+    "stages_of_rank",
 ]
 
 Style = Literal["loop", "v"]
@@ -214,3 +215,8 @@ def stage_to_rank(stage: int, n_ranks: int, style: Style) -> int:
             )
         return stage if stage < n_ranks else 2 * n_ranks - 1 - stage
     raise ValueError(f"Unknown placement style {style!r}: expected 'loop' or 'v'")
+
+
+def stages_of_rank(rank: int, n_ranks: int, n_stages: int, style: Style) -> list[int]:
+    """The global stages that ``rank`` holds under placement ``style``, in increasing order."""
+    return [s for s in range(n_stages) if stage_to_rank(s, n_ranks, style) == rank]

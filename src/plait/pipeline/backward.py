@@ -121,6 +121,9 @@ class _StageGraph:
 
     def is_weight_only(self, node: Node) -> bool:
         """Every path from ``node`` ends at a weight (iterative: graphs can be deep)."""
+        known = self._weight_only.get(node)
+        if known is not None:
+            return known
         stack = [node]
         while stack:
             top = stack[-1]
@@ -157,9 +160,10 @@ class _StageGraph:
             stack.append((r.grad_fn, r.output_nr))
         while stack:
             node, nr = stack.pop()
-            if self.is_weight_only(node) or self.is_boundary(node):
+            weight_only = self.is_weight_only(node)
+            if weight_only or self.is_boundary(node):
                 found.setdefault((node, nr), GradientEdge(node, nr))
-            if node in seen or self.is_weight_only(node):
+            if weight_only or node in seen:
                 continue
             seen.add(node)
             stack += [

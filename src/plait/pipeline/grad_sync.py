@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.fsdp.api import FSDPModule, fsdp_states_in
+from plait.fsdp.group import FSDPParamGroup
 from plait.fsdp.state import FSDPState
 from plait.hooks import traced
 from plait.replicate import ReplicateModule, ReplicateState, replicate
@@ -36,9 +37,8 @@ from plait.replicate import ReplicateModule, ReplicateState, replicate
 __all__ = ["StageGradSync"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _FSDPFlags:
-    state: FSDPState
     reshard_after_forward: bool | None
     reshard_after_backward: bool
     requires_gradient_sync: bool
@@ -49,51 +49,48 @@ class StageGradSync:
 
     def __init__(self, module: nn.Module) -> None:
         self.fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        self.fsdp_states = [s for s in fsdp_states_in(module) if s.unit is not None]
+        self.fsdp_units: list[tuple[FSDPState, FSDPParamGroup]] = [
+            (s, s.unit) for s in fsdp_states_in(module) if s.unit is not None
+        ]
         self.replicate_states: list[ReplicateState] = [
             replicate.state(m) for m in module.modules() if isinstance(m, ReplicateModule)
         ]
+        # Units whose gradients are accumulated in another dtype than the parameters'.
+        self._stashing = [
+            unit
+            for _, unit in self.fsdp_units
+            if any(p.reduce_dtype != p.param_dtype for p in unit.params)
+        ]
         self._saved_fsdp: list[_FSDPFlags] = []
         self._saved_replicate: list[bool] = []
-        self._stashing: list[FSDPState] = []  # units that reduce in another dtype
 
     @property
     def active(self) -> bool:
         """True when the stage has anything to gather or reduce."""
-        return bool(self.fsdp_states or self.replicate_states)
+        return bool(self.fsdp_units or self.replicate_states)
 
     def begin_step(self) -> None:
-        self._saved_fsdp = []
-        for s in self.fsdp_states:
-            assert s.unit is not None
-            self._saved_fsdp.append(
-                _FSDPFlags(
-                    s,
-                    s.reshard_after_forward,
-                    s.unit.reshard_after_backward,
-                    s.unit.requires_gradient_sync,
-                )
+        self._saved_fsdp = [
+            _FSDPFlags(
+                s.reshard_after_forward, unit.reshard_after_backward, unit.requires_gradient_sync
             )
+            for s, unit in self.fsdp_units
+        ]
+        for s, unit in self.fsdp_units:
             s.reshard_after_forward = False
-            s.unit.reshard_after_backward = False
-            s.unit.requires_gradient_sync = False
+            unit.reshard_after_backward = False
+            unit.requires_gradient_sync = False
         self._saved_replicate = [s.requires_gradient_sync for s in self.replicate_states]
         for r in self.replicate_states:
             r.requires_gradient_sync = False
-        self._stashing = [
-            s
-            for s in self.fsdp_states
-            if s.unit is not None and any(p.reduce_dtype != p.param_dtype for p in s.unit.params)
-        ]
 
     def end_step(self) -> None:
-        for f in self._saved_fsdp:
-            assert f.state.unit is not None
+        for (s, unit), f in zip(self.fsdp_units, self._saved_fsdp, strict=True):
             # A unit first run inside the pipeline never resolved its default: keep False.
             if f.reshard_after_forward is not None:
-                f.state.reshard_after_forward = f.reshard_after_forward
-            f.state.unit.reshard_after_backward = f.reshard_after_backward
-            f.state.unit.requires_gradient_sync = f.requires_gradient_sync
+                s.reshard_after_forward = f.reshard_after_forward
+            unit.reshard_after_backward = f.reshard_after_backward
+            unit.requires_gradient_sync = f.requires_gradient_sync
         for r, sync in zip(self.replicate_states, self._saved_replicate, strict=True):
             r.requires_gradient_sync = sync
         self._saved_fsdp, self._saved_replicate = [], []
@@ -108,9 +105,8 @@ class StageGradSync:
     def stash_grads(self) -> None:
         """After a backward action (B, I or W): move the unsharded gradients it left in
         ``.grad`` (parameter dtype) into the units' reduce-dtype accumulators."""
-        for s in self._stashing:
-            assert s.unit is not None
-            s.unit.stash_grads()
+        for unit in self._stashing:
+            unit.stash_grads()
 
     def reshard(self) -> None:
         with traced("plait.pipeline.reshard"):
@@ -120,11 +116,9 @@ class StageGradSync:
     def reduce_grads(self) -> None:
         """Reduce the gradients accumulated over the step's microbatches, once."""
         with traced("plait.pipeline.reduce_grad"):
-            for s in self.fsdp_states:
-                assert s.unit is not None
-                s.unit.reduce_grads()
+            for _, unit in self.fsdp_units:
+                unit.reduce_grads()
             for r in self.replicate_states:
                 r.finish_backward()
-            for s in self.fsdp_states:
-                assert s.unit is not None
-                s.unit.finish_reduce()
+            for _, unit in self.fsdp_units:
+                unit.finish_reduce()

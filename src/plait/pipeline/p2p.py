@@ -36,6 +36,7 @@ deadline with a report instead of hanging.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -125,16 +126,12 @@ def _offsets(meta: Meta, start: int) -> tuple[list[int], int]:
     offsets, end = [], start
     for m in meta:
         offsets.append(end)
-        nbytes = m.dtype.itemsize * _numel(m.shape)
-        end += -(-nbytes // _ALIGN) * _ALIGN
+        end += -(-_nbytes(m) // _ALIGN) * _ALIGN
     return offsets, end
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _nbytes(m: TensorMeta) -> int:
+    return m.dtype.itemsize * math.prod(m.shape)
 
 
 def _pack(
@@ -145,27 +142,30 @@ def _pack(
     offsets, size = _offsets(meta, start)
     buf = torch.empty(size, dtype=torch.uint8, device=device)
     if start:
-        buf[:8].view(torch.int64).fill_(0)
+        _write_header(buf, 0)
     for t, m, off in zip(tensors, meta, offsets, strict=True):
         _view(buf, m, off).copy_(t.detach())
     return buf
 
 
-def _unpack(buf: torch.Tensor, meta: Meta, start: int) -> list[torch.Tensor]:
-    """Views of ``buf``'s tensors (fresh leaves: the caller may set requires_grad)."""
-    offsets, _ = _offsets(meta, start)
+def _unpack(buf: torch.Tensor, meta: Meta, offsets: list[int]) -> list[torch.Tensor]:
+    """Views of ``buf``'s tensors at ``offsets`` (fresh leaves: the caller may set
+    requires_grad)."""
     return [_view(buf, m, off).detach() for m, off in zip(meta, offsets, strict=True)]
 
 
 def _view(buf: torch.Tensor, m: TensorMeta, offset: int) -> torch.Tensor:
-    nbytes = m.dtype.itemsize * _numel(m.shape)
-    return buf[offset : offset + nbytes].view(m.dtype).view(m.shape)
+    return buf[offset : offset + _nbytes(m)].view(m.dtype).view(m.shape)
 
 
 def _header(value: int, size: int, device: torch.device) -> torch.Tensor:
     buf = torch.empty(size, dtype=torch.uint8, device=device)
-    buf[:8].view(torch.int64).fill_(value)
+    _write_header(buf, value)
     return buf
+
+
+def _write_header(buf: torch.Tensor, value: int) -> None:
+    buf[:8].view(torch.int64).fill_(value)
 
 
 def _read_header(buf: torch.Tensor) -> int:
@@ -220,7 +220,7 @@ class ActivationRecv(_Recv):
     ) -> None:
         super().__init__(peer, owner, group, device)
         self.agreed, self.tag = agreed, tag
-        size = _HEADER if agreed is None else _offsets(agreed, _HEADER)[1]
+        self.offsets, size = ([], _HEADER) if agreed is None else _offsets(agreed, _HEADER)
         self.part = _Part.HEADER if agreed is None else _Part.PACKED
         self.first = torch.empty(size, dtype=torch.uint8, device=device)
 
@@ -231,13 +231,14 @@ class ActivationRecv(_Recv):
             length = _read_header(self.first)
             if length == 0:
                 assert self.agreed is not None
-                return self.agreed, _unpack(self.first, self.agreed, _HEADER)
+                return self.agreed, _unpack(self.first, self.agreed, self.offsets)
             encoded = torch.empty(length, dtype=torch.int64, device=self.device)
             self._receive(encoded, _Part.META)
             meta = decode_meta(encoded.cpu())
-            buf = torch.empty(_offsets(meta, 0)[1], dtype=torch.uint8, device=self.device)
+            offsets, size = _offsets(meta, 0)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._receive(buf, _Part.NEW_PAYLOAD)
-            return meta, _unpack(buf, meta, 0)
+            return meta, _unpack(buf, meta, offsets)
 
     def _receive(self, tensor: torch.Tensor, part: _Part) -> None:
         """Receive one follow-up message now (the sender posted it with the header)."""
@@ -259,12 +260,13 @@ class GradientRecv(_Recv):
     ) -> None:
         super().__init__(peer, owner, group, device)
         self.meta = meta
-        self.buf = torch.empty(_offsets(meta, 0)[1], dtype=torch.uint8, device=device)
+        self.offsets, size = _offsets(meta, 0)
+        self.buf = torch.empty(size, dtype=torch.uint8, device=device)
 
     def wait(self) -> list[torch.Tensor]:
         with traced("plait.pipeline.recv_wait"):
             self._wait_posted()
-            return _unpack(self.buf, self.meta, 0)
+            return _unpack(self.buf, self.meta, self.offsets)
 
 
 SentTensor = tuple[dist.Work, torch.Tensor, str]

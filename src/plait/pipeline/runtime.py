@@ -182,6 +182,8 @@ class _Runner:
         Receives are posted in schedule order (so every pair of ranks sees its messages
         in the same order) and waited for by the compute action that consumes them.
         """
+        if not self.pending and self.posted == len(self.recvs):
+            return  # nothing to send and every receive posted
         batch = P2PBatch(self.group, self.device)
         for action in self.pending:
             if action.kind in _RECVS:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from plait import spmd
-from plait.pipeline.actions import ActionKind, Schedule, stage_to_rank
+from plait.pipeline.actions import ActionKind, Schedule, Style, stage_to_rank
 from plait.pipeline.grad_sync import StageGradSync
 from plait.pipeline.microbatch import (
     ChunkSpec,
@@ -64,6 +64,7 @@ K = ActionKind
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "SCHEDULE_CLASSES",
     "PipelineSchedule",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
@@ -106,13 +107,15 @@ class PipelineSchedule:
         self._n_ranks, self._n_stages = first.group_size, first.num_stages
         self._group_rank, self._group, self._device = first.group_rank, first.group, first.device
         self._agreed = self._n_ranks == 1  # checked at the first run (_check_agreement)
-        self._syncs = {i: StageGradSync(s.submod) for i, s in self._stages.items()}
-        self._syncs = {i: sync for i, sync in self._syncs.items() if sync.active}
-        self._train = self._build(backward=True)
-        self._eval = self._build(backward=False)
-        self._place_stages()
-        self.pipeline_order: Schedule = self._train
-        """Every pipeline rank's actions, as torch's ``pipeline_order``."""
+        self._syncs = {
+            i: sync for i, s in self._stages.items() if (sync := StageGradSync(s.submod)).active
+        }
+        style = schedule_spec(self.name).style
+        compute = generate(self.name, self._n_ranks, self._n_stages, n_microbatches)
+        forwards = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in compute.items()}
+        self._train = self._lower(compute, style, backward=True)
+        self._eval = self._lower(forwards, style, backward=False)
+        self._place_stages(style)
         logger.debug(
             "%s on pipeline rank %d: %s",
             self.name,
@@ -120,25 +123,25 @@ class PipelineSchedule:
             " ".join(map(str, self._train[self._group_rank])),
         )
 
-    def _build(self, *, backward: bool) -> Schedule:
-        """Generate, lower and validate this schedule (every rank's actions)."""
-        spec = schedule_spec(self.name)
+    @property
+    def pipeline_order(self) -> Schedule:
+        """Every pipeline rank's actions, as torch's ``pipeline_order``."""
+        return self._train
+
+    def _lower(self, compute: Schedule, style: Style, *, backward: bool) -> Schedule:
+        """Add communication (and FSDP) actions to ``compute`` and check the result."""
         n_ranks, n_stages, m = self._n_ranks, self._n_stages, self._n_microbatches
-        compute = generate(self.name, n_ranks, n_stages, m)
-        if not backward:
-            compute = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in compute.items()}
-        schedule = add_communication(compute, n_ranks, spec.style, n_stages)
+        schedule = add_communication(compute, n_ranks, style, n_stages)
         if self._syncs:  # each rank lowers its own FSDP actions: they involve no other rank
             schedule = add_fsdp_actions(schedule)
         if backward:
-            validate(schedule, n_ranks, n_stages, m, style=spec.style)
+            validate(schedule, n_ranks, n_stages, m, style=style)
         else:
             simulate(schedule)  # validate wants backwards; a deadlock still raises here
         return schedule
 
-    def _place_stages(self) -> None:
+    def _place_stages(self, style: Style) -> None:
         """Check that this rank holds exactly its stages; connect them to their neighbours."""
-        style = schedule_spec(self.name).style
         rank_of_stage = [stage_to_rank(s, self._n_ranks, style) for s in range(self._n_stages)]
         expected = [s for s, r in enumerate(rank_of_stage) if r == self._group_rank]
         if sorted(self._stages) != expected:
@@ -158,10 +161,7 @@ class PipelineSchedule:
         **kwargs: Any,
     ) -> Any:
         """One training step on the whole batch; see the module docstring."""
-        backward = self._loss_fn is not None
-        return self._run(
-            self._train if backward else self._eval, args, kwargs, target, losses, backward
-        )
+        return self._run(args, kwargs, target, losses, backward=self._loss_fn is not None)
 
     def eval(
         self,
@@ -172,17 +172,18 @@ class PipelineSchedule:
     ) -> Any:
         """Forwards only, no gradients: the merged output on the last stage's rank."""
         with torch.no_grad():
-            return self._run(self._eval, args, kwargs, target, losses, backward=False)
+            return self._run(args, kwargs, target, losses, backward=False)
 
     def _run(
         self,
-        order: Schedule,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         target: Any,
         losses: list[torch.Tensor] | None,
         backward: bool,
     ) -> Any:
+        """Run this rank's actions of the training (``backward``) or the forward-only order."""
+        order = self._train if backward else self._eval
         m = self._n_microbatches
         what = "pipeline_step" if backward else "pipeline_forward"
         spmd.agree(what, m, self._group, f"{self.name} with {m} microbatches")
@@ -382,3 +383,18 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
     """ZB-V: two stages per rank in a V, split backward."""
 
     name = "ZBVZeroBubble"
+
+
+SCHEDULE_CLASSES: dict[str, type[PipelineSchedule]] = {
+    cls.name: cls
+    for cls in (
+        ScheduleGPipe,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+}
+"""The class of every schedule of :data:`~plait.pipeline.schedules.SCHEDULES`, by the same
+name (``SCHEDULE_CLASSES[schedule_spec(name).name]`` for a case-insensitive name)."""

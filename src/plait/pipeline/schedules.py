@@ -107,6 +107,21 @@ def _depth_first(rank: int, n_ranks: int, n_local: int, m: int, kind: ActionKind
     return order
 
 
+def _megatron(n_ranks: int, n_stages: int, m: int, backward: ActionKind, hops: int) -> Schedule:
+    """Megatron's order for v = n_stages / n_ranks looped stages per rank: depth-first
+    forwards and ``backward`` actions, alternating after rank r's warm-up of
+    (v - 1) * group + hops * (n_ranks - 1 - r) forwards (group: the first group's size)."""
+    v, first_group = n_stages // n_ranks, _groups(n_ranks, m)[0]
+    return {
+        r: _interleave(
+            _depth_first(r, n_ranks, v, m, K.FORWARD),
+            _depth_first(r, n_ranks, v, m, backward),
+            min(v * m, (v - 1) * first_group + hops * (n_ranks - 1 - r)),
+        )
+        for r in range(n_ranks)
+    }
+
+
 def interleaved_1f1b(n_ranks: int, n_stages: int, n_microbatches: int) -> Schedule:
     """Megatron's interleaved 1F1B: v = n_stages / n_ranks looped stages per rank.
 
@@ -115,14 +130,7 @@ def interleaved_1f1b(n_ranks: int, n_stages: int, n_microbatches: int) -> Schedu
     n_microbatches >= n_ranks and equal F / B costs per stage, the bubble fraction is
     (p - 1) / (v * m + p - 1): 1F1B's idle time against v times the work per rank.
     """
-    v, m = n_stages // n_ranks, n_microbatches
-    schedule: Schedule = {}
-    for r in range(n_ranks):
-        warmup = min(v * m, (v - 1) * _groups(n_ranks, m)[0] + 2 * (n_ranks - 1 - r))
-        fwd = _depth_first(r, n_ranks, v, m, K.FORWARD)
-        bwd = _depth_first(r, n_ranks, v, m, K.FULL_BACKWARD)
-        schedule[r] = _interleave(fwd, bwd, warmup)
-    return schedule
+    return _megatron(n_ranks, n_stages, n_microbatches, K.FULL_BACKWARD, hops=2)
 
 
 def interleaved_zero_bubble(n_ranks: int, n_stages: int, n_microbatches: int) -> Schedule:
@@ -132,14 +140,8 @@ def interleaved_zero_bubble(n_ranks: int, n_stages: int, n_microbatches: int) ->
     n_ranks - 1 - r), and rank r runs each W r I's after its I, so W's fill the time that
     the next I waits for its gradient.
     """
-    v, m = n_stages // n_ranks, n_microbatches
-    schedule: Schedule = {}
-    for r in range(n_ranks):
-        warmup = min(v * m, (v - 1) * _groups(n_ranks, m)[0] + n_ranks - 1 - r)
-        fwd = _depth_first(r, n_ranks, v, m, K.FORWARD)
-        bwd = _depth_first(r, n_ranks, v, m, K.BACKWARD_INPUT)
-        schedule[r] = _delay_weights(_interleave(fwd, bwd, warmup), lag=r)
-    return schedule
+    order = _megatron(n_ranks, n_stages, n_microbatches, K.BACKWARD_INPUT, hops=1)
+    return {r: _delay_weights(actions, lag=r) for r, actions in order.items()}
 
 
 def looped_bfs(n_ranks: int, n_stages: int, n_microbatches: int) -> Schedule:
@@ -267,7 +269,8 @@ def generate(
         )
     fixed = spec.stages_per_rank
     if fixed is not None and n_stages != fixed * n_ranks:
-        others = "; Interleaved1F1B, LoopedBFS and InterleavedZeroBubble hold any number"
+        *some, last = [s.name for s in SCHEDULES.values() if s.stages_per_rank is None]
+        others = f"; {', '.join(some)} and {last} hold any number"
         raise ValueError(
             f"{spec.name} holds {fixed} stage(s) per rank, so n_stages must be "
             f"{fixed * n_ranks} for {n_ranks} ranks, got n_stages={n_stages}"

@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from plait.pipeline.backward import (
-    WeightGradWork,
     backward_full,
     backward_input,
     backward_weight,
@@ -48,7 +48,6 @@ from plait.pipeline.p2p import (
     GradientRecv,
     Meta,
     P2PBatch,
-    TensorMeta,
     meta_of,
     transfer_tag,
 )
@@ -56,6 +55,7 @@ from plait.pipeline.p2p import (
 __all__ = ["PipelineStage"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -221,10 +221,7 @@ class PipelineStage:
 
     def _received_inputs(self, microbatch: int) -> list[torch.Tensor]:
         if self.prev_local is not None:
-            inputs: list[torch.Tensor] = self._take(
-                self._inputs, microbatch, "the previous stage's forward (F)"
-            )
-            return inputs
+            return self._take(self._inputs, microbatch, "the previous stage's forward (F)")
         recv = self._take(self._activation_recvs, microbatch, "its input activations (RECV_F)")
         meta, tensors = recv.wait()
         if meta != self._received_meta.get(microbatch):
@@ -290,24 +287,21 @@ class PipelineStage:
                     self._weight_work[microbatch] = runner
         else:
             grads, work = backward_input(saved.roots, saved.root_grads, saved.inputs)
-            self._weight_work[microbatch] = _weight_runner(work)
+            self._weight_work[microbatch] = partial(backward_weight, work)
         if not self.is_first:
-            self._input_grads[microbatch] = [
+            input_grads = [
                 torch.zeros_like(x) if g is None else g
                 for x, g in zip(saved.inputs, grads, strict=True)
             ]
             if self.prev_local is not None:
-                self.prev_local._output_grads[microbatch] = self._input_grads.pop(microbatch)
+                self.prev_local._output_grads[microbatch] = input_grads
+            else:
+                self._input_grads[microbatch] = input_grads  # until SEND_B
 
     def _received_output_grads(self, microbatch: int) -> list[torch.Tensor]:
         if self.next_local is not None:
-            grads: list[torch.Tensor] = self._take(
-                self._output_grads, microbatch, "the next stage's backward (B / I)"
-            )
-            return grads
-        recv = self._take(self._gradient_recvs, microbatch, "its output gradients (RECV_B)")
-        received: list[torch.Tensor] = recv.wait()
-        return received
+            return self._take(self._output_grads, microbatch, "the next stage's backward (B / I)")
+        return self._take(self._gradient_recvs, microbatch, "its output gradients (RECV_B)").wait()
 
     def backward_weight_one_chunk(self, microbatch: int) -> None:
         """``W``: the weight gradients that ``I`` left for later."""
@@ -353,7 +347,7 @@ class PipelineStage:
                 f"{self._name(microbatch)}: RECV_B before the forward (F) whose output "
                 "gradients it receives"
             )
-        meta = tuple(TensorMeta(tuple(r.shape), r.dtype, False) for r in saved.roots)
+        meta = meta_of(saved.roots)  # gradients: the outputs' shapes and dtypes
         tag = transfer_tag(self.stage_index + 1, microbatch, Direction.BACKWARD, self.num_stages)
         owner = self._transfer("gradients", self.stage_index + 1, microbatch)
         self._gradient_recvs[microbatch] = batch.recv_gradients(meta, self.next_peer, tag, owner)
@@ -363,17 +357,13 @@ class PipelineStage:
         """Names a transfer in error reports: "gradients of pipeline stage 1 microbatch 3"."""
         return f"{what} of pipeline stage {sender} microbatch {microbatch}"
 
-    def _take(self, store: dict[int, Any], microbatch: int, what: str) -> Any:
+    def _take(self, store: dict[int, _T], microbatch: int, what: str) -> _T:
         if microbatch not in store:
             raise RuntimeError(
                 f"{self._name(microbatch)}: the action needs {what}, which has not run for this "
                 "microbatch in this step (is the schedule complete and in order?)"
             )
         return store.pop(microbatch)
-
-
-def _weight_runner(work: WeightGradWork) -> Callable[[], None]:
-    return lambda: backward_weight(work)
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,10 @@ def validate(
             where.setdefault(action, []).append((rank, pos))
     if style == "v" and n_stages != 2 * n_ranks:
         raise ScheduleError(f"'v' placement needs n_stages == 2 * n_ranks, got {n_stages}")
-    inferred = stage_owners(schedule)
-    owner = {s: stage_to_rank(s, n_ranks, style) for s in range(n_stages)} if style else inferred
+    if style is None:
+        owner = stage_owners(schedule)
+    else:
+        owner = {s: stage_to_rank(s, n_ranks, style) for s in range(n_stages)}
     how = f"placement {style!r}" if style else "the rank running most of its actions"
     _check_complete(where, owner, n_stages, n_microbatches)
     _check_placement(schedule, owner, n_stages, how)
