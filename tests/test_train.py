@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from plait.train import checkpointing
 from plait.train.checkpointing import latest_checkpoint, list_checkpoints
@@ -26,37 +27,19 @@ from plait.train.manifest import write_manifest
 from plait.train.metrics import read_metrics
 
 from harness import run_on_ranks
-
-TINY = TrainConfig(
-    seq_len=32,
-    n_layer=4,
-    n_head=2,
-    d_model=32,
-    steps=3,
-    batch_size=8,
-    warmup=1,
-    eval_every=0,
-    eval_batches=1,
-    ckpt_every=0,
-    device="cpu",
-)
-
-
-def _run(cfg: TrainConfig, world: int, run_dir: Path) -> TrainResult:
-    """Resolve ``cfg`` for ``world`` processes and train it in this process."""
-    return train(resolve(cfg.replace(run_dir=str(run_dir)), world))
+from train_helpers import TINY, forbid_launch, run_train
 
 
 def _train_on_rank(cfg: TrainConfig, run_dir: str) -> TrainResult:
     import torch.distributed as dist
 
-    return _run(cfg, dist.get_world_size(), Path(run_dir))
+    return run_train(cfg, dist.get_world_size(), Path(run_dir))
 
 
 @functools.cache
 def _reference(n_layer: int, tmp: str) -> TrainResult:
     """The single-process run of TINY with ``n_layer`` blocks (cached)."""
-    return _run(TINY.replace(n_layer=n_layer), 1, Path(tmp) / f"reference-{n_layer}")
+    return run_train(TINY.replace(n_layer=n_layer), 1, Path(tmp) / f"reference-{n_layer}")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +87,7 @@ def test_composition_matches_single_process(name: str, shared_tmp: str, tmp_path
 @pytest.mark.parametrize("ac", ["full", "selective", "offload"])
 def test_activation_checkpointing_single_process(ac: str, shared_tmp: str, tmp_path: Path) -> None:
     expected = _reference(TINY.n_layer, shared_tmp)
-    result = _run(TINY.replace(ac=ac), 1, tmp_path)
+    result = run_train(TINY.replace(ac=ac), 1, tmp_path)
     _assert_close(result.losses, expected.losses, 1e-6)
 
 
@@ -120,11 +103,11 @@ def _with_divergence_checking(cfg: TrainConfig, run_dir: str) -> tuple[list[floa
         real_check(where)
 
     spmd.enable(timeout=30)
-    spmd.check = counting_check  # type: ignore[assignment]
+    spmd.check = counting_check
     try:
         losses = _train_on_rank(cfg, run_dir).losses
     finally:
-        spmd.check = real_check  # type: ignore[assignment]
+        spmd.check = real_check
         spmd.disable()
     return losses, checks.count("end of a training step")
 
@@ -149,13 +132,13 @@ def test_bf16_trains_close_to_fp32(shared_tmp: str, tmp_path: Path) -> None:
 
 def test_bf16_single_process_uses_autocast(shared_tmp: str, tmp_path: Path) -> None:
     expected = _reference(TINY.n_layer, shared_tmp)
-    result = _run(TINY.replace(mp="bf16"), 1, tmp_path)
+    result = run_train(TINY.replace(mp="bf16"), 1, tmp_path)
     _assert_close(result.losses, expected.losses, 2e-2)
 
 
 def test_training_lowers_the_loss(tmp_path: Path) -> None:
     cfg = TINY.replace(steps=30, lr=1e-2, warmup=3, eval_every=30)
-    result = _run(cfg, 1, tmp_path)
+    result = run_train(cfg, 1, tmp_path)
     assert result.val_losses[30] < result.val_losses[0] - 1.0, result.val_losses
 
 
@@ -177,7 +160,7 @@ def test_run_directory_contents(shared_tmp: str) -> None:
 
 
 def test_keeps_the_last_checkpoints(tmp_path: Path) -> None:
-    _run(TINY.replace(steps=5, ckpt_every=1, keep=2), 1, tmp_path)
+    run_train(TINY.replace(steps=5, ckpt_every=1, keep=2), 1, tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000004", "step_000005"]
 
 
@@ -188,11 +171,11 @@ def test_keeps_the_last_checkpoints(tmp_path: Path) -> None:
 
 def test_stop_after_then_resume_continues_exactly(tmp_path: Path) -> None:
     cfg = TINY.replace(steps=6, ckpt_every=0, keep=5, eval_every=3, dropout=0.1)
-    full = _run(cfg, 1, tmp_path / "full")
-    stopped = _run(cfg.replace(stop_after=4), 1, tmp_path / "resumed")
+    full = run_train(cfg, 1, tmp_path / "full")
+    stopped = run_train(cfg.replace(stop_after=4), 1, tmp_path / "resumed")
     assert stopped.losses == full.losses[:4]  # the schedule still spans --steps 6
     assert [p.name for p in list_checkpoints(tmp_path / "resumed")] == ["step_000004"]
-    resumed = _run(cfg.replace(resume=True), 1, tmp_path / "resumed")
+    resumed = run_train(cfg.replace(resume=True), 1, tmp_path / "resumed")
     assert resumed.start_step == 4
     assert resumed.losses == full.losses[4:]  # bitwise: same weights, moments, data, RNG
     assert resumed.val_losses == {6: full.val_losses[6]}
@@ -202,7 +185,7 @@ def test_stop_after_then_resume_continues_exactly(tmp_path: Path) -> None:
 
 
 def test_stop_after_applies_to_its_session_only(tmp_path: Path) -> None:
-    _run(TINY.replace(stop_after=2), 1, tmp_path)
+    run_train(TINY.replace(stop_after=2), 1, tmp_path)
     assert build_config({"run_dir": str(tmp_path), "resume": True}).stop_after == 0
     again = build_config({"run_dir": str(tmp_path), "resume": True, "stop_after": 2})
     with pytest.raises(ConfigError, match="--stop-after 2: the run is already at step 2"):
@@ -222,7 +205,7 @@ def test_resume_sharded_run_and_reshard_to_one_process(tmp_path: Path) -> None:
         assert losses == full.losses  # same layout: bitwise
     # A checkpoint of the sharded run continued by one process: DCP gathers the shards.
     run_on_ranks(4, _train_on_rank, cfg.replace(stop_after=2), str(tmp_path / "one"))
-    one = _run(cfg.replace(resume=True, dp_shard=0, nproc=0), 1, tmp_path / "one")
+    one = run_train(cfg.replace(resume=True, dp_shard=0, nproc=0), 1, tmp_path / "one")
     _assert_close(one.losses, full.losses[2:], 1e-5)
 
 
@@ -230,9 +213,11 @@ class _Killed(Exception):
     pass
 
 
-def test_killed_save_leaves_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+def test_killed_save_leaves_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = TINY.replace(steps=4, ckpt_every=2, keep=5)
-    real_save = checkpointing.dcp_save
+    real_save = dcp_save
     calls = []
 
     def dying_save(state: Any, checkpoint_id: str, **kwargs: Any) -> None:
@@ -243,18 +228,18 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path: Path, monkeypatch) -> 
 
     monkeypatch.setattr(checkpointing, "dcp_save", dying_save)
     with pytest.raises(_Killed):
-        _run(cfg, 1, tmp_path)
+        run_train(cfg, 1, tmp_path)
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_000002"
     assert (tmp_path / "checkpoints" / ".tmp-step_000004").is_dir()
     monkeypatch.setattr(checkpointing, "dcp_save", real_save)
-    resumed = _run(cfg.replace(resume=True), 1, tmp_path)
-    uninterrupted = _run(cfg, 1, tmp_path / "uninterrupted")
+    resumed = run_train(cfg.replace(resume=True), 1, tmp_path)
+    uninterrupted = run_train(cfg, 1, tmp_path / "uninterrupted")
     assert resumed.losses == uninterrupted.losses[2:]
     assert not (tmp_path / "checkpoints" / ".tmp-step_000004").exists()
 
 
 def test_loading_refuses_pickled_objects(tmp_path: Path) -> None:
-    _run(TINY.replace(steps=1), 1, tmp_path)
+    run_train(TINY.replace(steps=1), 1, tmp_path)
     path = latest_checkpoint(tmp_path)
     assert path is not None
     import os
@@ -266,11 +251,11 @@ def test_loading_refuses_pickled_objects(tmp_path: Path) -> None:
 
     (path / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(ConfigError, match=r"\.metadata: .* the file is (truncated|corrupted)"):
-        _run(TINY.replace(steps=2, resume=True), 1, tmp_path)
+        run_train(TINY.replace(steps=2, resume=True), 1, tmp_path)
     # Even with a manifest rewritten to match, the metadata is not unpickled.
     write_manifest(path)
     with pytest.raises(pickle.UnpicklingError, match=r"posix\.system.*refusing"):
-        _run(TINY.replace(steps=2, resume=True), 1, tmp_path)
+        run_train(TINY.replace(steps=2, resume=True), 1, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------
@@ -336,25 +321,29 @@ REFUSED = [
 
 @pytest.mark.parametrize(("argv", "message"), REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
 def test_impossible_configuration_is_refused_before_launch(
-    argv: list[str], message: str, monkeypatch, capsys
+    argv: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    def no_launch(cfg: TrainConfig) -> None:
-        raise AssertionError("a worker was started for an impossible configuration")
-
-    monkeypatch.setattr("plait.train.cli.launch", no_launch)
+    forbid_launch(monkeypatch, "a worker was started for an impossible configuration")
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err, err
 
 
-def test_cuda_refused_without_gpu(monkeypatch, capsys) -> None:
+def test_cuda_refused_without_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setattr("plait.train.cli.launch", lambda cfg: None)
     assert main(["train", "--device", "cuda"]) == 2
     assert "no CUDA device is visible" in capsys.readouterr().err
 
 
-def test_more_cuda_workers_than_gpus_refused(monkeypatch, capsys) -> None:
+def test_more_cuda_workers_than_gpus_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     monkeypatch.setattr("plait.train.cli.launch", lambda cfg: None)
@@ -362,7 +351,9 @@ def test_more_cuda_workers_than_gpus_refused(monkeypatch, capsys) -> None:
     assert "--nproc 2 CUDA workers but this machine has 1 GPU(s)" in capsys.readouterr().err
 
 
-def test_run_directory_is_not_overwritten(shared_tmp: str, monkeypatch, capsys) -> None:
+def test_run_directory_is_not_overwritten(
+    shared_tmp: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _reference(TINY.n_layer, shared_tmp)
     monkeypatch.setattr("plait.train.cli.launch", lambda cfg: None)
     assert main(["train", "--run-dir", str(Path(shared_tmp) / "reference-4")]) == 2

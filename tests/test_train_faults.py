@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,16 @@ import pytest
 from plait.train import checkpointing
 from plait.train.checkpointing import list_checkpoints, load_checkpoint, verify_checkpoint
 from plait.train.cli import main
-from plait.train.config import ConfigError, TrainConfig
-from plait.train.layout import resolve
-from plait.train.loop import TrainResult, model_config, train
+from plait.train.config import ConfigError
+from plait.train.loop import TrainResult, model_config
 from plait.train.manifest import MANIFEST, CheckpointDamaged
 from plait.train.metrics import read_metrics
 from plait.train.model import GPT
 from plait.train.optimizer import build_optimizer
 from plait.train.sample import load_model
+
+import train_helpers
+from train_helpers import forbid_launch, run_train
 
 # ----------------------------------------------------------------------------------------
 # Worker faults, through the command
@@ -172,24 +175,14 @@ def test_fault_injection_variable_is_checked(monkeypatch: pytest.MonkeyPatch) ->
 # Damaged checkpoints
 # ----------------------------------------------------------------------------------------
 
-TINY = TrainConfig(
-    seq_len=16,
-    n_layer=2,
-    n_head=2,
-    d_model=16,
-    steps=4,
-    batch_size=4,
-    warmup=1,
-    eval_every=0,
-    eval_batches=1,
-    ckpt_every=2,
-    keep=5,
-    device="cpu",
+# Smaller still than the other tests' model, with checkpoints at steps 2 and 4.
+TINY = train_helpers.TINY.replace(
+    seq_len=16, n_layer=2, d_model=16, steps=4, batch_size=4, ckpt_every=2, keep=5
 )
 
 
 def _run(run_dir: Path, **changes: Any) -> TrainResult:
-    return train(resolve(TINY.replace(run_dir=str(run_dir), **changes), 1))
+    return run_train(TINY.replace(**changes), 1, run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +219,7 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-DAMAGES = {
+DAMAGES: dict[str, tuple[Callable[[Path], object], str]] = {
     "truncated": (
         lambda p: _data_file(p).write_bytes(_data_file(p).read_bytes()[:1000]),
         r"__0_0\.distcp: 1000 bytes, but manifest\.json says \d+: the file is truncated",
@@ -307,9 +300,6 @@ def test_checkpoint_of_another_model_is_refused_before_loading(
 def test_command_refuses_another_model_before_launching(
     run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def no_launch(cfg: TrainConfig) -> None:
-        raise AssertionError("a worker was started to load a checkpoint of another model")
-
-    monkeypatch.setattr("plait.train.cli.launch", no_launch)
+    forbid_launch(monkeypatch, "a worker was started to load a checkpoint of another model")
     assert main(["train", "--run-dir", str(run), "--resume", "--n-layer", "4"]) == 2
     assert "n_layer 2 (this run: --n-layer 4)" in capsys.readouterr().err

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from plait import spmd
-from plait.train.config import ConfigError
+from plait.train.config import ConfigError, flag
 from plait.train.manifest import CheckpointDamaged, verify_manifest, write_manifest
 
 __all__ = [
@@ -132,7 +132,7 @@ def check_settings(path: Path, expected: Mapping[str, Any]) -> None:
     wrong = [(k, saved.get(k), v) for k, v in expected.items() if saved.get(k) != v]
     if not wrong:
         return
-    described = ", ".join(f"{k} {s} (this run: --{k.replace('_', '-')} {v})" for k, s, v in wrong)
+    described = ", ".join(f"{k} {s} (this run: {flag(k)} {v})" for k, s, v in wrong)
     raise ConfigError(
         f"checkpoint {path} was saved from a different model: {described}. A checkpoint "
         "loads only into the model it was saved from: drop those flags to continue the run "

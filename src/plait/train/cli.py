@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from plait.pipeline import SCHEDULES
 from plait.train.checkpointing import (
     CheckpointDamaged,
     check_settings,
     latest_checkpoint,
     read_info,
 )
-from plait.train.config import AC_MODES, DEVICES, PRECISIONS, ConfigError, TrainConfig, load_toml
+from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag, load_toml
 from plait.train.config import from_mapping as config_from_mapping
 from plait.train.launch import WorkerFailed, launch, under_torchrun
 from plait.train.layout import resolve
@@ -50,70 +51,73 @@ examples:
   plait train --run-dir runs/a --resume
 """
 
-# (flag, type or choices, help); the default shown comes from TrainConfig.
-_FLAGS: dict[str, list[tuple[str, Any, str]]] = {
+# Per group: (field, help). The flag, its type or choices and the default shown come from
+# TrainConfig.
+_FLAGS: dict[str, list[tuple[str, str]]] = {
     "data and model": [
-        ("--data", str, "a text file or a directory of them (default: the Python stdlib)"),
-        ("--seq-len", int, "tokens (bytes) per sequence"),
-        ("--n-layer", int, "transformer blocks"),
-        ("--n-head", int, "attention heads"),
-        ("--d-model", int, "model width"),
-        ("--dropout", float, "dropout probability"),
+        ("data", "a text file or a directory of them (default: the Python stdlib)"),
+        ("seq_len", "tokens (bytes) per sequence"),
+        ("n_layer", "transformer blocks"),
+        ("n_head", "attention heads"),
+        ("d_model", "model width"),
+        ("dropout", "dropout probability"),
     ],
     "optimisation": [
-        ("--steps", int, "optimizer steps in all (a resumed run continues to this step)"),
-        ("--batch-size", int, "sequences per step, over all data-parallel ranks"),
-        ("--lr", float, "peak learning rate (AdamW)"),
-        ("--min-lr-ratio", float, "final learning rate as a fraction of --lr (cosine decay)"),
-        ("--warmup", int, "linear warm-up steps"),
-        ("--weight-decay", float, "AdamW weight decay of matrices"),
-        ("--grad-clip", float, "clip the global gradient norm to this (0: never)"),
-        ("--seed", int, "seed of weights, data order and dropout"),
+        ("steps", "optimizer steps in all (a resumed run continues to this step)"),
+        ("batch_size", "sequences per step, over all data-parallel ranks"),
+        ("lr", "peak learning rate (AdamW)"),
+        ("min_lr_ratio", "final learning rate as a fraction of --lr (cosine decay)"),
+        ("warmup", "linear warm-up steps"),
+        ("weight_decay", "AdamW weight decay of matrices"),
+        ("grad_clip", "clip the global gradient norm to this (0: never)"),
+        ("seed", "seed of weights, data order and dropout"),
     ],
     "parallelism": [
-        ("--nproc", int, f"local worker processes ({_AUTO}: 4 on CPU, one per GPU)"),
-        ("--device", DEVICES, "where to train (default: cuda if available, else cpu)"),
-        ("--dp-replicate", int, "data-parallel replicas (replicate, or HSDP's outer dim)"),
-        ("--dp-shard", int, f"ranks sharding each replica with fully_shard ({_AUTO}: the rest)"),
-        ("--pp", int, "pipeline-parallel ranks"),
-        ("--schedule", str, "pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "),
-        ("--stages-per-rank", int, f"pipeline stages per rank ({_AUTO}: the schedule's)"),
-        ("--microbatches", int, f"per step: pipeline microbatches or accumulation ({_AUTO})"),
-        ("--ac", AC_MODES, "activation checkpointing of each block"),
-        ("--mp", PRECISIONS, "compute precision (bf16: fully_shard mixed precision)"),
-        ("--cpu-offload", bool, "keep fully_shard's parameter shards in host memory"),
-        ("--reshard-after-forward", bool, "free each block's gathered parameters after forward"),
+        ("nproc", f"local worker processes ({_AUTO}: 4 on CPU, one per GPU)"),
+        ("device", "where to train (default: cuda if available, else cpu)"),
+        ("dp_replicate", "data-parallel replicas (replicate, or HSDP's outer dim)"),
+        ("dp_shard", f"ranks sharding each replica with fully_shard ({_AUTO}: the rest)"),
+        ("pp", "pipeline-parallel ranks"),
+        ("schedule", f"pipeline schedule: {', '.join(SCHEDULES)}"),
+        ("stages_per_rank", f"pipeline stages per rank ({_AUTO}: the schedule's)"),
+        ("microbatches", f"per step: pipeline microbatches or accumulation ({_AUTO})"),
+        ("ac", "activation checkpointing of each block"),
+        ("mp", "compute precision (bf16: fully_shard mixed precision)"),
+        ("cpu_offload", "keep fully_shard's parameter shards in host memory"),
+        ("reshard_after_forward", "free each block's gathered parameters after forward"),
     ],
     "run directory, validation and checkpoints": [
-        ("--run-dir", str, "where metrics, checkpoints and plots go (default: runs/<time>)"),
-        ("--eval-every", int, "validate every N steps (0: first and last only)"),
-        ("--eval-batches", int, "validation batches per evaluation"),
-        ("--ckpt-every", int, "checkpoint every N steps (0: last only)"),
-        ("--keep", int, "checkpoints kept (the newest)"),
-        ("--resume", bool, "continue the run in --run-dir from its latest intact checkpoint"),
-        ("--stop-after", int, "stop after this step, with a checkpoint (0: at --steps); "),
+        ("run_dir", "where metrics, checkpoints and plots go (default: runs/<time>)"),
+        ("eval_every", "validate every N steps (0: first and last only)"),
+        ("eval_batches", "validation batches per evaluation"),
+        ("ckpt_every", "checkpoint every N steps (0: last only)"),
+        ("keep", "checkpoints kept (the newest)"),
+        ("resume", "continue the run in --run-dir from its latest intact checkpoint"),
+        (
+            "stop_after",
+            "stop after this step, with a checkpoint (0: at --steps); the learning-rate "
+            "schedule still spans --steps",
+        ),
     ],
     "faults": [
-        ("--fault-timeout", float, "seconds a worker waits for a peer before the run fails"),
+        ("fault_timeout", "seconds a worker waits for a peer before the run fails"),
     ],
 }
 
 
-def _add_flag(group: argparse._ArgumentGroup, flag: str, kind: Any, text: str) -> None:
-    default = getattr(TrainConfig(), flag[2:].replace("-", "_"))
-    if flag == "--schedule":
-        text += "InterleavedZeroBubble, ZBVZeroBubble"
-    if flag == "--stop-after":
-        text += "the learning-rate schedule still spans --steps"
-    if kind is bool:
-        action = "store_true" if flag == "--resume" else argparse.BooleanOptionalAction
-        group.add_argument(flag, action=action, help=f"{text} (default: {default})")
-    elif isinstance(kind, tuple):
+def _add_flag(group: argparse._ArgumentGroup, name: str, text: str) -> None:
+    option, default = flag(name), getattr(DEFAULTS, name)
+    if isinstance(default, bool):
+        # --resume only: a run starts fresh unless told (no --no-resume).
+        action = "store_true" if name == "resume" else argparse.BooleanOptionalAction
+        group.add_argument(option, action=action, help=f"{text} (default: {default})")
+    elif name in CHOICES:
         shown = f" (default: {default})" if default else ""
-        group.add_argument(flag, choices=[c for c in kind if c], help=text + shown)
+        group.add_argument(option, choices=CHOICES[name], help=text + shown)
     else:
         shown = "" if default in ("", 0) else f" (default: {default})"
-        group.add_argument(flag, type=kind, metavar=flag[2:].upper(), help=text + shown)
+        metavar = option[2:].upper()
+        group.add_argument(option, type=type(default), metavar=metavar, help=text + shown)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,8 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="a flat TOML file of these settings (flags win)")
     for title, flags in _FLAGS.items():
         group = train.add_argument_group(title)
-        for flag, kind, text in flags:
-            _add_flag(group, flag, kind, text)
+        for name, text in flags:
+            _add_flag(group, name, text)
     sample = commands.add_parser("sample", help="print text generated from a run's checkpoint")
     sample.add_argument("--run-dir", required=True, help="the run to sample from")
     sample.add_argument("--checkpoint", help="a checkpoint directory (default: the latest)")
@@ -208,7 +212,7 @@ def _resume_hint(cfg: TrainConfig) -> str:
 
 
 def _describe(cfg: TrainConfig) -> str:
-    dims = f"pp={cfg.pp} dp_replicate={cfg.dp_replicate} dp_shard={cfg.dp_shard}"
+    dims = " ".join(f"{name}={size}" for name, size in cfg.mesh_dims.items())
     pipe = f" schedule={cfg.schedule} microbatches={cfg.microbatches}" if cfg.pp > 1 else ""
     return (
         f"plait train: {cfg.nproc} x {cfg.device} worker(s), {dims}{pipe}, ac={cfg.ac}, "

@@ -27,10 +27,13 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 __all__ = [
     "AC_MODES",
+    "CHOICES",
+    "DEFAULTS",
     "DEVICES",
     "PRECISIONS",
     "ConfigError",
     "TrainConfig",
+    "flag",
     "from_mapping",
     "load_toml",
 ]
@@ -89,6 +92,11 @@ class TrainConfig:
     fault_timeout: float = 30.0  # seconds a collective may wait for a peer before failing
 
     @property
+    def mesh_dims(self) -> dict[str, int]:
+        """The parallel dimensions' sizes by mesh dimension name, outermost first."""
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+
+    @property
     def dp(self) -> int:
         """Data-parallel ranks: the ways each global batch is split."""
         return self.dp_replicate * self.dp_shard
@@ -112,11 +120,19 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+DEFAULTS = TrainConfig()
+#: The fields that take one of a few values (besides the default: ``device`` "" is auto).
+CHOICES: dict[str, tuple[str, ...]] = {"ac": AC_MODES, "mp": PRECISIONS, "device": DEVICES}
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field ``name``: ``dp_shard`` -> ``--dp-shard``."""
+    return "--" + name.replace("_", "-")
 
 
 def _coerce(name: str, value: Any) -> Any:
     """``value`` as the type of field ``name``; ints are accepted for float fields."""
-    expected = type(getattr(TrainConfig(), name))
+    expected = type(getattr(DEFAULTS, name))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not expected:

@@ -86,13 +86,23 @@ def load_corpus(data: str, seq_len: int) -> Corpus:
 
 
 def global_batch(
-    corpus: Corpus, split: str, seed: int, step: int, batch_size: int, seq_len: int
+    corpus: Corpus,
+    split: str,
+    seed: int,
+    step: int,
+    batch_size: int,
+    seq_len: int,
+    part: int = 0,
+    parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-byte targets, both ``(batch_size, seq_len)`` int64, for ``step``."""
+    """Inputs and next-byte targets, both ``(batch_size // parts, seq_len)`` int64: part
+    ``part`` of ``parts`` equal contiguous parts of the global batch of ``step`` (by
+    default the whole of it). Only that part's windows are read."""
     tokens = corpus.split(split)
     generator = torch.Generator().manual_seed(_mix(seed, _SPLIT_SEEDS[split], step))
     starts = torch.randint(len(tokens) - seq_len - 1, (batch_size,), generator=generator)
-    windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()]).long()
+    mine = local_slice(starts, part, parts).tolist()
+    windows = torch.stack([tokens[s : s + seq_len + 1] for s in mine]).long()
     return windows[:, :-1], windows[:, 1:]  # (B, T), (B, T)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from plait.pipeline import schedule_spec
-from plait.train.config import AC_MODES, DEVICES, PRECISIONS, ConfigError, TrainConfig
+from plait.pipeline import SCHEDULES, schedule_spec
+from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag
 
 __all__ = ["default_device", "default_nproc", "resolve"]
 
@@ -55,49 +55,47 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
 
 
 def _check_choices(cfg: TrainConfig) -> None:
-    for flag, value, choices in (
-        ("--ac", cfg.ac, AC_MODES),
-        ("--mp", cfg.mp, PRECISIONS),
-        ("--device", cfg.device, ("", *DEVICES)),
-    ):
-        if value not in choices:
-            allowed = ", ".join(c for c in choices if c)
-            raise ConfigError(f"{flag} {value}: unknown; choose one of {allowed}")
+    for name, choices in CHOICES.items():
+        value = getattr(cfg, name)
+        if value not in choices and value != getattr(DEFAULTS, name):  # default: auto
+            raise ConfigError(f"{flag(name)} {value}: unknown; choose one of {', '.join(choices)}")
     try:
         schedule_spec(cfg.schedule)
     except ValueError as err:
         raise ConfigError(f"--schedule {cfg.schedule}: {err}") from err
 
 
+_AT_LEAST_ONE = (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "n_layer",
+    "n_head",
+    "d_model",
+    "dp_replicate",
+    "pp",
+    "keep",
+    "eval_batches",
+)
+_AT_LEAST_ZERO = (  # 0: auto, or off (see TrainConfig)
+    "nproc",
+    "dp_shard",
+    "stages_per_rank",
+    "microbatches",
+    "warmup",
+    "ckpt_every",
+    "eval_every",
+    "stop_after",
+)
+
+
 def _check_positive(cfg: TrainConfig) -> None:
-    at_least_one = (
-        ("--steps", cfg.steps),
-        ("--batch-size", cfg.batch_size),
-        ("--seq-len", cfg.seq_len),
-        ("--n-layer", cfg.n_layer),
-        ("--n-head", cfg.n_head),
-        ("--d-model", cfg.d_model),
-        ("--dp-replicate", cfg.dp_replicate),
-        ("--pp", cfg.pp),
-        ("--keep", cfg.keep),
-        ("--eval-batches", cfg.eval_batches),
-    )
-    at_least_zero = (
-        ("--nproc", cfg.nproc),
-        ("--dp-shard", cfg.dp_shard),
-        ("--stages-per-rank", cfg.stages_per_rank),
-        ("--microbatches", cfg.microbatches),
-        ("--warmup", cfg.warmup),
-        ("--ckpt-every", cfg.ckpt_every),
-        ("--eval-every", cfg.eval_every),
-        ("--stop-after", cfg.stop_after),
-    )
-    for flag, value in at_least_one:
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: must be at least 1")
-    for flag, value in at_least_zero:
-        if value < 0:
-            raise ConfigError(f"{flag} {value}: must be 0 (auto) or more")
+    for name in _AT_LEAST_ONE:
+        if (value := getattr(cfg, name)) < 1:
+            raise ConfigError(f"{flag(name)} {value}: must be at least 1")
+    for name in _AT_LEAST_ZERO:
+        if (value := getattr(cfg, name)) < 0:
+            raise ConfigError(f"{flag(name)} {value}: must be 0 (auto) or more")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr {cfg.lr}: must be positive")
     if cfg.fault_timeout <= 0:
@@ -157,7 +155,8 @@ def _stages_per_rank(cfg: TrainConfig) -> int:
     fixed = spec.stages_per_rank
     if fixed is not None:
         if cfg.stages_per_rank not in (0, fixed):
-            multi = "Interleaved1F1B, LoopedBFS or InterleavedZeroBubble"
+            *others, last = [s.name for s in SCHEDULES.values() if s.stages_per_rank is None]
+            multi = f"{', '.join(others)} or {last}"
             raise ConfigError(
                 f"--schedule {spec.name} runs exactly {fixed} stage(s) per rank, but "
                 f"--stages-per-rank is {cfg.stages_per_rank}: drop --stages-per-rank, or use a "

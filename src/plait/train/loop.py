@@ -27,7 +27,7 @@ from plait.train.checkpointing import (
     save_checkpoint,
 )
 from plait.train.config import ConfigError, TrainConfig
-from plait.train.data import Corpus, global_batch, load_corpus, local_slice
+from plait.train.data import Corpus, global_batch, load_corpus
 from plait.train.faults import FaultInjector
 from plait.train.metrics import MetricsLog, gather_peak_memory
 from plait.train.model import GPT, GPTConfig
@@ -55,19 +55,13 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> loss
 
 
-def model_config(cfg: TrainConfig) -> GPTConfig:
-    return GPTConfig(
-        seq_len=cfg.seq_len,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        d_model=cfg.d_model,
-        dropout=cfg.dropout,
-    )
-
-
 def model_settings(cfg: TrainConfig) -> dict[str, Any]:
     """The values of :data:`MODEL_SETTINGS` in ``cfg``."""
     return {name: getattr(cfg, name) for name in MODEL_SETTINGS}
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    return GPTConfig(dropout=cfg.dropout, **model_settings(cfg))
 
 
 def _rank() -> int:
@@ -107,8 +101,9 @@ class _Session:
     def batch(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of global batch ``index`` of ``split``, on the device."""
         cfg = self.cfg
-        x, y = global_batch(self.corpus, split, cfg.seed, index, cfg.batch_size, cfg.seq_len)
-        x, y = local_slice(x, self.dp_rank, cfg.dp), local_slice(y, self.dp_rank, cfg.dp)
+        x, y = global_batch(
+            self.corpus, split, cfg.seed, index, cfg.batch_size, cfg.seq_len, self.dp_rank, cfg.dp
+        )
         return x.to(cfg.device), y.to(cfg.device)
 
     def train_step(self, step: int) -> tuple[float, float]:
@@ -121,13 +116,14 @@ class _Session:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         spmd.check("end of a training step")  # free unless divergence checking is on
-        return global_mean(local, self.cfg), norm
+        # Read back only now, the step queued: one wait for the device per step.
+        return global_mean(local, self.cfg), float(norm)
 
     def validate(self) -> float:
         losses = [
             self.stepper.evaluate(*self.batch("val", i)) for i in range(self.cfg.eval_batches)
         ]
-        return sum(global_mean(loss, self.cfg) for loss in losses) / len(losses)
+        return global_mean(torch.stack(losses), self.cfg)
 
     def save(self, step: int) -> Path:
         cfg = self.cfg
@@ -184,8 +180,8 @@ class _Reporter:
         self.progress.note(f"training steps {start + 1}..{last}; run directory {run_dir}")
 
     def step(self, record: dict[str, Any]) -> None:
-        self.session_steps.append(record)
         if self.enabled:
+            self.session_steps.append(record)
             self.log.write(**record)
             self.progress.update(record["step"], record["loss"], record["tokens_per_s"])
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from plait import spmd
+from plait.mesh import collective_device
 
 __all__ = ["MetricsLog", "gather_peak_memory", "peak_memory_bytes", "read_metrics"]
 
@@ -65,13 +66,12 @@ def peak_memory_bytes(device: str) -> int:
 
 def gather_peak_memory(device: str) -> list[int]:
     """Every rank's :func:`peak_memory_bytes`, indexed by rank (collective)."""
-    mine = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64)
+    peak = peak_memory_bytes(device)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [int(mine.item())]
-    if device == "cuda":
-        mine = mine.cuda()
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        return [peak]
     world = dist.group.WORLD
+    mine = torch.tensor([peak], dtype=torch.int64, device=collective_device(world))
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     spmd.record("all_gather", mine, world, "the peak memory report")
     spmd.wait(dist.all_gather(every, mine, group=world, async_op=True), "all_gather of memory")
     return [int(t.item()) for t in every]

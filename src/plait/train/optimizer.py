@@ -53,9 +53,10 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def clip_grad_norm(
     params: list[nn.Parameter], cfg: TrainConfig, pipeline: dist.ProcessGroup | None
-) -> float:
+) -> torch.Tensor:
     """Scale gradients so that their global norm is at most ``cfg.grad_clip`` (0: never);
-    returns the global norm before clipping. ``pipeline``: the pipeline group, whose ranks
-    hold different stages (None without a pipeline)."""
+    returns the global norm before clipping, a 0-d tensor on the gradients' device (read
+    it once the step is queued: reading waits for the device). ``pipeline``: the pipeline
+    group, whose ranks hold different stages (None without a pipeline)."""
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    return float(clip_grad_norm_(params, max_norm, group=pipeline).item())
+    return clip_grad_norm_(params, max_norm, group=pipeline)

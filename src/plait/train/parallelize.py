@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait.checkpoint import checkpoint
 from plait.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from plait.pipeline import schedule_spec, split_model, stage_layers, stage_to_rank
+from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_rank
 from plait.replicate import replicate
 from plait.train.config import TrainConfig
 from plait.train.model import GPT, Block
@@ -39,8 +39,6 @@ __all__ = [
     "mesh_coordinate",
     "parallelize",
 ]
-
-_DIMS = ("pp", "dp_replicate", "dp_shard")  # outermost first
 
 #: ``--ac selective`` keeps the outputs of these (the matmuls) and recomputes the rest.
 SELECTIVE_OPS = frozenset(
@@ -71,8 +69,7 @@ def build_mesh(cfg: TrainConfig) -> DeviceMesh | None:
     ``dp_shard`` is innermost, so sharding (the most communication) stays between
     neighbouring ranks, which torchrun places on the same node. None for one process.
     """
-    sizes = (cfg.pp, cfg.dp_replicate, cfg.dp_shard)
-    dims = [(n, s) for n, s in zip(_DIMS, sizes, strict=True) if s > 1]
+    dims = [(n, s) for n, s in cfg.mesh_dims.items() if s > 1]
     if not dims:
         return None
     names, shape = zip(*dims, strict=True)
@@ -90,7 +87,7 @@ def _split(model: GPT, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
     if cfg.pp == 1:
         return [Stage(0, 1, model)]
     style = schedule_spec(cfg.schedule).style
-    mine = [s for s in range(cfg.n_stages) if stage_to_rank(s, cfg.pp, style) == pp_rank]
+    mine = stages_of_rank(pp_rank, cfg.pp, cfg.n_stages, style)
     # Blocks in contiguous runs; the embeddings go with the first, the head with the last.
     plan = stage_layers(model, cfg.n_stages, layers="blocks")
     modules = split_model(model, plan, stages=mine)

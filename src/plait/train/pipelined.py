@@ -13,41 +13,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.pipeline import (
-    PipelineSchedule,
-    PipelineScheduleSingle,
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-    schedule_spec,
-)
+from plait.mesh import mesh_device
+from plait.pipeline import SCHEDULE_CLASSES, PipelineScheduleSingle, PipelineStage, schedule_spec
 from plait.train.config import TrainConfig
 from plait.train.model import lm_loss
 from plait.train.parallelize import Stage, forward_context
 
 __all__ = ["PipelineStepper"]
-
-_CLASSES: dict[str, type[PipelineSchedule]] = {
-    cls.name: cls
-    for cls in (
-        ScheduleGPipe,
-        Schedule1F1B,
-        ScheduleInterleaved1F1B,
-        ScheduleLoopedBFS,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
-}
-
-
-def _device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class PipelineStepper:
@@ -55,11 +27,11 @@ class PipelineStepper:
 
     def __init__(self, stages: list[Stage], cfg: TrainConfig, mesh: DeviceMesh) -> None:
         self.cfg = cfg
-        group = mesh["pp"].get_group()
+        group, device = mesh["pp"].get_group(), mesh_device(mesh)
         pipeline_stages = [
-            PipelineStage(s.module, s.index, s.n_stages, _device(cfg), group=group) for s in stages
+            PipelineStage(s.module, s.index, s.n_stages, device, group=group) for s in stages
         ]
-        schedule_class = _CLASSES[schedule_spec(cfg.schedule).name]
+        schedule_class = SCHEDULE_CLASSES[schedule_spec(cfg.schedule).name]
         single = issubclass(schedule_class, PipelineScheduleSingle)
         # The single-stage classes take a stage, the looped ones this rank's list of stages.
         self.schedule = schedule_class(

@@ -14,12 +14,8 @@ LOSS_CURVE = "loss.png"
 
 
 def _layout(cfg: TrainConfig) -> str:
-    parts = [f"{name}={size}" for name, size in _dims(cfg) if size > 1]
+    parts = [f"{name}={size}" for name, size in cfg.mesh_dims.items() if size > 1]
     return " x ".join(parts) if parts else "single process"
-
-
-def _dims(cfg: TrainConfig) -> list[tuple[str, int]]:
-    return [("pp", cfg.pp), ("dp_replicate", cfg.dp_replicate), ("dp_shard", cfg.dp_shard)]
 
 
 def _mib(n: int) -> str:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait import spmd
 from plait.fsdp import FSDPModule
+from plait.mesh import collective_device
 from plait.replicate import ReplicateModule
 from plait.train.config import TrainConfig
 from plait.train.model import lm_loss
@@ -51,16 +52,18 @@ def make_stepper(stages: list[Stage], cfg: TrainConfig, mesh: DeviceMesh | None)
 
 def global_mean(local: torch.Tensor, cfg: TrainConfig) -> float:
     """The mean over data-parallel ranks of their local losses (the global batch's loss
-    for equal local batches); ranks without a loss contribute zero."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return float(local.item())
-    if cfg.device == "cuda":
-        local = local.cuda()
-    total = local.detach().float().clone()
-    world = dist.group.WORLD
-    spmd.record("all_reduce", total, world, "the step's loss")
-    spmd.wait(dist.all_reduce(total, group=world, async_op=True), "all_reduce of the loss")
-    return float(total.item()) / cfg.dp
+    for equal local batches); ranks without a loss contribute zero. ``local`` may hold
+    several losses, one per batch: the mean of the batches' global losses, for one
+    collective and one wait for the device."""
+    total = local.detach().float().reshape(-1)
+    dp = 1
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        world, dp = dist.group.WORLD, cfg.dp
+        total = total.to(collective_device(world)).clone()
+        spmd.record("all_reduce", total, world, "the loss")
+        spmd.wait(dist.all_reduce(total, group=world, async_op=True), "all_reduce of the loss")
+    losses = total.tolist()
+    return sum(loss / dp for loss in losses) / len(losses)
 
 
 def _set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import spmd
+from plait.mesh import collective_device
 from plait.train.config import TrainConfig
 from plait.train.loop import TrainResult, train
 
@@ -74,12 +75,11 @@ def _agree_on_run_dir(cfg: TrainConfig) -> str:
     start times differ, so each cannot pick its own)."""
     if cfg.run_dir or not dist.is_initialized():
         return cfg.run_dir or default_run_dir()
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else None
-    buffer = torch.zeros(_MAX_PATH, dtype=torch.uint8, device=device)
+    world = dist.group.WORLD
+    buffer = torch.zeros(_MAX_PATH, dtype=torch.uint8, device=collective_device(world))
     if dist.get_rank() == 0:
         encoded = default_run_dir().encode()
         buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    world = dist.group.WORLD
     spmd.record("broadcast", buffer, world, "the run directory's name")
     spmd.wait(dist.broadcast(buffer, src=0, group=world, async_op=True), "broadcast of run_dir")
     return bytes(buffer.cpu().tolist()).rstrip(b"\0").decode()

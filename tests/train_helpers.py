@@ -1,0 +1,42 @@
+"""What the ``plait train`` tests share: a tiny configuration, training it in this process,
+and a launcher that must not be reached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from plait.train.config import TrainConfig
+from plait.train.layout import resolve
+from plait.train.loop import TrainResult, train
+
+#: A few steps of a small model on CPU: no evaluation between the first and the last step,
+#: a checkpoint only at the end.
+TINY = TrainConfig(
+    seq_len=32,
+    n_layer=4,
+    n_head=2,
+    d_model=32,
+    steps=3,
+    batch_size=8,
+    warmup=1,
+    eval_every=0,
+    eval_batches=1,
+    ckpt_every=0,
+    device="cpu",
+)
+
+
+def run_train(cfg: TrainConfig, world: int, run_dir: Path) -> TrainResult:
+    """Resolve ``cfg`` for ``world`` processes and train it in this process."""
+    return train(resolve(cfg.replace(run_dir=str(run_dir)), world))
+
+
+def forbid_launch(monkeypatch: pytest.MonkeyPatch, reason: str) -> None:
+    """Make ``plait train`` fail the test if it starts a worker (``reason``: why not)."""
+
+    def no_launch(cfg: TrainConfig) -> None:
+        raise AssertionError(reason)
+
+    monkeypatch.setattr("plait.train.cli.launch", no_launch)
