@@ -47,9 +47,11 @@ class UnshardHandle:
 def fsdp_states_in(module: nn.Module) -> list[FSDPState]:
     """The ``fully_shard`` states in ``module``'s subtree, in pre-order (module first)."""
     states: list[FSDPState] = []
+    seen: set[int] = set()  # modules of one list share a state
     for m in module.modules():
         state = fully_shard.state(m)
-        if state is not None and all(state is not s for s in states):  # lists share one
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
             states.append(state)
     return states
 
@@ -70,10 +72,13 @@ class FSDPModule(nn.Module):
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module``'s, after taking in parameters replaced since ``fully_shard``.
 
-        So an optimizer built after such a replacement gets the sharded parameters.
+        So an optimizer built after such a replacement gets the sharded parameters. Once
+        the root has run its first forward (which takes them in too) this is free, since
+        ``zero_grad`` calls it every step.
         """
-        for state in fsdp_states_in(self):
-            state.adopt_replacements()
+        if self._fsdp_state().is_root is None:
+            for state in fsdp_states_in(self):
+                state.adopt_replacements()
         return super().named_parameters(*args, **kwargs)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:

@@ -23,6 +23,7 @@ from enum import Enum, auto
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from plait import spmd
 from plait.fsdp.collectives import all_gather_segments, all_reduce_sum, reduce_scatter_segments
@@ -63,6 +64,7 @@ class _Reduction:
     width: int
     dtype: torch.dtype
     even: bool  # no parameter is padded: the gradients concatenate in one kernel
+    ones: torch.Tensor  # (world, len(params)) of ones: the counts when every grad is there
     all_used: bool = False  # this rank had a gradient for every parameter (this reduction)
     partial: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced (HSDP)
     # (output, work, input): the input stays referenced until the collective has finished
@@ -88,7 +90,14 @@ class FSDPParamGroup:
         dtypes = {p.param_dtype for p in params}
         self.split_copy = len(dtypes) == 1 and not self.segment_tail and all(p.even for p in params)
         self.split_sizes = [p.padded_numel for p in self.gather_order]
+        # Where each location of each parameter lives on the modules, for the swaps.
+        self._slots = [(loc.module._parameters, loc.name, p) for p in params for loc in p.locations]
         self.flat: torch.Tensor | None = None
+        self._flat_bytes: torch.Tensor | None = None  # ``flat`` as the all-gather input
+        # split_copy units: the unsharded parameters are views of this one buffer (so an
+        # unshard is one allocation) and ``_copy_outs`` its (world, -1) views per parameter.
+        self._unsharded_flat: torch.Tensor | None = None
+        self._copy_outs: list[torch.Tensor] = []
         self.adopt_flat_storage()
         self.sharded_state = ShardedState.SHARDED
         self.requires_gradient_sync = True
@@ -132,7 +141,7 @@ class FSDPParamGroup:
         """
         params = self.gather_order
         kinds = {(p.padded.dtype, p.padded.device) for p in params}
-        self.flat = None
+        self.flat = self._flat_bytes = self._unsharded_flat = None
         if len(kinds) != 1 or params[0].padded.is_meta or self.segment_tail:
             return
         first = params[0]
@@ -142,8 +151,12 @@ class FSDPParamGroup:
         for p, piece in zip(params, flat.split(self.split_sizes), strict=True):
             p.move_padded(piece.view(p.padded.shape))
         self.flat = flat
+        if flat.dtype == first.param_dtype and flat.device == first.device:  # no cast to do
+            self._flat_bytes = flat.view(torch.uint8)
 
     def _segment(self) -> torch.Tensor:
+        if self._flat_bytes is not None:
+            return self._flat_bytes
         if self.flat is not None:
             first = self.gather_order[0]
             return self.flat.to(first.device, first.param_dtype, non_blocking=True).view(
@@ -176,18 +189,44 @@ class FSDPParamGroup:
         with traced("plait.fsdp.copy_out"):
             spmd.wait(work, "all_gather", self.owner)
             if self.split_copy:
-                outs = [p.alloc_unsharded().view(self.world, -1) for p in self.gather_order]
+                outs = self._alloc_unsharded_flat()
                 dtype = self.gather_order[0].param_dtype
                 torch.split_with_sizes_copy(gathered.view(dtype), self.split_sizes, 1, out=outs)
             else:
                 for p in self.params:
                     offset = p.gather_offset
                     p.copy_out(gathered[:, offset : offset + p.gather_nbytes])
-            for p in self.params:
-                p.set_on_modules(p.unsharded)  # type: ignore[arg-type]
+            for parameters, name, p in self._slots:
+                parameters[name] = p.unsharded
             if self._keep_block:
                 self._keep_rows(gathered)
         self.sharded_state = ShardedState.UNSHARDED
+
+    def _alloc_unsharded_flat(self) -> list[torch.Tensor]:
+        """(split_copy units) Give the unsharded parameters live storage; return the copy-out
+        destinations. The parameters are views of one buffer, created once, so each unshard
+        is a single allocation and each reshard a single free."""
+        flat = self._unsharded_flat
+        params = self.gather_order
+        if flat is None:  # first use, or the shards moved (adopt_flat_storage resets it)
+            first = params[0]
+            numels = [p.numel for p in params]
+            flat = torch.empty(sum(numels), dtype=first.param_dtype, device=first.device)
+            pieces = flat.split(numels)
+            # ``.data``: each tensor gets its own version counter, so the copy-out does not
+            # look like an in-place change of parameters autograd saved in forward.
+            for p, piece in zip(params, pieces, strict=True):
+                p.unsharded = nn.Parameter(piece.view(p.shape).data, p.sharded.requires_grad)
+            self._copy_outs = [piece.view(self.world, -1).data for piece in pieces]
+            self._unsharded_flat = flat
+            return self._copy_outs
+        storage = flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(flat.numel() * flat.element_size())
+        for p in params:
+            if p.unsharded.requires_grad != p.sharded.requires_grad:  # type: ignore[union-attr]
+                p.unsharded.requires_grad_(p.sharded.requires_grad)  # type: ignore[union-attr]
+        return self._copy_outs
 
     def _keep_rows(self, gathered: torch.Tensor) -> None:
         """Keep the rows this rank serves inside its post-forward group (a copy, so the
@@ -212,9 +251,13 @@ class FSDPParamGroup:
             if not keep:
                 self.sharded_state = ShardedState.SHARDED
             return
-        for p in self.params:
-            p.set_on_modules(p.sharded)
-            p.free_unsharded()
+        for parameters, name, p in self._slots:
+            parameters[name] = p.sharded
+        if self._unsharded_flat is not None:
+            self._unsharded_flat.untyped_storage().resize_(0)
+        else:
+            for p in self.params:
+                p.free_unsharded()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD if keep else ShardedState.SHARDED
 
     # --- gradient reduction -------------------------------------------------------------
@@ -242,12 +285,16 @@ class FSDPParamGroup:
                 for p in params:
                     offsets.append(offsets[-1] + p.padded_numel)
                 even = all(p.even for p in params)
-                reductions.append(_Reduction(params, offsets[:-1], offsets[-1], dtype, even))
+                ones = torch.ones((self.world, len(params)), dtype=dtype, device=self.device)
+                reductions.append(_Reduction(params, offsets[:-1], offsets[-1], dtype, even, ones))
             self._reductions[key] = reductions
         return self._reductions[key]
 
     def reduce_grads(self) -> None:
-        """Issue the reduce-scatter(s) of the accumulated unsharded gradients."""
+        """Issue the reduce-scatter(s) of the accumulated unsharded gradients.
+
+        The counts are divided along with the gradients: only their sign is read.
+        """
         self.finish_reduce()
         divisor = self.world * self.groups.replicate_world
         for red in self._reductions_now():
@@ -255,26 +302,23 @@ class FSDPParamGroup:
                 (self.world, red.width + len(red.params)), dtype=red.dtype, device=self.device
             )
             grads = [p.take_grad() for p in red.params]
-            if red.even and all(g is not None for g in grads):  # one kernel
+            used = [g is not None for g in grads]
+            red.all_used = False not in used  # then every count is positive: none is read
+            if red.even and red.all_used:  # one kernel
                 views = [g.view(self.world, -1) for g in grads]  # type: ignore[union-attr]
-                torch.cat(views, dim=1, out=matrix[:, : red.width])
-                used = [True] * len(grads)
+                torch.cat([*views, red.ones], dim=1, out=matrix)
             else:
-                used = [
+                for p, g, off in zip(red.params, grads, red.offsets, strict=True):
                     p.copy_grad_in(g, matrix[:, off : off + p.padded_numel])
-                    for p, g, off in zip(red.params, grads, red.offsets, strict=True)
-                ]
-            matrix[:, : red.width].div_(divisor)
-            red.all_used = all(used)  # then every count is positive: no need to read them
-            if red.all_used:
-                matrix[:, red.width :].fill_(1)
-            else:
                 matrix[:, red.width :] = torch.tensor(used, dtype=red.dtype)
+            matrix.div_(divisor)
             red.inflight = (*reduce_scatter_segments(matrix, self.groups.shard, self.owner), matrix)
             self._reducing.append(red)
 
     def finish_reduce(self) -> None:
         """Wait for issued reductions and accumulate into the sharded gradients."""
+        if not self._reducing:  # the common case: called for every unit at every forward
+            return
         reducing, self._reducing = self._reducing, []
         for red in reducing:
             assert red.inflight is not None

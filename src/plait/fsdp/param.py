@@ -61,7 +61,9 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool 
     Built directly rather than through ``DTensor.from_local`` because gradients are
     wrapped for every parameter at every step, and the public path costs far more.
     """
-    return DTensor(local, spec, requires_grad=requires_grad)
+    # ``__new__`` alone: DTensor's ``__init__`` does nothing but sits behind a dynamo guard
+    # that costs more than building the tensor.
+    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
 
 
 def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int, int]:
@@ -294,13 +296,12 @@ class FSDPParam:
             self.unsharded.grad = None
         return grad
 
-    def copy_grad_in(self, grad: torch.Tensor | None, dest: torch.Tensor) -> bool:
-        """Write ``grad`` into ``dest`` (world, padded_numel), zeros if None; False if None."""
+    def copy_grad_in(self, grad: torch.Tensor | None, dest: torch.Tensor) -> None:
+        """Write ``grad`` into ``dest`` (world, padded_numel), zeros if None."""
         if grad is None:
             dest.zero_()
-            return False
-        copy_full_to_padded(grad, dest, self.chunk_rows)
-        return True
+        else:
+            copy_full_to_padded(grad, dest, self.chunk_rows)
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""

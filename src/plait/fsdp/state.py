@@ -310,13 +310,10 @@ class _PostBackward(torch.autograd.Function):
     def wrap_inputs(
         state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common case
-            if not any(a.requires_grad for a in args):
-                return None
-            wrapped = _PostBackward.apply(state, *args)
-            return tuple(
-                w if a.requires_grad else a for a, w in zip(args, wrapped, strict=True)
-            ), {}
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # common
+            return (
+                ((_PostBackward.apply(state, args[0])[0],), {}) if args[0].requires_grad else None
+            )
         leaves, spec = tree_flatten((args, kwargs))
         positions = [
             i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
