@@ -1,8 +1,9 @@
 """The two collectives of a ``fully_shard`` unit, as stateless functions.
 
-Every rank's contribution to a unit is one flat *segment*: its padded chunk of each
-parameter, back to back, as bytes (``FSDPParam.gather_offset`` says where). All-gather
-turns segments into a (world, segment) matrix; reduce-scatter turns a (world, width +
+Every rank's contribution to a unit is one *segment* row: its padded chunk of each
+parameter, back to back, in the parameters' dtype when they share one and need no padding,
+else as bytes (``FSDPParam.gather_offset`` says where). All-gather turns segments into a
+(world, segment) matrix; reduce-scatter turns a (world, width +
 counts) matrix of gradients back into this rank's reduced row; HSDP then all-reduces that
 row across replicas. Each function issues exactly one
 collective, looked up on ``torch.distributed`` at call time (tests count calls by patching
@@ -19,17 +20,18 @@ from plait.hooks import traced
 
 
 def all_gather_segments(
-    segment: torch.Tensor, group: dist.ProcessGroup, world: int, owner: str
+    rows: torch.Tensor, group: dist.ProcessGroup, world: int, owner: str
 ) -> tuple[torch.Tensor, dist.Work | None]:
-    """Start gathering every rank's ``segment``; returns the (world, n) output and work.
+    """Start gathering every rank's ``rows`` (r, n); returns the (world * r, n) output
+    (rank after rank) and the work; ``world`` is the size of ``group``.
 
     ``owner`` names the unit, for divergence reports (:mod:`plait.spmd`).
     """
-    spmd.record("all_gather", segment, group, owner)
+    spmd.record("all_gather", rows, group, owner)
     with traced("plait.fsdp.all_gather"):
-        out = segment.new_empty(world * segment.numel())
-        work = dist.all_gather_single(out, segment, group=group, async_op=True)
-    return out.view(world, -1), work
+        out = rows.new_empty((world * rows.shape[0], rows.shape[1]))
+        work = dist.all_gather_single(out, rows, group=group, async_op=True)
+    return out, work
 
 
 def reduce_scatter_segments(

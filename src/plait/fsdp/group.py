@@ -3,8 +3,10 @@
 The unit owns the state transitions and the gradient reduction:
 
 * ``unshard`` issues one all-gather of every rank's *segment* (its padded chunks back to
-  back, as bytes, so parameters of any dtypes travel together) and ``wait_for_unshard``
-  copies the result into the unsharded parameters and puts them on the modules;
+  back; as bytes when the unit mixes dtypes or pads, so any parameters travel together)
+  and ``wait_for_unshard`` copies the result into the unsharded parameters and puts them
+  on the modules. In the common case (one dtype, no padding) the unsharded parameters are
+  views of one buffer, so this is one allocation and one split-copy kernel per unit;
 * ``reshard`` puts the sharded DTensor parameters back and frees the unsharded storage;
   with a post-forward group (``reshard_after_forward=<int>``, ZeRO++ hpZ) resharding after
   forward keeps this rank's block of the gathered rows instead, so that backward's
@@ -60,7 +62,7 @@ class _Reduction:
     """The gradients of the parameters of one reduce dtype, and the state of their reduction."""
 
     params: list[FSDPParam]
-    offsets: list[int]
+    sizes: list[int]  # the columns of the matrix: each parameter's padded_numel, then counts
     width: int
     dtype: torch.dtype
     even: bool  # no parameter is padded: the gradients concatenate in one kernel
@@ -90,10 +92,12 @@ class FSDPParamGroup:
         dtypes = {p.param_dtype for p in params}
         self.split_copy = len(dtypes) == 1 and not self.segment_tail and all(p.even for p in params)
         self.split_sizes = [p.padded_numel for p in self.gather_order]
+        # split_copy units gather in their parameter dtype, others as bytes.
+        self.gather_dtype = self.gather_order[0].param_dtype if self.split_copy else torch.uint8
         # Where each location of each parameter lives on the modules, for the swaps.
         self._slots = [(loc.module._parameters, loc.name, p) for p in params for loc in p.locations]
         self.flat: torch.Tensor | None = None
-        self._flat_bytes: torch.Tensor | None = None  # ``flat`` as the all-gather input
+        self._ready_segment: torch.Tensor | None = None  # ``flat`` when it needs no cast
         # split_copy units: the unsharded parameters are views of this one buffer (so an
         # unshard is one allocation) and ``_copy_outs`` its (world, -1) views per parameter.
         self._unsharded_flat: torch.Tensor | None = None
@@ -141,7 +145,7 @@ class FSDPParamGroup:
         """
         params = self.gather_order
         kinds = {(p.padded.dtype, p.padded.device) for p in params}
-        self.flat = self._flat_bytes = self._unsharded_flat = None
+        self.flat = self._ready_segment = self._unsharded_flat = None
         if len(kinds) != 1 or params[0].padded.is_meta or self.segment_tail:
             return
         first = params[0]
@@ -152,30 +156,34 @@ class FSDPParamGroup:
             p.move_padded(piece.view(p.padded.shape))
         self.flat = flat
         if flat.dtype == first.param_dtype and flat.device == first.device:  # no cast to do
-            self._flat_bytes = flat.view(torch.uint8)
+            self._ready_segment = self._as_segment(flat)
 
     def _segment(self) -> torch.Tensor:
-        if self._flat_bytes is not None:
-            return self._flat_bytes
+        """This rank's all-gather input: one row, ``gather_dtype``."""
+        if self._ready_segment is not None:
+            return self._ready_segment
         if self.flat is not None:
             first = self.gather_order[0]
-            return self.flat.to(first.device, first.param_dtype, non_blocking=True).view(
-                torch.uint8
+            return self._as_segment(
+                self.flat.to(first.device, first.param_dtype, non_blocking=True)
             )
         pieces = [p.gather_input() for p in self.gather_order]
         if self.segment_tail:
             pieces.append(torch.zeros(self.segment_tail, dtype=torch.uint8, device=self.device))
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return self._as_segment(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+
+    def _as_segment(self, chunks: torch.Tensor) -> torch.Tensor:
+        """``chunks`` (this rank's padded chunks back to back, flat) as the segment row."""
+        return chunks.view(torch.uint8).view(self.gather_dtype).view(1, -1)
 
     def _gather_post_forward(self) -> tuple[torch.Tensor, dist.Work | None]:
         """All-gather the kept blocks inside the post-forward group (hpZ backward)."""
         rows = self._post_forward_rows
         assert rows is not None and self.groups.post_forward is not None
         self._post_forward_rows = None
-        out, work = all_gather_segments(
-            rows.view(-1), self.groups.post_forward, self.groups.post_forward_world, self.owner
+        return all_gather_segments(
+            rows, self.groups.post_forward, self.groups.post_forward_world, self.owner
         )
-        return out.view(self.world, -1), work
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather (issuing one if needed) and swap in full parameters."""
@@ -190,8 +198,7 @@ class FSDPParamGroup:
             spmd.wait(work, "all_gather", self.owner)
             if self.split_copy:
                 outs = self._alloc_unsharded_flat()
-                dtype = self.gather_order[0].param_dtype
-                torch.split_with_sizes_copy(gathered.view(dtype), self.split_sizes, 1, out=outs)
+                torch.split_with_sizes_copy(gathered, self.split_sizes, 1, out=outs)
             else:
                 for p in self.params:
                     offset = p.gather_offset
@@ -281,12 +288,15 @@ class FSDPParamGroup:
                     by_dtype.setdefault(p.reduce_dtype, []).append(p)
             reductions = []
             for dtype, params in by_dtype.items():
-                offsets = [0]
-                for p in params:
-                    offsets.append(offsets[-1] + p.padded_numel)
+                sizes = [p.padded_numel for p in params]
                 even = all(p.even for p in params)
-                ones = torch.ones((self.world, len(params)), dtype=dtype, device=self.device)
-                reductions.append(_Reduction(params, offsets[:-1], offsets[-1], dtype, even, ones))
+                # One element, expanded: the counts column costs no memory between steps.
+                one = torch.ones((), dtype=dtype, device=self.device)
+                ones = one.expand(self.world, len(params))
+                width = sum(sizes)
+                reductions.append(
+                    _Reduction(params, [*sizes, len(params)], width, dtype, even, ones)
+                )
             self._reductions[key] = reductions
         return self._reductions[key]
 
@@ -308,9 +318,10 @@ class FSDPParamGroup:
                 views = [g.view(self.world, -1) for g in grads]  # type: ignore[union-attr]
                 torch.cat([*views, red.ones], dim=1, out=matrix)
             else:
-                for p, g, off in zip(red.params, grads, red.offsets, strict=True):
-                    p.copy_grad_in(g, matrix[:, off : off + p.padded_numel])
-                matrix[:, red.width :] = torch.tensor(used, dtype=red.dtype)
+                *columns, counts = matrix.split_with_sizes(red.sizes, dim=1)
+                for p, g, column in zip(red.params, grads, columns, strict=True):
+                    p.copy_grad_in(g, column)
+                counts.copy_(torch.tensor(used, dtype=red.dtype))  # broadcast over rows
             matrix.div_(divisor)
             red.inflight = (*reduce_scatter_segments(matrix, self.groups.shard, self.owner), matrix)
             self._reducing.append(red)
@@ -333,10 +344,11 @@ class FSDPParamGroup:
                     red.partial = out  # all-reduced with a later step's gradients
                     continue
                 all_reduce_sum(out, self.groups.replicate, self.owner)
-            counts = [1] * len(red.params) if red.all_used else out[red.width :].tolist()
-            for p, off, count in zip(red.params, red.offsets, counts, strict=True):
+            *chunks, counts_chunk = out.split_with_sizes(red.sizes)
+            counts = [1] * len(red.params) if red.all_used else counts_chunk.tolist()
+            for p, chunk, count in zip(red.params, chunks, counts, strict=True):
                 if count > 0:
-                    p.accumulate_sharded_grad(out[off : off + p.padded_numel])
+                    p.accumulate_sharded_grad(chunk)
 
     @property
     def busy(self) -> bool:

@@ -130,6 +130,8 @@ class FSDPParam:
         self.numel = param.numel()
         self.chunk_rows, self.start, self.local_rows = shard_rows(self.rows, rank, world)
         self.padded_numel = self.chunk_rows * self.row_numel
+        self.local_shape = (self.local_rows, *self.shape[1:])
+        self.local_numel = self.local_rows * self.row_numel
         # No padding anywhere: the full tensor viewed as (world, padded_numel) *is* the
         # gathered layout, so copies between the two are single kernels.
         self.even = self.chunk_rows * world == self.rows
@@ -305,8 +307,11 @@ class FSDPParam:
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""
-        local = reduced[: self.local_rows * self.row_numel].view(self.local_rows, *self.shape[1:])
-        if local.dtype != self.dtype or local.device != self.padded.device:
+        if self.local_numel != self.padded_numel:
+            reduced = reduced[: self.local_numel]
+        local = reduced.view(self.local_shape)
+        # ``reduced`` is on the compute device: only offloaded shards live elsewhere.
+        if self.policy.offload or local.dtype != self.dtype:
             local = local.to(self.padded.device, self.dtype, non_blocking=True)
         if self.sharded.grad is None:
             self.sharded.grad = make_dtensor(local, self.spec)
