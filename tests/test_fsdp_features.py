@@ -361,6 +361,25 @@ def test_meta_device_init_equals_eager_init(world_size: int) -> None:
     run_on_ranks(world_size, _meta_init)
 
 
+def _dtype_change_after_sharding() -> None:
+    """``.double()`` after fully_shard changes every parameter's dtype: the unit's gather
+    layout (byte offsets, gather dtype, reduce dtype) must follow. Uneven parameters take
+    the byte-offset copy path, even ones the single split-copy path."""
+    for dim, hidden in [(DIM, HIDDEN), (8, 16)]:
+        batches = [(x.double(), y.double()) for x, y in random_batches(3, 8, dim, dim)]
+        check_parity(
+            lambda dim=dim, hidden=hidden: MLPStack(3, dim=dim, hidden=hidden),
+            lambda m: shard_blocks(m).double(),
+            batches,
+            build_reference=lambda dim=dim, hidden=hidden: MLPStack(3, dim, hidden).double(),
+        )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dtype_change_after_fully_shard_equals_one_process(world_size: int) -> None:
+    run_on_ranks(world_size, _dtype_change_after_sharding)
+
+
 def _uninitialised() -> str:
     with torch.device("meta"):
         model = _stack()

@@ -129,7 +129,7 @@ class FSDPModule(nn.Module):
         if unit is not None:
             for p in unit.params:
                 p.reset_sharded()
-            unit.adopt_flat_storage()
+            unit.lay_out()
         return out
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:

@@ -79,21 +79,6 @@ class FSDPParamGroup:
     def __init__(self, params: list[FSDPParam], groups: Groups) -> None:
         self.params = params
         self.groups = groups
-        # Widest dtypes first, so every parameter's byte offset is aligned for its dtype.
-        self.gather_order = sorted(params, key=lambda p: -p.param_dtype.itemsize)
-        offset = 0
-        for p in self.gather_order:
-            p.gather_offset = offset
-            offset += p.gather_nbytes
-        align = self.gather_order[0].param_dtype.itemsize
-        self.segment_tail = -offset % align  # keeps every row of the gathered matrix aligned
-        self.segment_nbytes = offset + self.segment_tail
-        # Common case (one dtype, no padding): the copy-out is one split-copy kernel.
-        dtypes = {p.param_dtype for p in params}
-        self.split_copy = len(dtypes) == 1 and not self.segment_tail and all(p.even for p in params)
-        self.split_sizes = [p.padded_numel for p in self.gather_order]
-        # split_copy units gather in their parameter dtype, others as bytes.
-        self.gather_dtype = self.gather_order[0].param_dtype if self.split_copy else torch.uint8
         # Where each location of each parameter lives on the modules, for the swaps.
         self._slots = [(loc.module._parameters, loc.name, p) for p in params for loc in p.locations]
         self.flat: torch.Tensor | None = None
@@ -102,7 +87,8 @@ class FSDPParamGroup:
         # unshard is one allocation) and ``_copy_outs`` its (world, -1) views per parameter.
         self._unsharded_flat: torch.Tensor | None = None
         self._copy_outs: list[torch.Tensor] = []
-        self.adopt_flat_storage()
+        self._reductions: dict[tuple[bool, ...], list[_Reduction]] = {}
+        self.lay_out()
         self.sharded_state = ShardedState.SHARDED
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -110,7 +96,6 @@ class FSDPParamGroup:
         self._gather: tuple[torch.Tensor, dist.Work | None] | None = None  # (world, segment)
         self._post_forward_rows: torch.Tensor | None = None  # (world / k, segment) bytes
         self._keep_block = False  # the next unshard feeds a post-forward reshard
-        self._reductions: dict[tuple[bool, ...], list[_Reduction]] = {}
         self._reducing: list[_Reduction] = []
         self.owner = "a fully_shard unit"  # named by the root at lazy init (spmd reports)
 
@@ -136,12 +121,37 @@ class FSDPParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    def lay_out(self) -> None:
+        """Derive the segment layout from the parameters' current dtypes and devices.
+
+        Called at construction and again after ``module._apply`` (``.double()``, ``.to``,
+        ``to_empty``), which may change both.
+        """
+        # Widest dtypes first, so every parameter's byte offset is aligned for its dtype.
+        self.gather_order = sorted(self.params, key=lambda p: -p.param_dtype.itemsize)
+        offset = 0
+        for p in self.gather_order:
+            p.gather_offset = offset
+            offset += p.gather_nbytes
+        align = self.gather_order[0].param_dtype.itemsize
+        self.segment_tail = -offset % align  # keeps every row of the gathered matrix aligned
+        self.segment_nbytes = offset + self.segment_tail
+        # Common case (one dtype, no padding): the copy-out is one split-copy kernel.
+        dtypes = {p.param_dtype for p in self.params}
+        even = all(p.even for p in self.params)
+        self.split_copy = len(dtypes) == 1 and not self.segment_tail and even
+        self.split_sizes = [p.padded_numel for p in self.gather_order]
+        # split_copy units gather in their parameter dtype, others as bytes.
+        self.gather_dtype = self.gather_order[0].param_dtype if self.split_copy else torch.uint8
+        self._reductions.clear()  # reduce dtypes may have changed
+        self.adopt_flat_storage()
+
     def adopt_flat_storage(self) -> None:
         """Keep every padded shard inside one flat buffer laid out like the segment.
 
         Then the all-gather input is that buffer itself (or one cast of it under mixed
         precision): no concatenation per unshard. Only for units of one dtype on one
-        device; others concatenate. Called again after ``module._apply`` moved shards.
+        device; others concatenate.
         """
         params = self.gather_order
         kinds = {(p.padded.dtype, p.padded.device) for p in params}
@@ -215,7 +225,7 @@ class FSDPParamGroup:
         is a single allocation and each reshard a single free."""
         flat = self._unsharded_flat
         params = self.gather_order
-        if flat is None:  # first use, or the shards moved (adopt_flat_storage resets it)
+        if flat is None:  # first use, or the shards moved (lay_out resets it)
             first = params[0]
             numels = [p.numel for p in params]
             flat = torch.empty(sum(numels), dtype=first.param_dtype, device=first.device)
