@@ -21,7 +21,14 @@ from plait.train.model import GPT, GPTConfig, lm_loss
 from collective_spy import spy_collectives
 from harness import run_on_ranks
 from models import MLP, MLPStack
-from parity import check_parity, full_value, local_slice, random_batches, train_local
+from parity import (
+    check_parity,
+    default_step,
+    full_value,
+    local_slice,
+    random_batches,
+    train_local,
+)
 
 WORLD_SIZES = [2, 4]
 # Dimensions that do not divide by 2 or 4; the 3-row bias is smaller than 4 ranks.
@@ -439,6 +446,29 @@ def _frozen_mixed_with_trainable() -> list[bool]:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_frozen_and_trainable_parameters_in_one_unit(world_size: int) -> None:
     assert run_on_ranks(world_size, _frozen_mixed_with_trainable)[0] == [True, False, False, False]
+
+
+def _frozen_between_steps() -> None:
+    """Freeze a block for the middle step only; every parameter divides evenly, so the
+    unit takes the path where unsharded parameters are views of one buffer."""
+    calls: dict[int, int] = {}
+
+    def step(
+        model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Any
+    ) -> torch.Tensor:
+        n = calls[id(model)] = calls.get(id(model), -1) + 1
+        model.blocks[0].requires_grad_(n != 1)  # type: ignore[index]
+        return default_step(model, inputs, targets, loss_fn)
+
+    batches = random_batches(3, 8, 8, 8)
+    check_parity(
+        lambda: MLPStack(3, dim=8, hidden=16), wrap_blocks(fully_shard), batches, step=step
+    )
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_freezing_between_steps(world_size: int) -> None:
+    run_on_ranks(world_size, _frozen_between_steps)
 
 
 def _ignored_params() -> tuple[bool, bool]:
