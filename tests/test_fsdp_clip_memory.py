@@ -202,7 +202,7 @@ def _memory(mixed: bool) -> tuple[FSDPMemoryReport, dict[str, int], str]:
 
         def measure(module: nn.Module, args: object, name: str = name) -> None:
             unsharded = [p for p in module.parameters() if not isinstance(p, DTensor)]
-            unit_bytes[f"blocks.{name}"] = sum(p.untyped_storage().nbytes() for p in unsharded)
+            unit_bytes[f"blocks.{name}"] = _storage_bytes(unsharded)  # they share one buffer
 
         block.register_forward_pre_hook(measure)  # runs after the unit's unshard
     # An fp32 parameter left out of a bf16 unit would not mix with its bf16 input.

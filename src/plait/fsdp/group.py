@@ -63,7 +63,7 @@ class _Reduction:
 
     params: list[FSDPParam]
     sizes: list[int]  # the columns of the matrix: each parameter's padded_numel, then counts
-    width: int
+    columns: int  # sum(sizes)
     dtype: torch.dtype
     even: bool  # no parameter is padded: the gradients concatenate in one kernel
     ones: torch.Tensor  # (world, len(params)) of ones: the counts when every grad is there
@@ -83,9 +83,11 @@ class FSDPParamGroup:
         self._slots = [(loc.module._parameters, loc.name, p) for p in params for loc in p.locations]
         self.flat: torch.Tensor | None = None
         self._ready_segment: torch.Tensor | None = None  # ``flat`` when it needs no cast
-        # split_copy units: the unsharded parameters are views of this one buffer (so an
-        # unshard is one allocation) and ``_copy_outs`` its (world, -1) views per parameter.
-        self._unsharded_flat: torch.Tensor | None = None
+        # The unsharded parameters are views of this one byte buffer (see _alloc_unsharded);
+        # ``_unsharded_data`` are the copy-out destinations, ``_copy_outs`` their (world, -1)
+        # views for the split-copy kernel.
+        self._unsharded_buffer: torch.Tensor | None = None
+        self._unsharded_data: list[torch.Tensor] = []
         self._copy_outs: list[torch.Tensor] = []
         self._reductions: dict[tuple[bool, ...], list[_Reduction]] = {}
         self.lay_out()
@@ -135,7 +137,6 @@ class FSDPParamGroup:
             offset += p.gather_nbytes
         align = self.gather_order[0].param_dtype.itemsize
         self.segment_tail = -offset % align  # keeps every row of the gathered matrix aligned
-        self.segment_nbytes = offset + self.segment_tail
         # Common case (one dtype, no padding): the copy-out is one split-copy kernel.
         dtypes = {p.param_dtype for p in self.params}
         even = all(p.even for p in self.params)
@@ -144,6 +145,7 @@ class FSDPParamGroup:
         # split_copy units gather in their parameter dtype, others as bytes.
         self.gather_dtype = self.gather_order[0].param_dtype if self.split_copy else torch.uint8
         self._reductions.clear()  # reduce dtypes may have changed
+        self._unsharded_buffer = None  # rebuilt at the next unshard, in the new dtypes
         self.adopt_flat_storage()
 
     def adopt_flat_storage(self) -> None:
@@ -155,7 +157,7 @@ class FSDPParamGroup:
         """
         params = self.gather_order
         kinds = {(p.padded.dtype, p.padded.device) for p in params}
-        self.flat = self._ready_segment = self._unsharded_flat = None
+        self.flat = self._ready_segment = None
         if len(kinds) != 1 or params[0].padded.is_meta or self.segment_tail:
             return
         first = params[0]
@@ -206,44 +208,51 @@ class FSDPParamGroup:
         self._gather = None
         with traced("plait.fsdp.copy_out"):
             spmd.wait(work, "all_gather", self.owner)
+            destinations = self._alloc_unsharded()
             if self.split_copy:
-                outs = self._alloc_unsharded_flat()
-                torch.split_with_sizes_copy(gathered, self.split_sizes, 1, out=outs)
+                torch.split_with_sizes_copy(gathered, self.split_sizes, 1, out=self._copy_outs)
             else:
-                for p in self.params:
+                for p, dest in zip(self.gather_order, destinations, strict=True):
                     offset = p.gather_offset
-                    p.copy_out(gathered[:, offset : offset + p.gather_nbytes])
+                    p.copy_out(gathered[:, offset : offset + p.gather_nbytes], dest)
             for parameters, name, p in self._slots:
                 parameters[name] = p.unsharded
             if self._keep_block:
                 self._keep_rows(gathered)
         self.sharded_state = ShardedState.UNSHARDED
 
-    def _alloc_unsharded_flat(self) -> list[torch.Tensor]:
-        """(split_copy units) Give the unsharded parameters live storage; return the copy-out
-        destinations. The parameters are views of one buffer, created once, so each unshard
-        is a single allocation and each reshard a single free."""
-        flat = self._unsharded_flat
-        params = self.gather_order
-        if flat is None:  # first use, or the shards moved (lay_out resets it)
-            first = params[0]
-            numels = [p.numel for p in params]
-            flat = torch.empty(sum(numels), dtype=first.param_dtype, device=first.device)
-            pieces = flat.split(numels)
-            # ``.data``: each tensor gets its own version counter, so the copy-out does not
-            # look like an in-place change of parameters autograd saved in forward.
-            for p, piece in zip(params, pieces, strict=True):
-                p.unsharded = nn.Parameter(piece.view(p.shape).data, p.sharded.requires_grad)
-            self._copy_outs = [piece.view(self.world, -1).data for piece in pieces]
-            self._unsharded_flat = flat
-            return self._copy_outs
-        storage = flat.untyped_storage()
+    def _alloc_unsharded(self) -> list[torch.Tensor]:
+        """Give the unsharded parameters live storage; return their copy-out destinations
+        (in gather order).
+
+        Every unsharded parameter is a view of one byte buffer, created once, so an unshard
+        is one allocation and a reshard one free. Widest dtypes come first in the buffer as
+        in the segment, so every view is aligned for its dtype.
+        """
+        buffer = self._unsharded_buffer
+        if buffer is None:  # first use, or the parameters changed (lay_out resets it)
+            order = self.gather_order
+            nbytes = [p.numel * p.param_dtype.itemsize for p in order]
+            buffer = torch.empty(sum(nbytes), dtype=torch.uint8, device=self.device)
+            self._unsharded_data = []
+            for p, piece in zip(order, buffer.split(nbytes), strict=True):
+                view = piece.view(p.param_dtype).view(p.shape)
+                # ``.data`` twice: the parameter and the copy destination get their own
+                # version counters, so the copy-out does not look like an in-place change
+                # of a parameter autograd saved in forward.
+                p.unsharded = nn.Parameter(view.data, p.sharded.requires_grad)
+                self._unsharded_data.append(view.data)
+            self._copy_outs = (
+                [d.view(self.world, -1) for d in self._unsharded_data] if self.split_copy else []
+            )
+            self._unsharded_buffer = buffer
+            return self._unsharded_data
+        storage = buffer.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(flat.numel() * flat.element_size())
-        for p in params:
-            if p.unsharded.requires_grad != p.sharded.requires_grad:  # type: ignore[union-attr]
-                p.unsharded.requires_grad_(p.sharded.requires_grad)  # type: ignore[union-attr]
-        return self._copy_outs
+            storage.resize_(buffer.numel())
+        for p in self.params:
+            p.follow_requires_grad()
+        return self._unsharded_data
 
     def _keep_rows(self, gathered: torch.Tensor) -> None:
         """Keep the rows this rank serves inside its post-forward group (a copy, so the
@@ -270,11 +279,8 @@ class FSDPParamGroup:
             return
         for parameters, name, p in self._slots:
             parameters[name] = p.sharded
-        if self._unsharded_flat is not None:
-            self._unsharded_flat.untyped_storage().resize_(0)
-        else:
-            for p in self.params:
-                p.free_unsharded()
+        if self._unsharded_buffer is not None:
+            self._unsharded_buffer.untyped_storage().resize_(0)
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD if keep else ShardedState.SHARDED
 
     # --- gradient reduction -------------------------------------------------------------
@@ -303,10 +309,8 @@ class FSDPParamGroup:
                 # One element, expanded: the counts column costs no memory between steps.
                 one = torch.ones((), dtype=dtype, device=self.device)
                 ones = one.expand(self.world, len(params))
-                width = sum(sizes)
-                reductions.append(
-                    _Reduction(params, [*sizes, len(params)], width, dtype, even, ones)
-                )
+                sizes.append(len(params))
+                reductions.append(_Reduction(params, sizes, sum(sizes), dtype, even, ones))
             self._reductions[key] = reductions
         return self._reductions[key]
 
@@ -318,9 +322,7 @@ class FSDPParamGroup:
         self.finish_reduce()
         divisor = self.world * self.groups.replicate_world
         for red in self._reductions_now():
-            matrix = torch.empty(
-                (self.world, red.width + len(red.params)), dtype=red.dtype, device=self.device
-            )
+            matrix = torch.empty((self.world, red.columns), dtype=red.dtype, device=self.device)
             grads = [p.take_grad() for p in red.params]
             used = [g is not None for g in grads]
             red.all_used = False not in used  # then every count is positive: none is read

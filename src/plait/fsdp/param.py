@@ -10,9 +10,10 @@ the user.
 Between uses the module holds the **sharded parameter**: an ``nn.Parameter`` wrapping a
 DTensor with placement ``Shard(0)`` whose local tensor is the unpadded view of the padded
 chunk. While unsharded it holds the **unsharded parameter**: a plain ``nn.Parameter`` of
-the full shape that is created once and whose storage is freed (``resize_(0)``) at reshard
-and reallocated at unshard. Keeping the same object alive lets autograd, which saved it
-during forward, see the re-gathered values during backward.
+the full shape, created once by its unit as a view of the unit's unsharded buffer, whose
+storage the unit frees (``resize_(0)``) at reshard and reallocates at unshard. Keeping the
+same object alive lets autograd, which saved it during forward, see the re-gathered values
+during backward.
 """
 
 from __future__ import annotations
@@ -247,30 +248,17 @@ class FSDPParam:
         chunk = self.padded.to(self.device, self.param_dtype, non_blocking=True)
         return chunk.view(-1).view(torch.uint8)
 
-    def alloc_unsharded(self) -> torch.Tensor:
-        """The unsharded parameter's data with live storage (allocated if it was freed)."""
-        if self.unsharded is None:
-            data = torch.empty(self.shape, dtype=self.param_dtype, device=self.device)
-            self.unsharded = nn.Parameter(data, requires_grad=self.sharded.requires_grad)
-        elif self.unsharded.requires_grad != self.sharded.requires_grad:
-            self.unsharded.requires_grad_(self.sharded.requires_grad)  # frozen or unfrozen
-        storage = self.unsharded.untyped_storage()
-        nbytes = self.numel * self.param_dtype.itemsize
-        if storage.nbytes() != nbytes:
-            storage.resize_(nbytes)
-        return self.unsharded.data
-
-    def free_unsharded(self) -> None:
-        if self.unsharded is not None:
-            self.unsharded.untyped_storage().resize_(0)
+    def follow_requires_grad(self) -> None:
+        """The unsharded parameter follows the sharded one being frozen or unfrozen."""
+        unsharded = self.unsharded
+        if unsharded is not None and unsharded.requires_grad != self.sharded.requires_grad:
+            unsharded.requires_grad_(self.sharded.requires_grad)
 
     # --- data movement between the full layout and the per-rank padded layout ------------
 
-    def copy_out(self, gathered: torch.Tensor) -> None:
-        """Fill the unsharded parameter from ``gathered``: (world, gather_nbytes) bytes."""
-        copy_padded_to_full(
-            gathered.view(self.param_dtype), self.alloc_unsharded(), self.chunk_rows
-        )
+    def copy_out(self, gathered: torch.Tensor, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (the unsharded data) from ``gathered``: (world, gather_nbytes) bytes."""
+        copy_padded_to_full(gathered.view(self.param_dtype), dest, self.chunk_rows)
 
     def stash_grad(self) -> None:
         """Move the unsharded gradient into the reduce-dtype accumulator (no-sync steps).
