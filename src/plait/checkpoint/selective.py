@@ -37,7 +37,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from plait.checkpoint_region import CheckpointError
+from plait.checkpoint.region import CheckpointError
 
 __all__ = ["KeptOutputs", "Policy", "keep_predicate", "keepable"]
 

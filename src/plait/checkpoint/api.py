@@ -4,7 +4,7 @@
 forward pre-hook and a forward hook. Between them, every tensor autograd would save for
 backward inside the module is replaced by a small handle and only the module's inputs are
 kept. When backward first needs one of those tensors, the module's forward is re-run from
-the kept inputs to recompute them (see ``plait.checkpoint_region``). This is torch's
+the kept inputs to recompute them (see ``plait.checkpoint.region``). This is torch's
 *non-reentrant* checkpoint: the autograd graph keeps its full shape, so hooks, nested
 checkpoints, ``torch.autograd.grad`` and ``retain_graph=True`` work as without it.
 
@@ -12,9 +12,9 @@ Two extensions of torch's API:
 
 * ``policy=``: selective checkpointing. The outputs of the ops the policy names (say the
   matmuls) are kept from the forward and replayed, everything else is recomputed
-  (``plait.checkpoint_selective``).
+  (``plait.checkpoint.selective``).
 * ``offload=True``: nothing is recomputed; saved tensors are parked in host memory between
-  forward and backward instead (``plait.checkpoint_offload``).
+  forward and backward instead (``plait.checkpoint.offload``).
 
 ``checkpoint.state(module).enable_hook = False`` turns checkpointing off for later forwards
 (the module then behaves exactly as if never checkpointed) and ``True`` turns it back on.
@@ -32,9 +32,9 @@ from typing import Any, Protocol, TypeAlias
 import torch
 from torch import nn
 
-from plait.checkpoint_offload import offload_hooks
-from plait.checkpoint_region import CheckpointError, RecomputeOptions, Region, Replay
-from plait.checkpoint_selective import KeptOutputs, Op, Policy, keep_predicate
+from plait.checkpoint.offload import offload_hooks
+from plait.checkpoint.region import CheckpointError, RecomputeOptions, Region, Replay
+from plait.checkpoint.selective import KeptOutputs, Op, Policy, keep_predicate
 from plait.contract import APIState, contract
 
 __all__ = ["CheckpointError", "ContextFn", "Policy", "checkpoint"]
