@@ -335,9 +335,7 @@ def test_clears_state_on_error_in_forward() -> None:
     with pytest.raises(ValueError, match="boom in forward"):
         ckpt(torch.randn(4, 8))
     # Nothing left behind: no open call, no saved-tensor hooks, no dispatch mode.
-    assert checkpoint.state(ckpt).open_calls == []
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert _get_current_dispatch_mode() is None
+    assert_nothing_left_behind(ckpt)
     net.fail = ckpt.fail = False
     x = torch.randn(4, 8)
     run(net, leaf(x))
@@ -432,6 +430,83 @@ def test_context_fn_contexts_wrap_forward_and_recompute() -> None:
     assert entered == ["forward"]
     out.sum().backward()
     assert entered == ["forward", "recompute"]
+
+
+class Guarded(nn.Module):
+    """Raises unless ``allowed``: a context from ``context_fn`` switches it on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.allowed = False
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if not self.allowed:
+            raise RuntimeError(f"call {self.calls} ran outside its context")
+        return self.lin(x).sin()
+
+
+@contextlib.contextmanager
+def allowing(module: Guarded, exits: list[str], name: str) -> Iterator[None]:
+    module.allowed = True
+    try:
+        yield
+    finally:
+        module.allowed = False
+        exits.append(name)
+
+
+def assert_nothing_left_behind(module: nn.Module) -> None:
+    state = checkpoint.state(module)
+    assert state.open_calls == [] and state.replaying is None
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert _get_current_dispatch_mode() is None
+
+
+@pytest.mark.parametrize("only", ["forward", "recompute"])
+def test_each_context_covers_only_its_own_pass_and_always_exits(only: str) -> None:
+    net = Guarded()
+    exits: list[str] = []
+
+    def context_fn() -> tuple[Any, Any]:
+        forward_ctx = allowing(net, exits, "forward") if only == "forward" else None
+        recompute_ctx = allowing(net, exits, "recompute") if only == "recompute" else None
+        return forward_ctx or contextlib.nullcontext(), recompute_ctx or contextlib.nullcontext()
+
+    checkpoint(net, context_fn=context_fn)
+    x = torch.randn(4, 8, requires_grad=True)
+    if only == "recompute":  # the forward runs without the recompute's context
+        with pytest.raises(RuntimeError, match="call 1 ran outside"):
+            net(x)
+        assert exits == []
+    else:  # the forward's context is left when the forward ends; the recompute runs without
+        out = net(x)
+        assert exits == ["forward"] and not net.allowed
+        with pytest.raises(RuntimeError, match="call 2 ran outside"):
+            out.sum().backward()
+    assert_nothing_left_behind(net)
+
+
+def test_error_in_the_recompute_leaves_nothing_behind() -> None:
+    net = Guarded()
+    ckpt = copy.deepcopy(net)
+    checkpoint(ckpt, policy={aten.addmm.default})
+    net.allowed = ckpt.allowed = True
+    x = torch.randn(4, 8)
+    out = ckpt(leaf(x))
+    ckpt.allowed = False
+    rng_before = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="call 2 ran outside"):
+        out.sum().backward()
+    assert_nothing_left_behind(ckpt)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the replayed RNG state was undone
+    ckpt.allowed = True  # the next step runs and recomputes normally
+    ckpt.zero_grad()
+    run(net, leaf(x))
+    run(ckpt, leaf(x))
+    assert_same_grads(net, ckpt)
 
 
 def test_no_grad_forward_does_no_work() -> None:
@@ -654,6 +729,21 @@ def test_recompute_mismatch_raises_checkpoint_error(variant: str, message: str) 
     with pytest.raises(CheckpointError, match=message):
         out.sum().backward()
     assert issubclass(CheckpointError, RuntimeError)
+
+
+def test_checkpoint_error_is_caught_by_handlers_written_for_torch() -> None:
+    import plait
+
+    ckpt = checkpoint(Switchy())
+    out = ckpt(torch.randn(4, 8, requires_grad=True))
+    ckpt.variant = "double"
+    try:
+        out.sum().backward()
+    except torch_checkpoint.CheckpointError as error:  # what code written for torch catches
+        assert isinstance(error, plait.CheckpointError)
+        assert "recomputing Switchy" in str(error)
+    else:
+        raise AssertionError("the recompute mismatch raised nothing")
 
 
 def test_debug_names_the_op_that_saved_the_mismatching_tensor() -> None:

@@ -323,3 +323,19 @@ def test_get_registry_is_reachable_as_plait_contract_get_registry() -> None:
     model = nn.Linear(2, 2)
     assert plait.contract.get_registry(model) is None
     assert plait.contract.get_registry is get_registry
+
+
+def test_get_registry_under_torchs_private_name() -> None:
+    # torch: ``from torch.distributed._composable import _get_registry, contract``
+    from plait import _get_registry
+    from plait.contract import _get_registry as from_module
+
+    @contract()
+    def api(module: nn.Module) -> nn.Module:
+        return module
+
+    model = api(nn.Linear(2, 2))
+    assert _get_registry is from_module is plait.contract._get_registry
+    registry = _get_registry(model)
+    assert registry is not None and list(registry) == ["api"]
+    assert _get_registry(nn.Linear(2, 2)) is None

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from plait import contract
+from plait import contract, fully_shard
 from plait.replicate import ReplicateModule, replicate
 
 from collective_spy import spy_collectives
@@ -320,7 +320,8 @@ def _errors() -> list[str]:
         return module
 
     sharded = MLPStack(2)
-    fully_shard(sharded.blocks[0])
+    fully_shard(sharded)
+    cpu_model = MLP()
     cases: list[tuple[type[Exception], Callable[[], Any]]] = [
         (ValueError, lambda: replicate(MLP(), mesh=mesh_2d)),
         (TypeError, lambda: replicate(MLP(), mesh="dp")),
@@ -329,6 +330,10 @@ def _errors() -> list[str]:
         (TypeError, lambda: replicate(MLP(), reduce_dtype=torch.int32)),
         (TypeError, lambda: replicate("model")),
         (RuntimeError, lambda: replicate(sharded)),
+        (RuntimeError, lambda: replicate(MLP(), device_id=[torch.device("cpu")])),
+        (ValueError, lambda: replicate(cpu_model, device_id=torch.device("cuda", 0))),
+        (ValueError, lambda: replicate(MLP(), mesh=mesh_2d["dp"], device_mesh=mesh_2d["pp"])),
+        (TypeError, lambda: replicate(MLP(), gradient_as_bucket_view="yes")),
     ]
     for kind, call in cases:
         with pytest.raises(kind) as info:
@@ -350,7 +355,11 @@ def test_bad_arguments_are_clear_errors() -> None:
     assert "must be positive" in messages[3]
     assert "reduce_dtype" in messages[4]
     assert "expects an nn.Module" in messages[5]
-    assert "'blocks.0' is already managed by fully_shard" in messages[6]
+    assert "MLPStack: it is already managed by fully_shard" in messages[6]
+    assert "Expected device_id to be int or torch.device" in messages[7]
+    assert "parameter 'in_proj.weight' of MLP is on cpu" in messages[8]
+    assert "mesh= or device_mesh=, not both" in messages[9]
+    assert "gradient_as_bucket_view must be a bool" in messages[10]
 
 
 def _recovers_after_failed_backward() -> None:
@@ -378,3 +387,152 @@ def _recovers_after_failed_backward() -> None:
 
 def test_failed_backward_leaves_no_stale_state() -> None:
     run_on_ranks(2, _recovers_after_failed_backward)
+
+
+# --- torch's keywords -------------------------------------------------------------------
+
+
+class ScaledMLP(MLP):
+    """Takes a keyword argument that is a tensor needing grad, and one that is not a tensor."""
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, *, scale: torch.Tensor, square: bool = False
+    ) -> torch.Tensor:
+        out = super().forward(x) * scale
+        return out * out if square else out
+
+
+class _WithScale(nn.Module):
+    """Owns the ``scale`` parameter and passes it to the replicated module as a keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = ScaledMLP()
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x, scale=self.scale, square=True)
+
+
+def _parity_with_torch_keywords() -> int:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+
+    def parallelize(model: _WithScale) -> _WithScale:
+        # torchtitan's call (device_mesh=, bucket_cap_mb=) plus DDP's switches and device_id
+        replicate(
+            model,
+            device_mesh=mesh,
+            bucket_cap_mb=1e-4,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=False,
+            static_graph=True,
+            broadcast_buffers=False,
+            device_id=torch.device("cpu"),
+        )
+        return model
+
+    check_parity(_WithScale, parallelize, random_batches(3, 8, 8, 8))
+    model = parallelize(_WithScale())
+    return len(replicate.state(model).buckets)
+
+
+def test_torch_keywords_and_forward_keywords() -> None:
+    buckets = run_on_ranks(2, _parity_with_torch_keywords)
+    assert buckets[0] == 5  # bucket_cap_mb reached plait's buckets: one per parameter
+
+
+def _ignored_modules_are_not_synced() -> tuple[bool, bool]:
+    model = MLPStack(2)
+    replicate(model, [model.blocks[0]])
+    torch.manual_seed(dist.get_rank())  # a different batch on each rank
+    model(torch.randn(4, 8)).sum().backward()
+
+    def same_on_all_ranks(t: torch.Tensor) -> bool:
+        gathered = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(gathered, t)
+        return torch.equal(gathered[0], gathered[1])
+
+    ignored = same_on_all_ranks(model.blocks[0].in_proj.weight.grad)
+    synced = all(same_on_all_ranks(p.grad) for p in model.blocks[1].parameters())
+    return ignored, synced
+
+
+def test_ignored_modules_keep_their_local_gradients() -> None:
+    ignored_same, synced_same = run_on_ranks(2, _ignored_modules_are_not_synced)[0]
+    assert not ignored_same and synced_same
+
+
+# --- replicate around fully_shard -------------------------------------------------------
+
+
+def _shard_blocks_then_replicate(model: MLPStack) -> MLPStack:
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    replicate(model, device_mesh=mesh)
+    return model
+
+
+def _replicate_around_fully_shard() -> list[int]:
+    with recorded_all_reduces() as calls:
+        check_parity(lambda: MLPStack(3), _shard_blocks_then_replicate, random_batches(3, 8, 8, 8))
+    model = _shard_blocks_then_replicate(MLPStack(3))
+    bucketed = [p for b in replicate.state(model).buckets for p in b.params]
+    assert bucketed == [model.head.bias, model.head.weight]  # only what fully_shard left
+    return [n for _, n in calls]
+
+
+def test_replicate_of_a_parent_whose_blocks_are_fully_shard_ed() -> None:
+    reduced = run_on_ranks(2, _replicate_around_fully_shard)[0]
+    head = 8 * 8 + 8
+    # per step: the head's gradients plus one count per parameter, and check_parity's loss
+    assert reduced == [head + 2, 1] * 3
+
+
+def _nested_replicate() -> list[int]:
+    def parallelize(model: MLPStack) -> MLPStack:
+        replicate(model.blocks[0])
+        return replicate(model)
+
+    with recorded_all_reduces() as calls:
+        check_parity(lambda: MLPStack(2), parallelize, random_batches(2, 8, 8, 8))
+    return [n for _, n in calls]
+
+
+def test_nested_replicate_reduces_each_parameter_once() -> None:
+    reduced = run_on_ranks(2, _nested_replicate)[0]
+    block = 8 * 16 + 16 + 16 * 8 + 8  # one MLP block's parameters
+    rest = block + 8 * 8 + 8  # the other block and the head
+    # per step: the inner replicate's bucket, the outer one's, check_parity's loss
+    assert sorted(reduced) == sorted([block + 4, rest + 6, 1] * 2)
+
+
+def _reducing_api_after_replicate(api_name: str) -> str:
+    model = replicate(MLPStack(2))
+    {"fully_shard": fully_shard, "replicate": replicate}[api_name](model.blocks[1])
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(2, 8))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("api_name", ["fully_shard", "replicate"])
+def test_api_inside_after_replicate_is_refused_at_first_forward(api_name: str) -> None:
+    message = run_on_ranks(2, _reducing_api_after_replicate, api_name)[0]
+    assert f"{api_name} was applied to 'blocks.1'" in message
+    assert f"Apply {api_name} to the submodules first" in message
+
+
+def _inputs_follow_device_id() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = ScaledMLP().to(device)
+    replicate(model, device_mesh=init_device_mesh("cuda", (1,)), device_id=device.index)
+    # CPU inputs, positional and keyword, are moved to the device first (as DDP does)
+    out = model(torch.randn(2, 8), scale=torch.ones(8))
+    assert out.device == device
+    out.sum().backward()
+    assert all(p.grad is not None and p.grad.device == device for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_id_moves_tensor_inputs_to_the_device() -> None:
+    run_on_ranks(1, _inputs_follow_device_id)

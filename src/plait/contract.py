@@ -86,6 +86,11 @@ def get_registry(module: nn.Module) -> OrderedDict[str, RegistryItem] | None:
     return registry
 
 
+#: torch's name for :func:`get_registry` (``torch.distributed._composable._get_registry``),
+#: so code written for torch finds it after changing only the import.
+_get_registry = get_registry
+
+
 def refuse_if_managed(module: nn.Module, api_name: str, other_api: str, fix: str) -> None:
     """Raise if ``other_api`` was applied to ``module`` or any module inside it."""
     for name, sub in module.named_modules():
@@ -185,6 +190,7 @@ class _Contract:
     """
 
     get_registry = staticmethod(get_registry)
+    _get_registry = get_registry  # torch's name; the same staticmethod
 
     @overload
     def __call__(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,3 +52,22 @@ def traced(label: str) -> contextlib.AbstractContextManager[object]:
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(label)
     return _NO_LABEL
+
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def outside_graphs(hook: _Hook) -> _Hook:
+    """``hook`` as it must be registered: never traced by ``torch.compile``, always eager.
+
+    The APIs' hooks swap parameters, resize storage and talk to peers; dynamo must not
+    trace them (it would fail on, or worse silently bake in, that state). Called from a
+    compiled region, the hook becomes a graph break. Registered on a module that
+    ``torch.compile(module, fullgraph=True)`` wraps, it is a frame of its own that dynamo
+    skips, so the module's forward still compiles as one graph. Applied when a hook is
+    registered rather than when plait is imported: importing dynamo costs about a second.
+    """
+    disabled: _Hook = torch.compiler.disable(
+        hook, recursive=True, reason="plait hooks run eagerly, outside compiled graphs"
+    )
+    return disabled

@@ -28,6 +28,21 @@ Contract:
   cast back to the parameter dtype when written back.
 * Buffers are broadcast once at apply time only (torch's DDP re-broadcasts them every
   forward; plait leaves that to the user, as running statistics rarely need it).
+* Submodules already ``fully_shard``-ed (or ``replicate``-d) keep their parameters and
+  buffers to that API: ``replicate`` neither broadcasts nor all-reduces them, as in both of
+  torch's ``replicate`` versions. ``replicate`` of a module that is itself ``fully_shard``-ed
+  raises ``RuntimeError``; so does its first forward if either API was applied inside it
+  afterwards (the parameters would be reduced twice).
+* torch's keywords are accepted: ``device_mesh`` (the DDP-based version's name for ``mesh``),
+  ``ignored_modules``, ``device_id`` (``int`` or ``torch.device``, else ``RuntimeError`` as in
+  torch: the module must be on it, and tensor inputs are moved to it before each forward, as
+  DDP does), and three DDP switches that change nothing here because plait already behaves
+  as their best setting: ``gradient_as_bucket_view`` (gradients are always views of the
+  reduced bucket when dtypes agree), ``find_unused_parameters`` (unused parameters are always
+  detected, at no extra cost) and ``static_graph`` (nothing is cached about the graph).
+  ``broadcast_buffers`` is accepted too and changes nothing, as in torch's composable
+  ``replicate``, whose inner DDP covers the parameters only and so never syncs buffers
+  (plait broadcasts them once, at apply time).
 """
 
 from __future__ import annotations
@@ -40,10 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_map_only
 
 from plait import spmd
-from plait.contract import APIState, contract, refuse_if_managed, with_mixin
-from plait.hooks import in_backward, queue_end_of_backward, traced
+from plait.contract import APIState, contract, get_registry, with_mixin
+from plait.hooks import in_backward, outside_graphs, queue_end_of_backward, traced
 from plait.mesh import check_mesh_device, default_mesh, one_dim_group
 
 __all__ = ["ReplicateModule", "replicate"]
@@ -124,6 +140,10 @@ class ReplicateState(APIState):
         self.requires_gradient_sync = True
         self.next_bucket = 0  # buckets before this one have been launched in this backward
         self.in_backward = False  # the end-of-backward callback is queued
+        # ids of the submodules managed by fully_shard or replicate at apply time (their
+        # parameters are not bucketed); the first forward checks none appeared since.
+        self.managed_at_apply: set[int] = set()
+        self.checked_ownership = False
 
     def on_grad_ready(self, param: torch.Tensor) -> None:
         if not self.requires_gradient_sync:
@@ -187,10 +207,37 @@ class ReplicateModule(nn.Module):
             self.set_requires_gradient_sync(previous)
 
 
-def _validate(module: nn.Module, bucket_cap_mb: float, reduce_dtype: object) -> None:
+def _is_managed(module: nn.Module, apis: tuple[str, ...]) -> bool:
+    registry = get_registry(module)
+    return registry is not None and any(api in registry for api in apis)
+
+
+_REDUCING_APIS = ("fully_shard", "replicate")
+
+
+def _managed_submodules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``module`` (not itself) that ``fully_shard`` or ``replicate`` was
+    applied to: their parameters and buffers are theirs to reduce and sync."""
+    return [
+        (name, sub)
+        for name, sub in module.named_modules()
+        if sub is not module and _is_managed(sub, _REDUCING_APIS)
+    ]
+
+
+def _validate(
+    module: nn.Module, bucket_cap_mb: float, reduce_dtype: object, switches: dict[str, object]
+) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"replicate expects an nn.Module, got {type(module).__name__}")
-    refuse_if_managed(module, "replicate", "fully_shard", _HSDP_HINT)
+    if _is_managed(module, ("fully_shard",)):
+        raise RuntimeError(
+            f"replicate cannot be applied to {type(module).__name__}: it is already managed by "
+            f"fully_shard. {_HSDP_HINT}"
+        )
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"replicate: {name} must be a bool, got {value!r}")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         raise TypeError(f"replicate: bucket_cap_mb must be a number, got {bucket_cap_mb!r}")
     if bucket_cap_mb <= 0:
@@ -201,6 +248,33 @@ def _validate(module: nn.Module, bucket_cap_mb: float, reduce_dtype: object) -> 
         raise TypeError(
             f"replicate: reduce_dtype must be a floating torch.dtype or None, got {reduce_dtype!r}"
         )
+
+
+def _resolve_device_id(
+    device_id: object, module: nn.Module, mesh: DeviceMesh
+) -> torch.device | None:
+    """torch's ``device_id``: the device ``module`` runs on (an ``int`` is an index on the
+    mesh's device type); ``None`` when not given."""
+    if device_id is None:
+        return None
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
+        # RuntimeError, the type torch raises here, so code written for torch catches it.
+        raise RuntimeError(
+            "replicate: Expected device_id to be int or torch.device, but got "
+            f"{type(device_id).__name__} ({device_id!r})"
+        )
+    if isinstance(device_id, int):
+        device_id = torch.device(mesh.device_type, device_id)
+    device = device_id
+    for name, param in module.named_parameters():
+        same_index = device.type == "cpu" or device.index in (None, param.device.index)
+        if param.device.type != "meta" and (param.device.type != device.type or not same_index):
+            raise ValueError(
+                f"replicate: device_id is {device} but parameter {name!r} of "
+                f"{type(module).__name__} is on {param.device}: move the module first "
+                f"(module.to({str(device)!r}))"
+            )
+    return device
 
 
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -244,24 +318,67 @@ def _make_buckets(
 @contract(ReplicateState)
 def replicate(
     module: nn.Module,
+    ignored_modules: Iterable[nn.Module] | None = None,
     *,
     mesh: DeviceMesh | None = None,
+    device_mesh: DeviceMesh | None = None,
+    device_id: int | torch.device | None = None,
     bucket_cap_mb: float = 25,
     reduce_dtype: torch.dtype | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    gradient_as_bucket_view: bool = True,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+    broadcast_buffers: bool = True,
 ) -> nn.Module:
-    """Replicate ``module`` over the data-parallel group; see the module docstring."""
-    _validate(module, bucket_cap_mb, reduce_dtype)
+    """Replicate ``module`` over the data-parallel group; see the module docstring.
+
+    Args:
+        module: the module to replicate in place (not one that is itself ``fully_shard``-ed;
+            ``fully_shard``-ed submodules are left to ``fully_shard``).
+        ignored_modules: modules whose parameters are neither broadcast nor reduced.
+        mesh: a 1-D mesh (or one named dimension of a larger one); default: the world.
+        device_mesh: torch's DDP-based ``replicate`` name for ``mesh`` (give one of them).
+        device_id: the device the module is on; non-CPU tensor inputs are moved to it.
+        bucket_cap_mb: the size cap of one all-reduce bucket, in MiB.
+        reduce_dtype: the dtype of the all-reduce (default: the parameters' dtype).
+        ignored_params: parameters neither broadcast nor reduced.
+        gradient_as_bucket_view, find_unused_parameters, static_graph, broadcast_buffers:
+            torch's DDP switches, accepted (bools) and without effect: see the module
+            docstring.
+    """
+    _validate(
+        module,
+        bucket_cap_mb,
+        reduce_dtype,
+        {
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+            "broadcast_buffers": broadcast_buffers,
+        },
+    )
+    if mesh is not None and device_mesh is not None and mesh is not device_mesh:
+        raise ValueError("replicate: pass the mesh as mesh= or device_mesh=, not both")
     state: ReplicateState = replicate.state(module)
+    mesh = mesh if mesh is not None else device_mesh
     mesh = mesh if mesh is not None else default_mesh(module, "replicate")
     group = one_dim_group(mesh, "replicate")
     check_mesh_device(mesh, module, "replicate")
+    device = _resolve_device_id(device_id, module, mesh)
     state.group = group
     state.world = dist.get_world_size(group)
 
     ignored = set(ignored_params or ())
+    for ignored_module in ignored_modules or ():
+        ignored.update(ignored_module.parameters())
+    managed = [sub for _, sub in _managed_submodules(module)]
+    state.managed_at_apply = {id(sub) for sub in managed}
+    ignored.update(p for sub in managed for p in sub.parameters())
+    managed_buffers = {id(b) for sub in managed for b in sub.buffers()}
     _broadcast_from_rank0(
-        [p.detach() for p in module.parameters() if p not in ignored] + list(module.buffers()),
+        [p.detach() for p in module.parameters() if p not in ignored]
+        + [b for b in module.buffers() if id(b) not in managed_buffers],
         group,
     )
     trainable = [p for p in module.parameters() if p.requires_grad and p not in ignored]
@@ -280,7 +397,32 @@ def replicate(
         # (Forwards run *inside* backward, e.g. checkpoint recomputation, must not reset.)
         if state.in_backward and not in_backward():
             state.reset()
+        if not state.checked_ownership:
+            _refuse_managed_after_replicate(module, state)
+            state.checked_ownership = True
 
-    module.register_forward_pre_hook(reset_after_aborted_backward)
+    module.register_forward_pre_hook(outside_graphs(reset_after_aborted_backward))
+    if device is not None and device.type != "cpu":
+
+        def move_inputs(
+            _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
+
+        module.register_forward_pre_hook(move_inputs, with_kwargs=True)
     with_mixin(module, ReplicateModule, "Replicate")
     return module
+
+
+def _refuse_managed_after_replicate(module: nn.Module, state: ReplicateState) -> None:
+    """Raise if ``fully_shard`` / ``replicate`` was applied to a submodule after ``replicate``
+    bucketed its parameters (they would be reduced twice)."""
+    for name, sub in _managed_submodules(module):
+        if id(sub) not in state.managed_at_apply:
+            api = next(a for a in _REDUCING_APIS if _is_managed(sub, (a,)))
+            raise RuntimeError(
+                f"{api} was applied to {name!r} inside the replicate-d "
+                f"{type(module).__name__} after replicate, which had already bucketed its "
+                f"parameters. Apply {api} to the submodules first, then replicate to the "
+                f"parent (replicate leaves their parameters to them)."
+            )

@@ -24,6 +24,7 @@ the hooks return at once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from plait.checkpoint.offload import offload_hooks
 from plait.checkpoint.region import CheckpointError, RecomputeOptions, Region, Replay
 from plait.checkpoint.selective import KeptOutputs, Op, Policy, keep_predicate
 from plait.contract import APIState, contract
+from plait.hooks import outside_graphs
 
 __all__ = ["CheckpointError", "ContextFn", "Policy", "checkpoint"]
 
@@ -160,19 +162,41 @@ def checkpoint(
     )
     # Prepended, so the pre-hook sees the caller's own arguments and the recompute, which
     # calls the module again, replays every other hook exactly as the forward ran them.
-    module.register_forward_pre_hook(_before_forward, prepend=True, with_kwargs=True)
+    before, after = _registered_hooks()
+    module.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
     # always_call: an exception in forward still closes the region (no hooks left behind).
-    module.register_forward_hook(_after_forward, prepend=True, always_call=True)
+    module.register_forward_hook(after, prepend=True, always_call=True)
     return module
 
 
-def _before_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+@functools.cache
+def _registered_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
+    """The pre-hook and hook as registered: both run eagerly, outside compiled graphs
+    (they enter saved-tensor hooks), and the pre-hook first notes whether the forward it
+    precedes runs under ``torch.compile`` (then so must its recompute)."""
+    before = outside_graphs(_before_forward)
+
+    def note_compiled(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Dynamo's frame callback is set: the module's forward will run compiled code. A
+        # builtin, called inline: a Python frame here would be one more for dynamo to trace.
+        callback = torch._C._dynamo.eval_frame.get_eval_frame_callback()
+        before(module, args, kwargs, compiled=callback is not None and callback is not False)
+
+    # Non-recursive: dynamo skips this frame (a graph break where it is inlined) but leaves
+    # its frame callback set for the frame to read.
+    noted: Callable[..., None] = torch.compiler.disable(note_compiled, recursive=False)
+    return noted, outside_graphs(_after_forward)
+
+
+def _before_forward(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], compiled: bool = False
+) -> None:
     state = checkpoint.state(module)
     active = state.enable_hook and state.replaying is None and torch.is_grad_enabled()
     # Pushed first, so the forward hook (which runs even if this one raises) pops it.
     state.open_calls.append(None)
     if active and state.options is not None:
-        state.open_calls[-1] = _open(module, state, state.options, args, kwargs)
+        state.open_calls[-1] = _open(module, state, state.options, args, kwargs, compiled)
 
 
 def _after_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -190,8 +214,14 @@ def _open(
     options: _Options,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    compiled: bool,
 ) -> _Closable:
-    """Start checkpointing one call: a recompute region, or offloading hooks."""
+    """Start checkpointing one call: a recompute region, or offloading hooks.
+
+    ``compiled``: the forward runs under ``torch.compile``, so the recompute replays the
+    same compiled code (see ``_replaying_compiled_code``); otherwise it runs eagerly even
+    if the module's code was compiled elsewhere (another instance of its class).
+    """
     forward_ctx, recompute_ctx = options.context_fn() if options.context_fn else (None, None)
     if options.offload:
         with ExitStack() as stack:
@@ -214,7 +244,7 @@ def _open(
     def rerun(replay: Replay, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         outer, state.replaying = state.replaying, replay
         try:
-            module(*args, **kwargs)
+            (_replaying_compiled_code() if compiled else _call)(module, *args, **kwargs)
         finally:
             state.replaying = outer
 
@@ -222,3 +252,20 @@ def _open(
         type(module).__name__, args, kwargs, options.recompute, rerun, recompute_contexts
     )
     return region.open(forward_contexts)
+
+
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module(*args, **kwargs)
+
+
+@functools.cache
+def _replaying_compiled_code() -> Callable[..., Any]:
+    """``_call``, running every frame the forward ran compiled through the same compiled
+    code (dynamo's run-only mode: cached graphs are used, nothing new is compiled).
+
+    The recompute must save exactly the tensors the forward saved, and a compiled graph
+    saves other tensors (its partitioner's choice) than the eager code it replaces. A
+    backward runs outside ``torch.compile``'s context, where the module would run eagerly.
+    """
+    run_only: Callable[..., Any] = torch._dynamo.run(_call)
+    return run_only

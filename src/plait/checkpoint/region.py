@@ -36,17 +36,24 @@ from torch._C._autograd import _make_saved_tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+# The one name plait takes from torch's checkpoint module (which ``import torch`` loads
+# anyway): the exception class, so ``except CheckpointError`` written for torch catches
+# plait's. tests/test_import_guard.py allows exactly this import.
+from torch.utils.checkpoint import CheckpointError as _TorchCheckpointError
+
 from plait.hooks import backward_pass_id, traced
 
 __all__ = ["CheckpointError", "RecomputeOptions", "Region", "Replay"]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(_TorchCheckpointError):
     """The recompute of a checkpointed module did not reproduce what its forward saved.
 
     Raised during backward when the re-run forward saves a different number of tensors, or
     tensors of a different shape, dtype or device, than the original forward did (usually
-    data-dependent control flow, or state changed between forward and backward).
+    data-dependent control flow, or state changed between forward and backward). A subclass
+    of ``torch.utils.checkpoint.CheckpointError`` (itself a ``RuntimeError``), so handlers
+    written for torch's checkpoint catch it.
     """
 
 
@@ -136,17 +143,22 @@ def _backward_id() -> int:
 
 
 class _SavedLeaf:
-    """One tensor input: saved through the outer hooks, and whether it required grad."""
+    """One tensor input: saved through the outer hooks, whether it required grad, and
+    whether it was a view (``fully_shard`` passes its inputs on as views of themselves)."""
 
-    __slots__ = ("requires_grad", "saved")
+    __slots__ = ("is_view", "requires_grad", "saved")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.saved = _make_saved_tensor(tensor, is_output=False)
         self.requires_grad = tensor.requires_grad
+        self.is_view = tensor._base is not None
 
     def restore(self) -> torch.Tensor:
         # A leaf of a new graph: the recompute must not reach into the caller's graph.
-        return self.saved.unpack().detach().requires_grad_(self.requires_grad)
+        leaf = self.saved.unpack().detach().requires_grad_(self.requires_grad)
+        # A view stays a view: compiled code guards on it, and the recompute must run the
+        # graph the forward ran to save the same tensors.
+        return leaf.view_as(leaf) if self.is_view else leaf
 
 
 class _SavedInputs:
