@@ -11,24 +11,37 @@ The unit owns the state transitions and the gradient reduction:
   with a post-forward group (``reshard_after_forward=<int>``, ZeRO++ hpZ) resharding after
   forward keeps this rank's block of the gathered rows instead, so that backward's
   all-gather stays inside that smaller group;
-* ``reduce_grads`` issues one reduce-scatter per gradient dtype (pre-divided by the number
-  of data-parallel ranks, so the result is the average) and ``finish_reduce`` all-reduces
-  it across replicas (HSDP) and adds this rank's part to the sharded gradients. Each row
+* ``reduce_grads`` issues one reduce-scatter per gradient dtype and ``finish_reduce``
+  all-reduces it across replicas (HSDP), runs the user's all-reduce hook and adds this
+  rank's part to the sharded gradients. The sum is divided into an average (or by the
+  user's ``gradient_divide_factor``) where torch's ``fully_shard`` divides, so low-precision
+  gradients match torch's bit for bit (``collectives.gradient_division``). Each row
   carries one count per parameter of how many ranks produced a gradient, so a parameter no
-  rank used keeps ``grad=None``, as in one process.
+  rank used keeps ``grad=None``, as in one process (every division keeps a count's sign).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait import spmd
-from plait.fsdp.collectives import all_gather_segments, all_reduce_sum, reduce_scatter_segments
+from plait.fsdp.collectives import (
+    Comm,
+    Division,
+    all_gather_segments,
+    all_reduce,
+    allocate,
+    divide_,
+    gradient_division,
+    reduce_scatter_segments,
+)
 from plait.fsdp.param import FSDPParam
 from plait.hooks import traced
 
@@ -64,11 +77,13 @@ class _Reduction:
     params: list[FSDPParam]
     sizes: list[int]  # the columns of the matrix: each parameter's padded_numel, then counts
     columns: int  # sum(sizes)
+    width: int  # the gradient columns (without the counts)
     dtype: torch.dtype
     even: bool  # no parameter is padded: the gradients concatenate in one kernel
     ones: torch.Tensor  # (world, len(params)) of ones: the counts when every grad is there
     all_used: bool = False  # this rank had a gradient for every parameter (this reduction)
     partial: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced (HSDP)
+    division: Division | None = None  # of the reduction in flight
     # (output, work, input): the input stays referenced until the collective has finished
     inflight: tuple[torch.Tensor, dist.Work | None, torch.Tensor] | None = field(
         default=None, repr=False
@@ -100,6 +115,14 @@ class FSDPParamGroup:
         self._keep_block = False  # the next unshard feeds a post-forward reshard
         self._reducing: list[_Reduction] = []
         self.owner = "a fully_shard unit"  # named by the root at lazy init (spmd reports)
+        # Set through FSDPModule's methods of the same names (torch's semantics).
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction_for_comms = False
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: Any = None  # a device stream to run the hook on
+        self.all_gather_comm: Comm | None = None
+        self.reduce_scatter_comm: Comm | None = None
+        self._premul_sum: bool | None = None  # the shard group's backend has PREMUL_SUM
 
     @property
     def world(self) -> int:
@@ -118,7 +141,7 @@ class FSDPParamGroup:
                 self._gather = self._gather_post_forward()
             else:
                 self._gather = all_gather_segments(
-                    self._segment(), self.groups.shard, self.world, self.owner
+                    self._segment(), self.groups.shard, self.world, self.owner, self.all_gather_comm
                 )
         if not async_op:
             self.wait_for_unshard()
@@ -194,7 +217,11 @@ class FSDPParamGroup:
         assert rows is not None and self.groups.post_forward is not None
         self._post_forward_rows = None
         return all_gather_segments(
-            rows, self.groups.post_forward, self.groups.post_forward_world, self.owner
+            rows,
+            self.groups.post_forward,
+            self.groups.post_forward_world,
+            self.owner,
+            self.all_gather_comm,
         )
 
     def wait_for_unshard(self) -> None:
@@ -309,10 +336,26 @@ class FSDPParamGroup:
                 # One element, expanded: the counts column costs no memory between steps.
                 one = torch.ones((), dtype=dtype, device=self.device)
                 ones = one.expand(self.world, len(params))
+                width = sum(sizes)
                 sizes.append(len(params))
-                reductions.append(_Reduction(params, sizes, sum(sizes), dtype, even, ones))
+                reductions.append(
+                    _Reduction(params, sizes, width + len(params), width, dtype, even, ones)
+                )
             self._reductions[key] = reductions
         return self._reductions[key]
+
+    def _division(self, dtype: torch.dtype) -> Division:
+        if self._premul_sum is None:  # NCCL has PREMUL_SUM; a mixed group names it too
+            backend = str(dist.get_backend(self.groups.shard))
+            self._premul_sum = "nccl" in backend and self.device.type == "cuda"
+        return gradient_division(
+            self.world,
+            self.groups.replicate_world,
+            dtype,
+            self.gradient_divide_factor,
+            self.force_sum_reduction_for_comms,
+            self._premul_sum,
+        )
 
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter(s) of the accumulated unsharded gradients.
@@ -320,9 +363,9 @@ class FSDPParamGroup:
         The counts are divided along with the gradients: only their sign is read.
         """
         self.finish_reduce()
-        divisor = self.world * self.groups.replicate_world
+        comm = self.reduce_scatter_comm
         for red in self._reductions_now():
-            matrix = torch.empty((self.world, red.columns), dtype=red.dtype, device=self.device)
+            matrix = allocate(comm, (self.world, red.columns), red.dtype, self.device)
             grads = [p.take_grad() for p in red.params]
             used = [g is not None for g in grads]
             red.all_used = False not in used  # then every count is positive: none is read
@@ -334,8 +377,14 @@ class FSDPParamGroup:
                 for p, g, column in zip(red.params, grads, columns, strict=True):
                     p.copy_grad_in(g, column)
                 counts.copy_(torch.tensor(used, dtype=red.dtype))  # broadcast over rows
-            matrix.div_(divisor)
-            red.inflight = (*reduce_scatter_segments(matrix, self.groups.shard, self.owner), matrix)
+            red.division = division = self._division(red.dtype)
+            divide_(matrix, division.pre)
+            if division.scale is not None:
+                matrix.mul_(division.scale)
+            reduced = reduce_scatter_segments(
+                matrix, self.groups.shard, self.owner, division.scatter_op, comm
+            )
+            red.inflight = (*reduced, matrix)
             self._reducing.append(red)
 
     def finish_reduce(self) -> None:
@@ -348,6 +397,9 @@ class FSDPParamGroup:
             out, work, _ = red.inflight
             red.inflight = None
             spmd.wait(work, "reduce_scatter", self.owner)
+            division = red.division
+            assert division is not None
+            divide_(out, division.between)
             if red.partial is not None:
                 out += red.partial
                 red.partial = None
@@ -355,12 +407,52 @@ class FSDPParamGroup:
                 if not self.requires_all_reduce:
                     red.partial = out  # all-reduced with a later step's gradients
                     continue
-                all_reduce_sum(out, self.groups.replicate, self.owner)
+                all_reduce(out, self.groups.replicate, self.owner, division.all_reduce_op)
+            if self.all_reduce_hook is not None:
+                self._run_all_reduce_hook(out[: red.width])
+            divide_(out, division.post)
             *chunks, counts_chunk = out.split_with_sizes(red.sizes)
             counts = [1] * len(red.params) if red.all_used else counts_chunk.tolist()
             for p, chunk, count in zip(red.params, chunks, counts, strict=True):
                 if count > 0:
                     p.accumulate_sharded_grad(chunk)
+
+    def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
+        """The user's hook on this rank's reduced gradients (after HSDP's all-reduce),
+        on the stream the user chose, if any; later work waits for it."""
+        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        assert hook is not None
+        if stream is None:
+            hook(reduced)
+            return
+        module = torch.get_device_module(reduced.device.type)
+        current = module.current_stream()
+        stream.wait_stream(current)
+        with module.stream(stream):
+            hook(reduced)
+        current.wait_stream(stream)
+
+    def discard_inflight(self) -> None:
+        """Recovery after an exception (``reset_iter_state``): wait for the collectives
+        already issued, drop their results and every gradient not yet reduced (the failed
+        step's, no-sync accumulation and HSDP partial sums included), and reshard."""
+        if self._gather is not None:
+            _, work = self._gather
+            self._gather = None
+            if work is not None:
+                work.wait()
+        for red in self._reducing:
+            if red.inflight is not None and red.inflight[1] is not None:
+                red.inflight[1].wait()
+            red.inflight = None
+        self._reducing = []
+        for reductions in self._reductions.values():
+            for red in reductions:
+                red.partial = None
+        for p in self.params:
+            p.take_grad()  # clears the unsharded gradient and the no-sync accumulator
+        self._post_forward_rows = None
+        self.reshard()
 
     @property
     def busy(self) -> bool:

@@ -1,14 +1,16 @@
 """One parameter managed by ``fully_shard``: its shard, its unsharded form, and the swap.
 
-Layout (torch.chunk semantics along dim 0): with ``world`` ranks a parameter of ``rows``
-rows is cut into chunks of ``chunk = ceil(rows / world)`` rows; rank ``r`` owns rows
-``[r * chunk, min((r + 1) * chunk, rows))``, which may be fewer than ``chunk`` (the tail)
-or none at all. Each rank stores its chunk *padded* to ``chunk`` rows so that every rank
-contributes the same number of elements to the unit's all-gather; padding is never seen by
-the user.
+Layout (torch.chunk semantics along the shard dim ``d``, 0 unless ``shard_placement_fn``
+says otherwise; "rows" below are the slices along ``d``): with ``world`` ranks a parameter
+of ``rows`` rows is cut into chunks of ``chunk = ceil(rows / world)`` rows; rank ``r`` owns
+rows ``[r * chunk, min((r + 1) * chunk, rows))``, which may be fewer than ``chunk`` (the
+tail) or none at all. Each rank stores its rows, contiguous, at the start of a zero-padded
+chunk of ``chunk`` rows' worth of elements, so that every rank contributes the same number
+of elements to the unit's all-gather; padding is never seen by the user. (For ``d = 0`` that is
+simply ``chunk`` rows, flattened; the common case has no padding at all.)
 
 Between uses the module holds the **sharded parameter**: an ``nn.Parameter`` wrapping a
-DTensor with placement ``Shard(0)`` whose local tensor is the unpadded view of the padded
+DTensor with placement ``Shard(d)`` whose local tensor is the unpadded view of the padded
 chunk. While unsharded it holds the **unsharded parameter**: a plain ``nn.Parameter`` of
 the full shape, created once by its unit as a view of the unit's unsharded buffer, whose
 storage the unit frees (``resize_(0)``) at reshard and reallocates at unshard. Keeping the
@@ -46,13 +48,15 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def shard_spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+def shard_spec(
+    mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype, dim: int = 0
+) -> DTensorSpec:
     """The (immutable, shareable) spec of a sharded parameter of global ``shape``.
 
-    ``Shard(0)`` on the last mesh dimension, ``Replicate()`` on any before it (HSDP).
+    ``Shard(dim)`` on the last mesh dimension, ``Replicate()`` on any before it (HSDP).
     """
     meta = TensorMeta(shape, contiguous_strides(shape), dtype)
-    placements = (*([Replicate()] * (mesh.ndim - 1)), Shard(0))
+    placements = (*([Replicate()] * (mesh.ndim - 1)), Shard(dim))
     return DTensorSpec(mesh, placements, tensor_meta=meta)
 
 
@@ -65,6 +69,41 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool 
     # ``__new__`` alone: DTensor's ``__init__`` does nothing but sits behind a dynamo guard
     # that costs more than building the tensor.
     return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+
+
+class ShardPlacementError(ValueError, AssertionError):
+    """``shard_placement_fn`` returned something that cannot shard the parameter.
+
+    Also an ``AssertionError``, the type torch raises, so code written for torch catches it.
+    """
+
+
+def resolve_shard_dim(placement: object, param: torch.Tensor, fqn: str) -> int:
+    """The non-negative dim that ``placement`` (a ``shard_placement_fn`` result) shards on.
+
+    ``None`` means ``Shard(0)``; a negative dim counts from the end, as in torch.
+    """
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        hint = (
+            " (per-parameter meshes, torch's ShardPlacementResult, are not supported: call "
+            "fully_shard separately for parameters on another mesh)"
+            if hasattr(placement, "mesh_info")
+            else ""
+        )
+        raise ShardPlacementError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+            f"expected Shard(dim) or None{hint}"
+        )
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ShardPlacementError(
+            f"fully_shard: shard_placement_fn returned {placement} for parameter {fqn!r} of "
+            f"shape {tuple(param.shape)}: Shard dim {placement.dim} is invalid for "
+            f"{param.dim()}D tensor; return a dim in [{-param.dim()}, {param.dim()})"
+        )
+    return dim
 
 
 def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int, int]:
@@ -116,6 +155,7 @@ class FSDPParam:
         rank: int,
         world: int,
         policy: ParamPolicy,
+        dim: int = 0,
     ) -> None:
         self.locations = locations
         self.fqn = locations[0].fqn
@@ -126,16 +166,20 @@ class FSDPParam:
         self.policy = policy
         self.device = policy.device
         self.shape = param.shape
-        self.rows = self.shape[0]
-        self.row_numel = math.prod(self.shape[1:])
+        self.dim = dim
+        self.rows = self.shape[dim]
+        # The elements of one row: the dims before ``dim`` times those after it.
+        self.row_numel = math.prod(self.shape[:dim]) * math.prod(self.shape[dim + 1 :])
         self.numel = param.numel()
         self.chunk_rows, self.start, self.local_rows = shard_rows(self.rows, rank, world)
         self.padded_numel = self.chunk_rows * self.row_numel
-        self.local_shape = (self.local_rows, *self.shape[1:])
+        self.local_shape = (*self.shape[:dim], self.local_rows, *self.shape[dim + 1 :])
         self.local_numel = self.local_rows * self.row_numel
-        # No padding anywhere: the full tensor viewed as (world, padded_numel) *is* the
-        # gathered layout, so copies between the two are single kernels.
-        self.even = self.chunk_rows * world == self.rows
+        # No padding anywhere, and rows are outermost: the full tensor viewed as (world,
+        # padded_numel) *is* the gathered layout, so copies between the two are single
+        # kernels (always for dim 0; for another dim only when the dims before it are 1).
+        outermost = math.prod(self.shape[:dim]) == 1 or world == 1
+        self.even = self.chunk_rows * world == self.rows and outermost
         self.gather_offset = 0  # set by the unit once all its parameters are known
         self._set_dtypes(param.dtype)
         self.unsharded: nn.Parameter | None = None  # created on first unshard
@@ -144,7 +188,7 @@ class FSDPParam:
 
         self.padded = self._new_padded(param.detach(), rows_of_full=True)
         self.sharded = nn.Parameter(
-            make_dtensor(self.padded[: self.local_rows], self.spec),
+            make_dtensor(self._local(self.padded), self.spec),
             requires_grad=param.requires_grad,
         )
         self.set_on_modules(self.sharded)
@@ -154,20 +198,29 @@ class FSDPParam:
         floating = dtype.is_floating_point or dtype.is_complex
         self.param_dtype = (self.policy.param_dtype or dtype) if floating else dtype
         self.reduce_dtype = (self.policy.reduce_dtype or self.param_dtype) if floating else None
-        self.spec = shard_spec(self.mesh, self.shape, dtype)
+        self.spec = shard_spec(self.mesh, self.shape, dtype, self.dim)
+
+    def _local(self, padded: torch.Tensor) -> torch.Tensor:
+        """The unpadded local shard inside a padded chunk: its first ``local_numel``
+        elements (a contiguous view)."""
+        return padded.view(-1)[: self.local_numel].view(self.local_shape)
+
+    def _own_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full-shape tensor (a view)."""
+        return full.narrow(self.dim, self.start, self.local_rows)
 
     def _new_padded(self, source: torch.Tensor, *, rows_of_full: bool) -> torch.Tensor:
-        """A zero-padded chunk holding this rank's rows of ``source`` (full or local)."""
+        """A zero-padded chunk (flat) holding this rank's rows of ``source`` (full or local)."""
         device = torch.device("cpu") if self.policy.offload else source.device
         if source.is_meta:
             device = source.device  # stays on meta until to_empty()
-        padded = torch.zeros((self.chunk_rows, *self.shape[1:]), dtype=source.dtype, device=device)
+        padded = torch.zeros(self.padded_numel, dtype=source.dtype, device=device)
         if self.policy.offload and self.policy.pin_memory and torch.cuda.is_available():
             padded = padded.pin_memory()
         if not source.is_meta:
-            rows = source[self.start : self.start + self.local_rows] if rows_of_full else source
+            rows = self._own_rows(source) if rows_of_full else source
             with torch.no_grad():
-                padded[: self.local_rows].copy_(rows)
+                self._local(padded).copy_(rows)
         return padded
 
     @property
@@ -201,9 +254,8 @@ class FSDPParam:
                     f"fully_shard: parameter {loc.fqn!r} was replaced by a tensor of shape "
                     f"{tuple(current.shape)}, expected {tuple(self.shape)}"
                 )
-            rows = slice(self.start, self.start + self.local_rows)
             with torch.no_grad():
-                self.padded[: self.local_rows].copy_(current[rows])
+                self._local(self.padded).copy_(self._own_rows(current))
             self.sharded.requires_grad_(current.requires_grad)
             self.set_on_modules(self.sharded)
 
@@ -227,7 +279,7 @@ class FSDPParam:
             self._set_dtypes(local.dtype)
         self.padded = self._new_padded(local, rows_of_full=False)
         # The parameter object stays (optimizers may hold it); only its local tensor moves.
-        current._local_tensor = self.padded[: self.local_rows]
+        current._local_tensor = self._local(self.padded)
         current._spec = self.spec
         self.set_on_modules(current)
         self.unsharded = None
@@ -239,7 +291,7 @@ class FSDPParam:
         with torch.no_grad():
             dest.copy_(self.padded)
         self.padded = dest
-        self.sharded._local_tensor = dest[: self.local_rows]  # type: ignore[attr-defined]
+        self.sharded._local_tensor = self._local(dest)  # type: ignore[attr-defined]
 
     # --- unsharded storage ---------------------------------------------------------------
 
@@ -258,7 +310,7 @@ class FSDPParam:
 
     def copy_out(self, gathered: torch.Tensor, dest: torch.Tensor) -> None:
         """Fill ``dest`` (the unsharded data) from ``gathered``: (world, gather_nbytes) bytes."""
-        copy_padded_to_full(gathered.view(self.param_dtype), dest, self.chunk_rows)
+        copy_padded_to_full(gathered.view(self.param_dtype), dest, self.chunk_rows, self.dim)
 
     def stash_grad(self) -> None:
         """Move the unsharded gradient into the reduce-dtype accumulator (no-sync steps).
@@ -291,7 +343,7 @@ class FSDPParam:
         if grad is None:
             dest.zero_()
         else:
-            copy_full_to_padded(grad, dest, self.chunk_rows)
+            copy_full_to_padded(grad, dest, self.chunk_rows, self.dim)
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""
@@ -310,46 +362,65 @@ class FSDPParam:
 
 
 def _row_pairs(
-    full: torch.Tensor, padded: torch.Tensor, chunk_rows: int
+    full: torch.Tensor, padded: torch.Tensor, chunk_rows: int, dim: int
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
-    """Matching views of ``full`` (rows, ...) and ``padded`` (world, chunk_rows * row_numel).
+    """Matching views of ``full`` (contiguous) and ``padded`` (world, chunk_rows * row_numel).
 
-    Returns ``(pairs, padding)``: each pair is a (full part, padded part) of the same
-    shape, together covering every row of ``full``; ``padding`` are the padded rows no
-    row of ``full`` maps to. At most two pairs, so a copy is at most two kernels.
+    Rows are the slices of ``full`` along ``dim``; rank ``r``'s rows lie contiguous at the
+    start of ``padded[r]``. Returns ``(pairs, padding)``: each pair is a (full part, padded
+    part) of the same shape, together covering every row of ``full``; ``padding`` are the
+    padded elements no row of ``full`` maps to. At most two pairs (the ranks with a whole
+    chunk, then the tail rank), so a copy is at most two kernels.
     """
-    world, rows = padded.shape[0], full.shape[0]
-    blocks = padded.view(world, chunk_rows, -1)
-    flat_rows = full.view(rows, -1)
+    world, rows = padded.shape[0], full.shape[dim]
+    outer = math.prod(full.shape[:dim])
+    by_rows = full.view(outer, rows, -1)  # (outer, rows, inner)
+    inner = by_rows.shape[2]
     whole = rows // chunk_rows
     pairs = []
     if whole:
-        pairs.append((flat_rows[: whole * chunk_rows].view(whole, chunk_rows, -1), blocks[:whole]))
+        # (whole, outer, chunk, inner) on both sides; a transpose, free when outer is 1.
+        chunks = by_rows[:, : whole * chunk_rows].view(outer, whole, chunk_rows, inner)
+        blocks = padded[:whole].view(whole, outer, chunk_rows, inner)
+        pairs.append((chunks.transpose(0, 1), blocks))
     padding = []
     if whole < world:
-        tail = rows - whole * chunk_rows
-        pairs.append((flat_rows[whole * chunk_rows :], blocks[whole, :tail]))
-        padding = [blocks[whole, tail:], blocks[whole + 1 :]]
+        tail_numel = (rows - whole * chunk_rows) * outer * inner
+        tail = padded[whole, :tail_numel].view(outer, -1, inner)
+        pairs.append((by_rows[:, whole * chunk_rows :], tail))
+        padding = [padded[whole, tail_numel:], padded[whole + 1 :]]
     return pairs, padding
 
 
-def copy_full_to_padded(full: torch.Tensor, dest: torch.Tensor, chunk_rows: int) -> None:
-    """Scatter ``full`` (rows, ...) into ``dest`` (world, chunk_rows * row_numel), zero-padded."""
-    if full.shape[0] == dest.shape[0] * chunk_rows:  # no padding: the layouts coincide
+def _coincide(full: torch.Tensor, padded: torch.Tensor, chunk_rows: int, dim: int) -> bool:
+    """No padding and rows outermost: ``full`` viewed as ``padded``'s shape is the layout."""
+    world = padded.shape[0]
+    return full.shape[dim] == world * chunk_rows and (
+        world == 1 or math.prod(full.shape[:dim]) == 1
+    )
+
+
+def copy_full_to_padded(
+    full: torch.Tensor, dest: torch.Tensor, chunk_rows: int, dim: int = 0
+) -> None:
+    """Scatter ``full`` into ``dest`` (world, chunk_rows * row_numel), zero-padded."""
+    if _coincide(full, dest, chunk_rows, dim):
         dest.copy_(full.reshape(dest.shape))
         return
-    pairs, padding = _row_pairs(full.contiguous(), dest, chunk_rows)
+    pairs, padding = _row_pairs(full.contiguous(), dest, chunk_rows, dim)
     for src_rows, dest_rows in pairs:
         dest_rows.copy_(src_rows)
     for rows in padding:
         rows.zero_()
 
 
-def copy_padded_to_full(src: torch.Tensor, full: torch.Tensor, chunk_rows: int) -> None:
-    """Gather ``src`` (world, chunk_rows * row_numel) into ``full`` (rows, ...)."""
-    if full.shape[0] == src.shape[0] * chunk_rows:  # no padding: the layouts coincide
+def copy_padded_to_full(
+    src: torch.Tensor, full: torch.Tensor, chunk_rows: int, dim: int = 0
+) -> None:
+    """Gather ``src`` (world, chunk_rows * row_numel) into ``full`` (contiguous)."""
+    if _coincide(full, src, chunk_rows, dim):
         full.view(src.shape).copy_(src)
         return
-    pairs, _ = _row_pairs(full, src, chunk_rows)
+    pairs, _ = _row_pairs(full, src, chunk_rows, dim)
     for full_rows, src_rows in pairs:
         full_rows.copy_(src_rows)
