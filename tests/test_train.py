@@ -296,6 +296,10 @@ REFUSED = [
     ),
     (["--nproc", "4", "--batch-size", "6"], "--batch-size 6 does not split evenly over 4"),
     (
+        ["--nproc", "2", "--pp", "2", "--schedule", "DualPipeV", "--microbatches", "2"],
+        "DualPipeV over 4 pipeline stages needs at least 4 microbatches",
+    ),
+    (
         ["--nproc", "2", "--pp", "2", "--batch-size", "8", "--microbatches", "3"],
         "--microbatches 3 does not divide the 8 sequences",
     ),

@@ -182,6 +182,14 @@ def _check_stages(cfg: TrainConfig) -> None:
 
 
 def _check_batch(cfg: TrainConfig) -> None:
+    if cfg.pp > 1:
+        fewest = schedule_spec(cfg.schedule).min_microbatches(cfg.n_stages)
+        if cfg.microbatches < fewest:
+            raise ConfigError(
+                f"--schedule {cfg.schedule} over {cfg.n_stages} pipeline stages needs at least "
+                f"{fewest} microbatches, got --microbatches {cfg.microbatches}: use "
+                f"--microbatches {fewest} or more"
+            )
     if cfg.batch_size % cfg.dp:
         fix = cfg.dp * max(1, round(cfg.batch_size / cfg.dp))
         raise ConfigError(
