@@ -5,18 +5,21 @@ imports. See README.md for the tour and DESIGN.md (in the shared folder) for the
 """
 
 from plait.checkpoint import CheckpointError, checkpoint
+from plait.contract import _get_registry as _get_registry  # torch's name for get_registry
 from plait.contract import contract
 from plait.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    UnshardHandle,
     clip_grad_norm_,
     fully_shard,
     get_full_state_dict,
     memory_report,
     register_fsdp_forward_method,
     set_full_state_dict,
+    share_comm_ctx,
 )
 from plait.replicate import ReplicateModule, replicate
 
@@ -27,6 +30,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReplicateModule",
+    "UnshardHandle",
     "checkpoint",
     "clip_grad_norm_",
     "contract",
@@ -36,5 +40,6 @@ __all__ = [
     "register_fsdp_forward_method",
     "replicate",
     "set_full_state_dict",
+    "share_comm_ctx",
 ]
 __version__ = "0.1.0"

@@ -35,7 +35,6 @@ __all__ = [
     "RegistryItem",
     "contract",
     "get_registry",
-    "refuse_if_managed",
     "with_mixin",
 ]
 
@@ -89,18 +88,6 @@ def get_registry(module: nn.Module) -> OrderedDict[str, RegistryItem] | None:
 #: torch's name for :func:`get_registry` (``torch.distributed._composable._get_registry``),
 #: so code written for torch finds it after changing only the import.
 _get_registry = get_registry
-
-
-def refuse_if_managed(module: nn.Module, api_name: str, other_api: str, fix: str) -> None:
-    """Raise if ``other_api`` was applied to ``module`` or any module inside it."""
-    for name, sub in module.named_modules():
-        registry = get_registry(sub)
-        if registry is not None and other_api in registry:
-            where = f"its submodule {name!r}" if name else "it"
-            raise RuntimeError(
-                f"{api_name} cannot be applied to {type(module).__name__}: {where} is already "
-                f"managed by {other_api}. {fix}"
-            )
 
 
 _MIXIN_CLASSES: dict[tuple[type, type], type] = {}

@@ -1,9 +1,16 @@
 """``fully_shard``: sharded data parallelism.
 
-Layers, each importing only those before it: collectives <- param <- group <- state <- api.
+Layers, each importing only those before it: collectives <- param <- group <- state <- api;
+state_dict, clip and memory sit beside them, above state (tests/test_fsdp_api.py checks it).
 """
 
-from plait.fsdp.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from plait.fsdp.api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from plait.fsdp.clip import clip_grad_norm_
 from plait.fsdp.group import ShardedState
 from plait.fsdp.memory import FSDPMemoryReport, memory_report
@@ -26,4 +33,5 @@ __all__ = [
     "memory_report",
     "register_fsdp_forward_method",
     "set_full_state_dict",
+    "share_comm_ctx",
 ]

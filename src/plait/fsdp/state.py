@@ -12,11 +12,21 @@ Timeline of one training step, for a unit U under a root R:
 3. ``pre_backward``: U is unsharded again (prefetching the unit that comes next in
    backward) and R's end-of-backward callback is queued.
 4. ``post_backward`` (when U's input gradients are computed): U reduce-scatters its
-   gradients and reshards. At most one unit's reduction is left in flight, so memory stays
-   bounded.
-5. ``finish_backward`` (R, once per backward): runs ``post_backward`` for units whose
-   inputs needed no gradient (their step 4 never fired), waits for all reductions and
-   reshards everything, in a fixed order so all ranks issue the same collectives.
+   gradients and reshards. At most one unit's reduction is left in flight (see
+   ``set_reduce_scatter_max_input_buffers``), so memory stays bounded.
+5. ``finish_backward`` (R, once per backward): runs ``post_backward`` for the units this
+   backward reached whose inputs needed no gradient (their step 4 never fired), waits for
+   all reductions and reshards what no later backward still needs, in a fixed order so
+   all ranks issue the same collectives.
+
+A *forward pass* starts at the first unit whose forward begins while no pass is running:
+normally the root, but after the root's forward has finished any unit may run (and
+backward) on its own, as torch allows (a chunked loss calling the output head on chunks).
+
+A unit made of several modules (``fully_shard([norm, head])``) unshards when the first of
+them starts forward and finishes its forward when the last has run. If a pass ends with
+some of them not run (the head skipped by a chunked loss), the pass finishes the unit
+then; a module of the unit run alone afterwards leaves it unsharded until its backward.
 
 Forwards that run *inside* backward (activation-checkpoint recomputation) only make sure
 the unit is unsharded; they register nothing and reshard nothing.
@@ -30,13 +40,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from plait import spmd
-from plait.contract import APIState
+from plait.contract import APIState, get_registry
 from plait.fsdp.group import FSDPParamGroup, ShardedState
 from plait.fsdp.policies import MixedPrecisionPolicy
 from plait.hooks import in_backward, queue_end_of_backward, traced
+
+_API_NAME = "fully_shard"  # the name ``contract`` registers the API under
 
 
 class TrainingState(Enum):
@@ -46,11 +59,34 @@ class TrainingState(Enum):
     POST_BACKWARD = auto()
 
 
+def fsdp_state_of(module: nn.Module) -> FSDPState | None:
+    """The ``fully_shard`` state of ``module`` itself, or ``None`` if it is not sharded."""
+    registry = get_registry(module)
+    item = None if registry is None else registry.get(_API_NAME)
+    state = None if item is None else item.state
+    return state if isinstance(state, FSDPState) else None
+
+
+def fsdp_states_in(module: nn.Module) -> list[FSDPState]:
+    """The ``fully_shard`` states in ``module``'s subtree, in pre-order (module first)."""
+    states: list[FSDPState] = []
+    seen: set[int] = set()  # modules of one list share a state
+    for m in module.modules():
+        state = fsdp_state_of(m)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            states.append(state)
+    return states
+
+
 class FSDPState(APIState):
     def __init__(self) -> None:
-        self.module: nn.Module | None = None
+        self.modules: list[nn.Module] = []  # the modules of the call (usually one)
         self.unit: FSDPParamGroup | None = None
+        self.param_uids: dict[str, int] = {}  # fqn -> identity of the original parameter
         self.reshard_after_forward: bool | None = None
+        self.unshard_in_backward = True
+        self.reduce_scatter_unused_params = False
         self.mp_policy = MixedPrecisionPolicy()
         # conditional=True: the unit may not run on every rank in a step. Its collectives
         # then run at fixed points instead: all-gather when its parent unit unshards,
@@ -60,11 +96,13 @@ class FSDPState(APIState):
         self.is_root: bool | None = None
         self.root: FSDPState | None = None
         self.training_state = TrainingState.IDLE
+        self.modules_to_run: set[int] = set()  # several modules: those yet to run this pass
         self.backwards_owed = 0  # forwards with grad whose post_backward has not run yet
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else implicit order
         self.backward_prefetch: list[FSDPState] | None = None
         # root only
         self.all_states: list[FSDPState] = []
+        self.forward_root: FSDPState | None = None  # the unit whose forward began the pass
         self.forward_order: list[FSDPState] = []  # pre-forward order of units with params
         self.post_forward_order: list[FSDPState] = []  # its reverse is the backward order
         # Implicit prefetch targets, derived from the two orders once they are recorded.
@@ -73,16 +111,30 @@ class FSDPState(APIState):
         self.recording_order = False
         self.callback_queued = False
         self.is_last_backward = True
-        self.reducing: FSDPParamGroup | None = None  # the unit whose reduction is in flight
+        self.post_optim_event: Any = None  # waited on once, at the next forward pass
+        self.max_input_buffers = 1  # set_reduce_scatter_max_input_buffers
+        self.max_reductions_in_flight = 1  # root: the largest of its units'
+        self.reducing: list[FSDPParamGroup] = []  # units whose reduction is in flight
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The first module of the call (the only one, unless a list was sharded)."""
+        return self.modules[0] if self.modules else None
 
     @property
     def name(self) -> str:
-        return type(self.module).__name__
+        return ", ".join(type(m).__name__ for m in self.modules) or "<unsharded>"
 
     # --- lazy initialisation ------------------------------------------------------------
 
     def lazy_init(self, states_in_tree: list[FSDPState]) -> None:
         """Become the root of every ``fully_shard`` state in this module's subtree."""
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"fully_shard: the unit of several modules ({self.name}) ran forward before "
+                "any unit containing them: a root must be one module. Call fully_shard on "
+                "their parent too and run forward through it."
+            )
         for state in states_in_tree[1:]:
             if state.is_root is not None:
                 raise RuntimeError(
@@ -91,6 +143,7 @@ class FSDPState(APIState):
                     "the top-level module only, or call fully_shard on it last and never "
                     "call the submodule on its own before it."
                 )
+        _check_no_shared_params(states_in_tree)
         self.is_root = True
         self.all_states = states_in_tree
         assert self.module is not None
@@ -103,15 +156,19 @@ class FSDPState(APIState):
                 state.reshard_after_forward = state is not self
             if state.unit is not None:
                 state.check_params_materialised()
-                name = names.get(id(state.module), state.name) or "<root>"
-                state.unit.owner = f"fully_shard unit {name!r}"
+                unit_names = [names.get(id(m), "") or "<root>" for m in state.modules]
+                state.unit.owner = f"fully_shard unit {', '.join(unit_names)!r}"
         for state in states_in_tree:
             state.conditional_children = []
-        _link_conditional_units(self.module, self, {id(s.module): s for s in states_in_tree})
+        by_module = {id(m): s for s in states_in_tree for m in s.modules}
+        _link_conditional_units(self.module, self, by_module)
+        self.max_reductions_in_flight = max(s.max_input_buffers for s in states_in_tree)
         self.recording_order = True
 
     def check_params_materialised(self) -> None:
         assert self.unit is not None
+        if any(p.padded.is_meta for p in self.unit.params):
+            self.adopt_materialised_replacements()
         meta = [p.fqn for p in self.unit.params if p.padded.is_meta]
         if meta:
             raise RuntimeError(
@@ -120,6 +177,30 @@ class FSDPState(APIState):
                 "(e.g. reset_parameters()) after fully_shard and before the first forward."
             )
         self.adopt_replacements()
+
+    def adopt_materialised_replacements(self) -> None:
+        """Meta init: take in real full tensors the user assigned in place of parameters
+        that are still on the meta device (e.g. a root parameter computed from its
+        children's weights after their ``to_empty``); each rank keeps its own shard."""
+        assert self.unit is not None
+        changed = False
+        for p in self.unit.params:
+            loc = p.locations[0]
+            current = loc.module._parameters.get(loc.name)
+            if not p.padded.is_meta or isinstance(current, DTensor) or current is None:
+                continue
+            if current.is_meta or current.shape != p.shape:
+                continue  # still meta, or a mistake adopt_replacement reports
+            layout = p.sharded
+            assert isinstance(layout, DTensor)
+            shard = distribute_tensor(
+                current.detach(), layout.device_mesh, layout.placements, src_data_rank=None
+            )
+            p.set_on_modules(nn.Parameter(shard, requires_grad=current.requires_grad))
+            p.reset_sharded()
+            changed = True
+        if changed:
+            self.unit.lay_out()
 
     def adopt_replacements(self) -> None:
         """Take in parameters the user replaced on the modules while the unit is sharded."""
@@ -136,70 +217,118 @@ class FSDPState(APIState):
         if in_backward():  # recomputation under activation checkpointing
             if self.unit is not None:
                 self.unit.wait_for_unshard()
-            return None
+            return self.cast_inputs(args, kwargs)
         if self.is_root is None:
-            from plait.fsdp.api import fsdp_states_in
-
             self.lazy_init(fsdp_states_in(module))
         root = self.root
         assert root is not None
-        if self.is_root:
-            self.root_pre_forward()
-        elif root.training_state is not TrainingState.FORWARD:
-            raise RuntimeError(
-                f"fully_shard: forward was called on {self.name}, a non-root unit, outside its "
-                f"root's ({root.name}) forward. Once the root has run, call forward through "
-                "the root only (use register_fsdp_forward_method for other entry points)."
-            )
+        # The first module of the unit to run in this pass does the per-pass work; the
+        # others of a several-module unit only cast their inputs.
+        first = self.training_state is not TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
+        if first and len(self.modules) > 1:
+            self.modules_to_run = {id(m) for m in self.modules}
+        if first and (self.is_root or root.forward_root is None):
+            root.begin_pass(self)
         grad = torch.is_grad_enabled()
         if self.unit is not None:
-            if root.recording_order and not self.conditional:
-                root.forward_order.append(self)
             with traced("plait.fsdp.pre_forward"):
-                self.unit.prepare_post_forward(grad and bool(self.reshard_after_forward))
+                if first:
+                    if root.recording_order and not self.conditional:
+                        root.forward_order.append(self)
+                    self.unit.prepare_post_forward(grad and bool(self.reshard_after_forward))
                 self.unit.wait_for_unshard()
-                for target in self.prefetch_targets(forward=True):
-                    target.unit.unshard(async_op=True)  # type: ignore[union-attr]
-        for child in self.conditional_children:  # every rank gathers them, run or not
-            child.unit.unshard(async_op=True)  # type: ignore[union-attr]
-        dtype = self.mp_policy.param_dtype
-        cast = dtype is not None and self.mp_policy.cast_forward_inputs
-        if cast:
-            assert dtype is not None
-            args, kwargs = _cast_floats((args, kwargs), dtype)
-        wrapped = _PostBackward.wrap_inputs(self, args, kwargs) if grad else None
-        return wrapped or ((args, kwargs) if cast else None)
+                if first:
+                    for target in self.prefetch_targets(forward=True):
+                        target.unit.unshard(async_op=True)  # type: ignore[union-attr]
+            if first and grad:
+                self.backwards_owed += 1
+        if first:
+            for child in self.conditional_children:  # every rank gathers them, run or not
+                child.unit.unshard(async_op=True)  # type: ignore[union-attr]
+        cast = self.cast_inputs(args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        wrapped = _PostBackward.wrap_inputs(self, args, kwargs) if grad and first else None
+        return wrapped or cast
 
-    def root_pre_forward(self) -> None:
-        self.training_state = TrainingState.FORWARD
+    def begin_pass(self, starter: FSDPState) -> None:
+        """Root only: a forward pass starts at ``starter`` (the root, or a unit alone)."""
+        self.forward_root = starter
+        if starter is self:  # drop what an abandoned pass of a unit alone left behind
+            for state in self.all_states:
+                if state is not self and state.training_state is TrainingState.FORWARD:
+                    state.training_state = TrainingState.IDLE
+                    state.modules_to_run.clear()
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:  # the optimizer step's work must finish before we gather
+            event.wait()
         for state in self.all_states:  # reductions left open by set_is_last_backward(False)
             if state.unit is not None:
                 state.unit.finish_reduce()
 
+    def cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """``mp_policy``'s cast of the floating-point inputs, or ``None`` when there is none."""
+        dtype = self.mp_policy.param_dtype
+        if dtype is None or not self.mp_policy.cast_forward_inputs:
+            return None
+        cast: tuple[tuple[Any, ...], dict[str, Any]] = _cast_floats((args, kwargs), dtype)
+        return cast
+
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():
-            return output
+            return self.cast_output(output)
         grad = torch.is_grad_enabled()
+        if len(self.modules) > 1:
+            # Run again, or others of the unit are still to run: it stays unsharded.
+            ran_last = id(module) in self.modules_to_run and len(self.modules_to_run) == 1
+            self.modules_to_run.discard(id(module))
+            if not ran_last:
+                output = self.cast_output(output)
+                return self.hook_outputs(output) if grad else output
+        self.complete_forward(grad)
+        root = self.root
+        assert root is not None
+        if root.forward_root is self:
+            output = root.end_pass(output, grad)
+        output = self.cast_output(output)
+        return self.hook_outputs(output) if grad else output
+
+    def complete_forward(self, grad: bool) -> None:
+        """The unit's forward is over for this pass: reshard (if asked) and go idle."""
         resharding = not grad or bool(self.reshard_after_forward)
         if self.unit is not None and not self.conditional and resharding:
             self.unit.reshard(post_forward=grad)
         if not grad:
             for child in self.conditional_children:
                 child.unit.reshard()  # type: ignore[union-attr]
-        if grad and self.unit is not None:
-            self.backwards_owed += 1
         root = self.root
         assert root is not None
         if root.recording_order and self.unit is not None and not self.conditional:
             root.post_forward_order.append(self)
-        if self.is_root and root.recording_order:
-            root.recording_order = False
-            root.derive_prefetch_order()
         self.training_state = TrainingState.IDLE
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
-        return self.hook_outputs(output) if grad else output
+        self.modules_to_run.clear()
+
+    def end_pass(self, output: Any, grad: bool) -> Any:
+        """Root only: the pass is over. Units of several modules some of which did not run
+        finish their forward now; their backward starts with the pass output's gradient."""
+        for state in reversed(self.all_states):
+            if state.modules_to_run and state is not self.forward_root:
+                state.complete_forward(grad)
+                output = state.cast_output(output)
+                if grad:
+                    output = state.hook_outputs(output)
+        self.forward_root = None
+        if self.recording_order:  # the first pass recorded the order units run in
+            self.recording_order = False
+            self.derive_prefetch_order()
+        return output
+
+    def cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        return output if dtype is None else _cast_floats(output, dtype)
 
     def derive_prefetch_order(self) -> None:
         """Root only: map each unit to the one after it in forward and in backward."""
@@ -219,13 +348,18 @@ class FSDPState(APIState):
             return []
         explicit = self.forward_prefetch if forward else self.backward_prefetch
         if explicit is not None:
-            return [s for s in explicit if s.unit is not None]
-        root = self.root
-        if root is None or root.recording_order:
-            return []
-        following = root.next_in_forward if forward else root.next_in_backward
-        target = following.get(id(self))
-        return [] if target is None else [target]
+            targets = explicit
+        else:
+            root = self.root
+            if root is None or root.recording_order:
+                return []
+            if forward and root.forward_root is not root:  # a unit alone runs nothing after
+                return []
+            target = (root.next_in_forward if forward else root.next_in_backward).get(id(self))
+            targets = [] if target is None else [target]
+        if forward:
+            return [s for s in targets if s.unit is not None]
+        return [s for s in targets if s.unit is not None and s.unshard_in_backward]
 
     # --- backward --------------------------------------------------------------------------
 
@@ -233,20 +367,25 @@ class FSDPState(APIState):
         if self.training_state is TrainingState.PRE_BACKWARD:
             return grad
         self.training_state = TrainingState.PRE_BACKWARD
-        root = self.root
-        assert root is not None
-        if not root.callback_queued:
-            root.callback_queued = True
-            queue_end_of_backward(root.finish_backward)
-        if self.unit is not None:
+        self.queue_finish()
+        if self.unit is not None and self.unshard_in_backward:
             with traced("plait.fsdp.pre_backward"):
                 self.unit.wait_for_unshard()  # a conditional unit is still unsharded
                 for target in self.prefetch_targets(forward=False):
                     target.unit.unshard(async_op=True)  # type: ignore[union-attr]
         return grad
 
+    def queue_finish(self) -> None:
+        """Make sure the root's end-of-backward callback runs after this backward."""
+        root = self.root
+        assert root is not None
+        if not root.callback_queued:
+            root.callback_queued = True
+            queue_end_of_backward(root.finish_backward)
+
     def post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
+        self.queue_finish()  # a module of a unit run alone registered no pre_backward
         if self.unit is None or self.backwards_owed == 0 or self.conditional:
             return  # a conditional unit reduces in finish_backward, on every rank
         self.backwards_owed -= 1
@@ -261,36 +400,58 @@ class FSDPState(APIState):
         if not self.unit.requires_gradient_sync:
             self.unit.stash_grads()
             return
+        if self.reduce_scatter_unused_params:
+            _zero_missing_grads(self.unit)
         root = self.root
         assert root is not None
-        if root.reducing is not None:  # keep one reduction in flight at most
-            root.reducing.finish_reduce()
+        while len(root.reducing) >= root.max_reductions_in_flight:  # bounded memory
+            root.reducing.pop(0).finish_reduce()
         self.unit.reduce_grads()
-        root.reducing = self.unit
+        root.reducing.append(self.unit)
 
     def finish_backward(self) -> None:
-        """Root only: the end-of-backward callback (see the module docstring, step 5)."""
+        """Root only: the end-of-backward callback (see the module docstring, step 5).
+
+        Units this backward did not reach (``IDLE``) are left alone: their forward's
+        backward may still come (a chunked loss runs the head's backward per chunk before
+        the model's).
+        """
+        reached = (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
         with traced("plait.fsdp.finish_backward"):
             for state in reversed(self.all_states):
                 if state.conditional and state.unit is not None:
                     state.backwards_owed = 0
                     state.reduce_or_stash()
-                elif state.backwards_owed > 0:  # its inputs needed no gradient: reduce now
-                    state.backwards_owed = 1
+                elif state.training_state in reached and state.backwards_owed > 0:
+                    state.backwards_owed = 1  # its inputs needed no gradient: reduce now
                     state.post_backward()
             for state in self.all_states:
+                state.training_state = TrainingState.IDLE
+                state.modules_to_run.clear()
                 if state.unit is None:
                     continue
                 if self.is_last_backward:
                     state.unit.finish_reduce()
-                if state.unit.reshard_after_backward:
+                if state.unit.reshard_after_backward and state.backwards_owed == 0:
                     state.unit.reshard()
-                state.training_state = TrainingState.IDLE
         if self.is_last_backward:
-            self.reducing = None
+            self.reducing = []
+        self.forward_root = None
         self.callback_queued = False
-        self.training_state = TrainingState.IDLE
         spmd.check("end of a fully_shard backward")
+
+    def reset_iter_state(self) -> None:
+        """Root only: recover after an exception in forward or backward (see
+        ``FSDPModule.reset_iter_state``). In-flight gradient reductions are dropped."""
+        for state in self.all_states:
+            state.training_state = TrainingState.IDLE
+            state.modules_to_run.clear()
+            state.backwards_owed = 0
+            if state.unit is not None:
+                state.unit.discard_inflight()
+        self.reducing = []
+        self.forward_root = None
+        self.callback_queued = False
 
 
 class _PostBackward(torch.autograd.Function):
@@ -336,6 +497,33 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, tree)
+
+
+def _zero_missing_grads(unit: FSDPParamGroup) -> None:
+    """``set_reduce_scatter_unused_params``: a trainable parameter this rank did not use
+    contributes zeros, so every rank reduces it and it ends with a zero gradient."""
+    for p in unit.params:
+        unsharded = p.unsharded
+        missing = unsharded is not None and unsharded.grad is None and p.accumulated is None
+        if p.sharded.requires_grad and missing:
+            assert unsharded is not None
+            unsharded.grad = torch.zeros(p.shape, dtype=unsharded.dtype, device=p.device)
+
+
+def _check_no_shared_params(states: list[FSDPState]) -> None:
+    """A parameter given to two ``fully_shard`` calls would be two independent shards."""
+    owner: dict[int, tuple[FSDPState, str]] = {}
+    for state in states:
+        for fqn, uid in state.param_uids.items():
+            if uid in owner and owner[uid][0] is not state:
+                other, other_fqn = owner[uid]
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} of {state.name} is shared with parameter "
+                    f"{other_fqn!r}, already managed by another fully_shard unit "
+                    f"({other.name}). Shard tied parameters in one unit: "
+                    "fully_shard([module_a, module_b])."
+                )
+            owner[uid] = (state, fqn)
 
 
 def _link_conditional_units(

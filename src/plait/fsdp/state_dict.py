@@ -178,9 +178,14 @@ def _register_on(module: nn.Module, state: FSDPState, entries: list[tuple[str, F
                 state_dict[key] = shard_full_tensor(value, _sharded(p))
 
     def load_post(module: nn.Module, incompatible_keys: Any) -> None:
+        materialised = False
         for name, p in entries:
             held: torch.Tensor | None = module._parameters.get(name)
             if held is p.sharded or not isinstance(held, DTensor):
+                continue
+            if p.padded.is_meta:  # meta init: the loaded parameter becomes the shard
+                _adopt_loaded(p, held)
+                materialised = True
                 continue
             # load_state_dict(assign=True) put a new parameter on the module: keep the
             # unit's own (an optimizer may hold it) and take the new values into it.
@@ -191,9 +196,25 @@ def _register_on(module: nn.Module, state: FSDPState, entries: list[tuple[str, F
             p.sharded.requires_grad_(held.requires_grad)
             p.set_on_modules(p.sharded)
 
+        if materialised and state.unit is not None:
+            state.unit.lay_out()
+
     module.register_state_dict_post_hook(save_sharded)
     module.register_load_state_dict_pre_hook(load_pre)
     module.register_load_state_dict_post_hook(load_post)
+
+
+def _adopt_loaded(p: FSDPParam, held: DTensor) -> None:
+    """``load_state_dict(assign=True)`` into a unit still on the meta device (torch's
+    rank-0-broadcast recipe): the loaded DTensor, in the unit's layout, is the new sharded
+    parameter (no optimizer can hold the meta one yet)."""
+    sharded = _sharded(p)
+    new: torch.Tensor = held
+    if held.device_mesh != sharded.device_mesh or held.placements != sharded.placements:
+        value = held.redistribute(sharded.device_mesh, sharded.placements)
+        new = nn.Parameter(value, requires_grad=held.requires_grad)
+    p.set_on_modules(new)  # type: ignore[arg-type]
+    p.reset_sharded()
 
 
 def _sharded(p: FSDPParam) -> DTensor:
