@@ -9,6 +9,7 @@ from plait.contract import _get_registry as _get_registry  # torch's name for ge
 from plait.contract import contract
 from plait.fsdp import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -26,6 +27,7 @@ from plait.replicate import ReplicateModule, replicate
 __all__ = [
     "CPUOffloadPolicy",
     "CheckpointError",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

@@ -108,3 +108,47 @@ def check_mesh_device(mesh: DeviceMesh, module: nn.Module, api_name: str) -> Non
             f"(module.to({mesh.device_type!r})) or build the mesh with "
             f'init_device_mesh("{device_type}", ...)'
         )
+
+
+def data_parallel_submesh(
+    mesh: DeviceMesh, replicate: tuple[str, ...], shard: tuple[str, ...], api_name: str
+) -> DeviceMesh:
+    """The 1-D (shard) or 2-D (replicate, shard) mesh over the named dims of ``mesh``.
+
+    Several names on one side are flattened into one dim. Dims of ``mesh`` not named must
+    have size 1: composing with a tensor-parallel dim of size > 1 is not supported yet.
+    """
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"{api_name}: dp_mesh_dims needs a mesh with mesh_dim_names")
+    unknown = [n for n in replicate + shard if n not in names]
+    if unknown:
+        raise ValueError(
+            f"{api_name}: dp_mesh_dims names {unknown}, which the mesh does not have (its dims "
+            f"are {names}): use names from mesh_dim_names"
+        )
+    others = [n for n in names if n not in replicate + shard and mesh[n].size() > 1]
+    if others:
+        raise NotImplementedError(
+            f"{api_name}: the mesh's dims {others} are not data parallel and have size > 1 "
+            "(tensor parallelism); fully_shard over tensor-parallel parameters is not "
+            "supported yet. Use a mesh of data-parallel dims only."
+        )
+
+    def one_dim(side: tuple[str, ...]) -> DeviceMesh:
+        sub = mesh[side]
+        return sub._flatten("_".join(side)) if len(side) > 1 else sub
+
+    if not replicate:
+        return one_dim(shard)
+    if not shard:  # replication only: a shard group of one rank per replica
+        raise NotImplementedError(
+            f"{api_name}: dp_mesh_dims with replicate= only (pure replication) is not "
+            "supported: use plait.replicate, or name a shard dim"
+        )
+    if len(replicate) > 1 or len(shard) > 1:
+        raise NotImplementedError(
+            f"{api_name}: dp_mesh_dims flattening several names on a side is supported "
+            "without replicate= only; name one dim for each side"
+        )
+    return mesh[replicate + shard]

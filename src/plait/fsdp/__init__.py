@@ -14,12 +14,18 @@ from plait.fsdp.api import (
 from plait.fsdp.clip import clip_grad_norm_
 from plait.fsdp.group import ShardedState
 from plait.fsdp.memory import FSDPMemoryReport, memory_report
-from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from plait.fsdp.state import TrainingState
 from plait.fsdp.state_dict import get_full_state_dict, set_full_state_dict
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPMemoryReport",
     "FSDPModule",
     "MixedPrecisionPolicy",

@@ -25,17 +25,28 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from plait.contract import contract, get_registry, with_mixin
 from plait.fsdp.group import FSDPParamGroup, Groups
 from plait.fsdp.param import FSDPParam, Location, ParamPolicy, resolve_shard_dim
-from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from plait.fsdp.state import FSDPState, fsdp_states_in
 from plait.fsdp.state_dict import register_state_dict_hooks
 from plait.hooks import outside_graphs
-from plait.mesh import check_mesh_device, default_mesh, mesh_device, subgroup
+from plait.mesh import (
+    check_mesh_device,
+    data_parallel_submesh,
+    default_mesh,
+    mesh_device,
+    subgroup,
+)
 
 __all__ = [
     "FSDPModule",
@@ -478,6 +489,45 @@ def _collect_params(
     return found
 
 
+def _data_parallel_mesh(
+    modules: list[nn.Module], mesh: DeviceMesh | None, dims: DataParallelMeshDims
+) -> DeviceMesh:
+    """The mesh ``fully_shard`` runs over when given ``dp_mesh_dims``; takes in the
+    parameters that are DTensors replicated on the whole ``mesh`` as plain tensors."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {dims!r}")
+    if mesh is None:
+        raise ValueError(
+            "fully_shard: dp_mesh_dims names dims of mesh=, but no mesh was given: pass the "
+            "full device mesh"
+        )
+    dp_mesh = data_parallel_submesh(mesh, dims.replicate_names, dims.shard_names, "fully_shard")
+    for m in modules:
+        _localize_replicated_params(m, mesh)
+    return dp_mesh
+
+
+def _localize_replicated_params(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Replace DTensor parameters replicated on every dim of ``mesh`` by their local tensor
+    (one new parameter per original, so tied parameters stay tied).
+
+    Other DTensors (inner units' shards, tensor-parallel parameters) are left as they are:
+    inner units keep theirs, and ``_check_shardable`` refuses the rest by name.
+    """
+    local: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            data: object = param.data if param is not None else None
+            if not isinstance(data, DTensor) or data.device_mesh != mesh:
+                continue
+            if not all(isinstance(p, Replicate) for p in data.placements):
+                continue
+            assert param is not None
+            if id(param) not in local:
+                local[id(param)] = nn.Parameter(data.to_local(), requires_grad=param.requires_grad)
+            sub._parameters[name] = local[id(param)]
+
+
 def _check_shardable(fqn: str, param: torch.Tensor) -> None:
     if param.numel() == 0:
         raise ValueError(
@@ -512,12 +562,20 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: Iterable[nn.Parameter] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     conditional: bool = False,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh``; see the module docstring.
 
     ``shard_placement_fn(param)`` chooses each parameter's shard dim: ``Shard(d)`` (``d``
     may be negative) or ``None`` for ``Shard(0)``. Unlike torch, any dim may be uneven.
+
+    ``dp_mesh_dims`` (torch 2.13's full-mesh form): ``mesh`` is the whole mesh and
+    ``dp_mesh_dims`` names its data-parallel dims; plait shards over those dims (a
+    ``replicate`` dim makes it HSDP). Its other dims must have size 1 for now, and
+    parameters may be plain tensors or DTensors replicated on every dim of ``mesh``
+    (taken as their local tensor). Unlike torch, sharded parameters are DTensors on the
+    data-parallel sub-mesh, not on the whole mesh.
 
     ``conditional=True`` (plait only) is for a module that may not run on every rank in a
     step (a mixture-of-experts expert, a modality tower): its all-gather runs on every
@@ -526,6 +584,8 @@ def fully_shard(
     stays unsharded from its parent's forward to the end of backward.
     """
     modules = [module] if isinstance(module, nn.Module) else list(module)
+    if dp_mesh_dims is not None:
+        mesh = _data_parallel_mesh(modules, mesh, dp_mesh_dims)
     _check_arguments(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(modules[0], "fully_shard")
     if not isinstance(offload_policy, CPUOffloadPolicy):  # offloaded shards live on the CPU
