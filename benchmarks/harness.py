@@ -56,6 +56,9 @@ class Mode:
     single_process: bool = False
     torch_counterpart: str | None = None
     pipeline: bool = False  # all ranks share one batch (tokens/s counts it once)
+    # False for compiled modes: torch.compile refuses to run under the memory tracker (a
+    # dispatch mode), so their peak memory is not measured.
+    measure_memory: bool = True
 
 
 def launch(cfg: BenchConfig, modes: list[Mode]) -> dict[str, Any]:
@@ -81,7 +84,7 @@ def _rank_main(rank: int, cfg: BenchConfig, modes: list[Mode], store: str, out: 
     )
     try:
         times, cpu = _time_modes(cfg, modes)
-        peaks = {m.name: _peak_bytes(cfg, m) for m in modes}
+        peaks = {m.name: _peak_bytes(cfg, m) for m in modes if m.measure_memory}
         if rank == 0:
             report = _report(cfg, modes, times, cpu, peaks)
             with open(out, "w") as f:
@@ -172,11 +175,11 @@ def _report(
                 if m.torch_counterpart in cpu_medians
                 else None
             ),
-            "peak_mib_per_rank": peaks[m.name] / 2**20,
+            "peak_mib_per_rank": peaks[m.name] / 2**20 if m.name in peaks else None,
             "step_times_s": times[m.name],
             "step_cpu_s": cpu[m.name],
         }
-        if m.torch_counterpart in peaks:
+        if m.torch_counterpart in peaks and m.name in peaks:
             row["mem_vs_torch"] = peaks[m.name] / max(peaks[m.torch_counterpart], 1)
         rows.append(row)
     config = asdict(cfg)
@@ -185,6 +188,10 @@ def _report(
 
 def _ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}x"
+
+
+def _mib(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -201,7 +208,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['mode']} | {r['median_s'] * 1e3:.1f} | "
             f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
             f"{_ratio(r['vs_single'])} | {versus} | {r['cpu_median_s'] * 1e3:.1f} | "
-            f"{_ratio(r['cpu_vs_torch'])} | {r['peak_mib_per_rank']:.1f} | "
+            f"{_ratio(r['cpu_vs_torch'])} | {_mib(r['peak_mib_per_rank'])} | "
             f"{_ratio(r.get('mem_vs_torch'))} |"
         )
     return "\n".join(lines)

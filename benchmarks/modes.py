@@ -142,6 +142,20 @@ def _sharded(
     return training_step(_shard_blocks(_model(cfg), which, reshard, mesh, param_dtype), cfg)
 
 
+def _compile_blocks(model: GPT) -> GPT:
+    """torchtitan's recipe: each block replaced by ``torch.compile(block, fullgraph=True)``
+    (inductor), before any sharding; the API is then applied to the compiled wrappers."""
+    for name, block in list(model.blocks.named_children()):
+        compiled = torch.compile(block, fullgraph=True)  # an OptimizedModule
+        model.blocks.register_module(name, compiled)  # type: ignore[arg-type]
+    return model
+
+
+def _compiled_sharded(cfg: BenchConfig, which: str) -> Step:
+    """Compiled blocks, then one unit per block plus the root, by ``which``."""
+    return training_step(_shard_blocks(_compile_blocks(_model(cfg)), which, True), cfg)
+
+
 class TinyLayers(nn.Module):
     """64 tiny linear layers: compute is negligible, so a step measures per-unit overhead."""
 
@@ -215,6 +229,17 @@ MODES: dict[str, Mode] = {
             torch_counterpart="tiny64_torch_fully_shard",
         ),
         Mode("tiny64_torch_fully_shard", partial(_tiny, which="torch")),
+        Mode(
+            "compiled_fully_shard",
+            partial(_compiled_sharded, which="plait"),
+            torch_counterpart="torch_compiled_fully_shard",
+            measure_memory=False,
+        ),
+        Mode(
+            "torch_compiled_fully_shard",
+            partial(_compiled_sharded, which="torch"),
+            measure_memory=False,
+        ),
     ]
 }
 
@@ -240,6 +265,13 @@ SUITES: dict[str, list[str]] = {
         "torch_fully_shard_bf16",
         "hsdp",  # needs --nproc 4 (a 2 x 2 mesh)
         "torch_hsdp",
+    ],
+    # torchtitan's per-block torch.compile (inductor), then fully_shard; eager beside it
+    "compile": [
+        "fully_shard",
+        "torch_fully_shard",
+        "compiled_fully_shard",
+        "torch_compiled_fully_shard",
     ],
     # --nproc 2: GPipe, 1F1B and Interleaved1F1B (2 stages per rank) beside torch's
     "pipeline": PIPELINE_SUITE,

@@ -156,9 +156,13 @@ class _SavedLeaf:
     def restore(self) -> torch.Tensor:
         # A leaf of a new graph: the recompute must not reach into the caller's graph.
         leaf = self.saved.unpack().detach().requires_grad_(self.requires_grad)
+        if not self.is_view:
+            return leaf
         # A view stays a view: compiled code guards on it, and the recompute must run the
-        # graph the forward ran to save the same tensors.
-        return leaf.view_as(leaf) if self.is_view else leaf
+        # graph the forward ran to save the same tensors. Made with grad on (backward runs
+        # without): a view made under no_grad would have no autograd edge to its base.
+        with torch.enable_grad():
+            return leaf.view_as(leaf)
 
 
 class _SavedInputs:
