@@ -31,6 +31,7 @@ from plait.pipeline import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
+    SkippedLayer,
     schedule_spec,
     split_model,
     stage_layers,
@@ -59,7 +60,7 @@ def layer_stack(n: int = 8, dim: int = 6) -> nn.Sequential:
 
 
 def layers_with_parameters(module: nn.Module) -> list[nn.Module]:
-    """The children of a stage module that kept their layer (the others are Identity)."""
+    """The children of a stage module that kept their layer (the others are SkippedLayer)."""
     return [c for c in module.children() if any(True for _ in c.parameters())]
 
 
@@ -132,13 +133,66 @@ def test_split_gpt_by_blocks() -> None:
     plan = stage_layers(gpt, 2, layers="blocks")
     assert plan == [["tok_emb", "pos_emb", "blocks.0", "blocks.1"], ["blocks.2", "ln_f", "head"]]
     first, last = split_model(gpt, plan)
-    assert first.head is None and isinstance(last.blocks[0], nn.Identity)
+    assert not first.head and isinstance(last.blocks[0], SkippedLayer)
     ids = torch.randint(0, 32, (2, 5))
     torch.testing.assert_close(last(first(ids)), gpt(ids))
     with pytest.raises(ValueError, match="given to stages 0 and 1"):
         split_model(gpt, [["head"], ["head"]])
     with pytest.raises(ValueError, match="inside 'blocks'"):
         split_model(gpt, [["blocks"], ["blocks.1"]])
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * scale
+
+
+class _Looping(nn.Module):
+    """A model whose forward just runs its parts in order, with no guard for missing ones
+    (issue 14 #4): embedding, layers in a ModuleList or (torchtitan-style) a ModuleDict's
+    values, taking an extra argument, and a head."""
+
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        blocks = [_Block() for _ in range(4)]
+        self.layers: nn.Module = (
+            nn.ModuleList(blocks)
+            if container == "list"
+            else nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        )
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        x = self.emb(ids)
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        for layer in layers:
+            x = layer(x, scale)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+@pytest.mark.parametrize("n_stages", [2, 4])
+def test_split_model_runs_a_plain_looping_forward_on_every_stage(
+    container: str, n_stages: int
+) -> None:
+    model = _Looping(container)
+    parts = split_model(model, n_stages, layers="layers")
+    ids = torch.randint(0, 10, (5, 3))
+    x: torch.Tensor = ids
+    for part in parts:
+        x = part(x, scale=0.5)
+    torch.testing.assert_close(x, model(ids, scale=0.5), atol=0, rtol=0)
+    # names unchanged: the stages' state dicts are a partition of the model's
+    keys = [k for p in parts for k in p.state_dict()]
+    assert sorted(keys) == sorted(model.state_dict()) and len(keys) == len(set(keys))
+    assert not parts[-1].emb and bool(parts[0].emb)  # skipped layers are falsy
+    with pytest.raises(TypeError, match="'emb' runs on pipeline stage 0"):
+        parts[1].emb(input=ids)
 
 
 # --- schedules on ranks: parity with one process -------------------------------------------
@@ -212,7 +266,8 @@ def _parity_body(name: str, batches: list[tuple[int, int]], m: int) -> int:
 @pytest.mark.parametrize("name", list(SCHEDULE_CLASSES))
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_schedule_matches_one_process(name: str, world: int) -> None:
-    counts = run_on_ranks(world, _parity_body, name, [(8, 3), (8, 3)], 4)
+    m = max(4, SCHEDULES[name].min_microbatches(per_rank(name) * world))  # DualPipeV: 8 at 4
+    counts = run_on_ranks(world, _parity_body, name, [(8, 3), (8, 3)], m)
     assert counts == [per_rank(name)] * world
 
 
@@ -432,7 +487,7 @@ def _pp_dp_body(name: str, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["replicate", "fully_shard"])
-@pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble", "DualPipeV"])
 def test_pipeline_composes_with_data_parallelism(name: str, kind: str) -> None:
     run_on_ranks(4, _pp_dp_body, name, kind)
 

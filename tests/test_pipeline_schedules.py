@@ -33,6 +33,7 @@ from plait.pipeline import (
     stage_to_rank,
     validate,
 )
+from plait.pipeline.schedule_csv import parse_cell
 
 K = ActionKind
 EQUAL = {"B": 1.0}  # F = B = 1
@@ -50,6 +51,11 @@ def sched(*rows: str) -> Schedule:
 def per_rank_options(name: str) -> list[int]:
     fixed = SCHEDULES[name].stages_per_rank
     return [fixed] if fixed is not None else [1, 2, 3]
+
+
+def fewest(name: str, n_stages: int) -> int:
+    """The fewest microbatches ``name`` takes over ``n_stages`` (DualPipeV: one per stage)."""
+    return SCHEDULES[name].min_microbatches(n_stages)
 
 
 # --- the IR and its text form -----------------------------------------------------------
@@ -105,7 +111,8 @@ def test_any_action_round_trips(stage: int, kind: ActionKind, microbatch: int) -
 @pytest.mark.parametrize("name", NAMES)
 def test_schedule_text_round_trip(name: str) -> None:
     per_rank = per_rank_options(name)[-1]
-    schedule = generate(name, 3, 3 * per_rank, 5, communication=True, fsdp=True)
+    m = max(5, fewest(name, 3 * per_rank))
+    schedule = generate(name, 3, 3 * per_rank, m, communication=True, fsdp=True)
     text = format_schedule(schedule)
     assert text.startswith("rank 0: ")
     assert parse_schedule(text) == schedule
@@ -156,7 +163,7 @@ def test_every_schedule_validates(name: str, n_ranks: int) -> None:
     style = SCHEDULES[name].style
     for per_rank in per_rank_options(name):
         n_stages = n_ranks * per_rank
-        for m in range(1, 9):
+        for m in range(fewest(name, n_stages), 9 + fewest(name, n_stages)):
             for comm, fsdp in [(False, False), (True, False), (False, True), (True, True)]:
                 schedule = generate(name, n_ranks, n_stages, m, communication=comm, fsdp=fsdp)
                 validate(schedule, n_ranks, n_stages, m, style=style)
@@ -180,6 +187,7 @@ def test_generate_is_valid_or_raises_value_error(shape: tuple[str, int, int, int
     fixed = SCHEDULES[name].stages_per_rank
     possible = min(n_ranks, n_stages, m) >= 1 and n_stages % n_ranks == 0
     possible = possible and fixed in (None, n_stages // n_ranks)
+    possible = possible and m >= fewest(name, n_stages)
     if not possible:
         with pytest.raises(ValueError):
             generate(name, n_ranks, n_stages, m)
@@ -195,6 +203,11 @@ def test_generate_is_valid_or_raises_value_error(shape: tuple[str, int, int, int
         (("1F1B", 4, 2, 4), "n_stages must be 4 for 4 ranks, got n_stages=2"),
         (("ZBVZeroBubble", 2, 2, 4), "2 stage\\(s\\) per rank, so n_stages must be 4"),
         (("ZBVZeroBubble", 2, 6, 4), "n_stages must be 4"),
+        (("DualPipeV", 2, 2, 4), "2 stage\\(s\\) per rank, so n_stages must be 4"),
+        (
+            ("DualPipeV", 4, 8, 7),
+            "at least as many microbatches as stages.*use n_microbatches >= 8",
+        ),
         (("Interleaved1F1B", 2, 3, 4), "must be a multiple of n_ranks"),
         (("LoopedBFS", 2, 4, 0), "n_microbatches >= 1"),
         (("1F1B", 0, 0, 4), "n_ranks, n_stages and n_microbatches >= 1"),
@@ -242,12 +255,14 @@ def _torch_orders(name: str, n_ranks: int, per_rank: int, m: int) -> Schedule:
     obj.number_of_rounds = max(1, m // n_ranks)
     obj.microbatches_per_round = m // obj.number_of_rounds
     obj._stages = [None] * per_rank
+    obj.rank = 0
     if per_rank == 1 and name in ("GPipe", "1F1B"):
         raw = obj._get_pipeline_order()
     else:
         raw = {r: obj._calculate_single_rank_operations(r) for r in range(n_ranks)}
+    # torch's DualPipeV pairs F and B in one OVERLAP_F_B action: parse_cell expands it.
     return {
-        r: [parse_action(str(a)) for a in ops if a is not None and "REDUCE" not in str(a)]
+        r: [x for a in ops if a is not None and "REDUCE" not in str(a) for x in parse_cell(str(a))]
         for r, ops in raw.items()
     }
 
@@ -259,6 +274,8 @@ def test_orders_match_torch_where_torch_accepts_the_shape(name: str) -> None:
             for m in range(n_ranks, 3 * n_ranks + 2):
                 if name.startswith("Interleaved") and m % max(1, m // n_ranks):
                     continue  # torch refuses these counts
+                if m < fewest(name, n_ranks * per_rank):
+                    continue  # and these (DualPipeV: fewer microbatches than stages)
                 try:
                     theirs = _torch_orders(name, n_ranks, per_rank, m)
                 except (AttributeError, TypeError) as err:
@@ -468,15 +485,16 @@ def test_peak_activations() -> None:
 def test_communication_actions_do_not_change_timing_when_free() -> None:
     for name in NAMES:
         per_rank = per_rank_options(name)[-1]
-        plain = simulate(generate(name, 3, 3 * per_rank, 4))
-        lowered = simulate(generate(name, 3, 3 * per_rank, 4, communication=True, fsdp=True))
+        m = max(4, fewest(name, 3 * per_rank))
+        plain = simulate(generate(name, 3, 3 * per_rank, m))
+        lowered = simulate(generate(name, 3, 3 * per_rank, m, communication=True, fsdp=True))
         assert lowered.makespan == plain.makespan
         assert lowered.bubble_fraction == plain.bubble_fraction
         compute = {
             r: [t for t in row if t.action.kind.is_compute] for r, row in lowered.timeline.items()
         }
         assert compute == plain.timeline
-        slower = simulate(generate(name, 3, 3 * per_rank, 4, communication=True), comm_cost=0.5)
+        slower = simulate(generate(name, 3, 3 * per_rank, m, communication=True), comm_cost=0.5)
         assert slower.makespan > plain.makespan
 
 

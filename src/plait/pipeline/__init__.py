@@ -2,8 +2,9 @@
 
 * :mod:`~plait.pipeline.actions`: the schedule IR (``Action``, text form ``0F3``).
 * :mod:`~plait.pipeline.schedules`: pure generators (GPipe, 1F1B, Interleaved1F1B,
-  LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) and the lowering passes that add
-  communication and FSDP actions.
+  LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) and the lowering passes that
+  add communication and FSDP actions.
+* :mod:`~plait.pipeline.schedule_csv`: schedules as CSV files in torch's layout.
 * :mod:`~plait.pipeline.validate`: :func:`validate`, which names the rank and action at
   fault.
 * :mod:`~plait.pipeline.simulate`: timing, bubble fraction, activation memory, charts.
@@ -14,9 +15,13 @@ Running them (torch's names):
   ``merge_chunks``;
 * :mod:`~plait.pipeline.split`: ``split_model``, stage modules that keep parameter names;
 * :mod:`~plait.pipeline.stage`: ``PipelineStage``;
+* :mod:`~plait.pipeline.trace`: the tracing frontend, ``pipeline(module, mb_args,
+  split_spec=...)`` returning a ``Pipe``, ``SplitPoint``, ``pipe_split``, ``build_stage``;
 * :mod:`~plait.pipeline.schedule_classes`: ``ScheduleGPipe``, ``Schedule1F1B``, ... whose
   ``step`` runs the generated action list through :mod:`~plait.pipeline.runtime`;
-  ``SCHEDULE_CLASSES`` maps each name of ``SCHEDULES`` to its class.
+  ``SCHEDULE_CLASSES`` maps each name of ``SCHEDULES`` to its class, ``get_schedule_class``
+  finds one by torch's (case-insensitive) name; ``_ScheduleForwardOnly`` runs forwards
+  only; ``_load_csv`` / ``_dump_csv`` read and write a schedule's order as CSV.
 """
 
 from plait.pipeline.actions import (
@@ -37,23 +42,30 @@ from plait.pipeline.microbatch import (
     merge_chunks,
     split_args_kwargs_into_chunks,
 )
+from plait.pipeline.p2p import PipelineAbort
 from plait.pipeline.schedule_classes import (
     SCHEDULE_CLASSES,
     PipelineSchedule,
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
+    _PipelineScheduleRuntime,
+    _ScheduleForwardOnly,
+    get_schedule_class,
 )
+from plait.pipeline.schedule_csv import dump_csv, format_csv, load_csv, parse_csv
 from plait.pipeline.schedules import (
     SCHEDULES,
     ScheduleSpec,
     add_communication,
     add_fsdp_actions,
+    dualpipe_v,
     generate,
     schedule_spec,
 )
@@ -64,8 +76,9 @@ from plait.pipeline.simulate import (
     plot_timeline,
     simulate,
 )
-from plait.pipeline.split import split_model, stage_layers
+from plait.pipeline.split import SkippedLayer, split_model, stage_layers
 from plait.pipeline.stage import PipelineStage
+from plait.pipeline.trace import Pipe, PipeInfo, SplitPoint, build_stage, pipe_split, pipeline
 from plait.pipeline.validate import validate
 
 __all__ = [
@@ -73,12 +86,16 @@ __all__ = [
     "SCHEDULE_CLASSES",
     "Action",
     "ActionKind",
+    "Pipe",
+    "PipeInfo",
+    "PipelineAbort",
     "PipelineSchedule",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "PipelineStage",
     "Schedule",
     "Schedule1F1B",
+    "ScheduleDualPipeV",
     "ScheduleError",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
@@ -87,17 +104,30 @@ __all__ = [
     "ScheduleSpec",
     "ScheduleZBVZeroBubble",
     "Simulation",
+    "SkippedLayer",
+    "SplitPoint",
     "Style",
     "TensorChunkSpec",
     "TimedAction",
+    "_PipelineScheduleRuntime",
+    "_ScheduleForwardOnly",
     "add_communication",
     "add_fsdp_actions",
+    "build_stage",
+    "dualpipe_v",
+    "dump_csv",
+    "format_csv",
     "format_schedule",
     "format_timeline",
     "generate",
+    "get_schedule_class",
+    "load_csv",
     "merge_chunks",
     "parse_action",
+    "parse_csv",
     "parse_schedule",
+    "pipe_split",
+    "pipeline",
     "plot_timeline",
     "requirements",
     "schedule_spec",

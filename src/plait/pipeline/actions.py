@@ -9,7 +9,13 @@ prints compactly, as torch's schedules do: ``0F3`` is stage 0's forward of micro
 
 A whole schedule prints one rank per line (``rank 0: 0F0 0F1 0B0 0B1``);
 :func:`parse_schedule` reads that back, and also torch-style CSV rows (one row per rank,
-actions separated by commas).
+actions separated by commas; :mod:`~plait.pipeline.schedule_csv` reads and writes torch's
+CSV files exactly, empty cells and empty rows included).
+
+There is no kind for torch's ``OVERLAP_F_B`` (DualPipeV's forward of one chunk paired with
+a backward of another): the pair is its F action followed by its B action. torch's runtime
+runs the two one after the other as well, so the arithmetic is the same, and every pass
+(communication, FSDP, validation, simulation) works on pairs unchanged.
 """
 
 from __future__ import annotations

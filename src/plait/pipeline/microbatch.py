@@ -10,10 +10,13 @@ Names and behaviour follow ``torch.distributed.pipelining.microbatch``:
   Non-tensor values, and arguments whose spec is ``None``, go whole to every microbatch;
 * :func:`merge_chunks` concatenates the tensors of per-microbatch outputs.
 
-Where plait differs from torch, on purpose: a batch too small to give every microbatch at
+Each tensor is cut on its own, as torch does: arguments may hold different numbers of rows
+(a ``(256, d)`` input beside a ``(4, 1)`` per-microbatch value in 4 microbatches), each
+giving every microbatch its own share.
+
+Where plait differs from torch, on purpose: a tensor too small to give every microbatch at
 least one row raises ``ValueError`` naming the argument (torch silently makes fewer
-microbatches, and the schedule fails later with a less helpful message); and all split
-tensors must agree on the batch size, so microbatches always line up.
+microbatches, and the schedule fails later with a less helpful message).
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ def split_args_kwargs_into_chunks(
 
     Returns ``(args_per_microbatch, kwargs_per_microbatch)``, both of length ``chunks``.
     Specs default to dimension 0 for every argument; a spec applies to every tensor inside
-    its argument. Raises ValueError for ``chunks < 1``, a spec list of the wrong length, a
-    batch smaller than ``chunks``, or split tensors of different batch sizes.
+    its argument, and each tensor is cut on its own (sizes may differ between tensors).
+    Raises ValueError for ``chunks < 1``, a spec list of the wrong length, or a tensor with
+    fewer rows than ``chunks``.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks (the number of microbatches) must be an int >= 1, got {chunks}")
@@ -81,14 +85,12 @@ def split_args_kwargs_into_chunks(
             "arguments were given: give one TensorChunkSpec (or None) per argument"
         )
     default = TensorChunkSpec(DEFAULT_CHUNK_DIM)
-    batch = _BatchSize()
     args_split = [
         _split_value(
             value,
             default if args_chunk_spec is None else args_chunk_spec[i],
             chunks,
             f"positional argument {i}",
-            batch,
         )
         for i, value in enumerate(args)
     ]
@@ -98,7 +100,6 @@ def split_args_kwargs_into_chunks(
             (kwargs_chunk_spec or {}).get(name, default),
             chunks,
             f"keyword argument {name!r}",
-            batch,
         )
         for name, value in kwargs.items()
     }
@@ -108,27 +109,7 @@ def split_args_kwargs_into_chunks(
     )
 
 
-class _BatchSize:
-    """The batch size of the first split tensor, to check that every other one agrees."""
-
-    def __init__(self) -> None:
-        self.size: int | None = None
-        self.source = ""
-
-    def check(self, size: int, name: str) -> None:
-        if self.size is None:
-            self.size, self.source = size, name
-        elif size != self.size:
-            raise ValueError(
-                f"{name} has batch size {size} along its split dimension but {self.source} "
-                f"has {self.size}: every split argument must hold the same batch. Pass a "
-                "spec of None for arguments that are not batched."
-            )
-
-
-def _split_value(
-    value: Any, spec: ChunkSpec, chunks: int, name: str, batch: _BatchSize
-) -> list[Any]:
+def _split_value(value: Any, spec: ChunkSpec, chunks: int, name: str) -> list[Any]:
     """``value`` cut into ``chunks`` pieces: its tensors split along ``spec``, the rest shared."""
     if spec is None:
         return [value] * chunks
@@ -138,15 +119,13 @@ def _split_value(
     pieces: list[list[Any]] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            pieces.append(list(_split_tensor(leaf, spec.split_dim, chunks, name, batch)))
+            pieces.append(list(_split_tensor(leaf, spec.split_dim, chunks, name)))
         else:
             pieces.append([leaf] * chunks)
     return [tree_unflatten([p[i] for p in pieces], tree) for i in range(chunks)]
 
 
-def _split_tensor(
-    t: torch.Tensor, dim: int, chunks: int, name: str, batch: _BatchSize
-) -> tuple[torch.Tensor, ...]:
+def _split_tensor(t: torch.Tensor, dim: int, chunks: int, name: str) -> tuple[torch.Tensor, ...]:
     if t.dim() == 0:
         raise ValueError(
             f"{name} is a 0-dim tensor and cannot be split into microbatches: pass a spec "
@@ -163,7 +142,6 @@ def _split_tensor(
             f"every microbatch needs at least one row. Use a batch of at least {chunks} or "
             "fewer microbatches."
         )
-    batch.check(size, name)
     return torch.tensor_split(t, chunks, dim)
 
 

@@ -23,6 +23,16 @@ early (:class:`P2PBatch`) and, when the data is needed, waits for it, then (only
 change) for the metadata, then for the payload. No extra message in the steady state, and
 no hang when shapes change.
 
+Gradient messages start with the same header (always ``0`` in a normal step). A negative
+header ``-K`` in either kind of message means **abort**: the sender failed in this step,
+and the job's key-value store holds why under key ``K`` (:meth:`P2PBatch.send_abort`;
+the store, not a second message, so an abort is one message of the size the receiver
+posted). The receiver raises :class:`PipelineAbort` with that text
+instead of waiting for data that will never come; the runtime passes the abort on to its
+own neighbours, so a failure on one rank ends the step on every rank of the pipeline,
+with the cause. After an aborted step the group's pending receives are unusable: restart
+the job (or the process group), as after any failed collective.
+
 Messages are told apart by tags (stage, microbatch, direction, part), so the order of
 operations between two ranks does not matter on gloo. NCCL ignores tags and matches
 messages in posting order; the generated schedules post in matching order in the steady
@@ -37,6 +47,7 @@ deadline with a report instead of hanging.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -44,6 +55,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
 from plait import spmd
 from plait.hooks import traced
@@ -54,12 +66,14 @@ __all__ = [
     "GradientRecv",
     "Meta",
     "P2PBatch",
+    "PipelineAbort",
     "SentTensor",
     "TensorMeta",
     "decode_meta",
     "encode_meta",
     "meta_of",
     "prune_sends",
+    "publish_abort",
     "transfer_tag",
     "wait_sends",
 ]
@@ -93,7 +107,7 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _ALIGN = 16  # bytes: every tensor of a packed buffer starts at a multiple of this
-_HEADER = _ALIGN  # an activation message's header: one int64, padded to the alignment
+_HEADER = _ALIGN  # every message's header: one int64, padded to the alignment
 
 
 def meta_of(tensors: Sequence[torch.Tensor]) -> Meta:
@@ -172,6 +186,17 @@ def _read_header(buf: torch.Tensor) -> int:
     return int(buf[:8].view(torch.int64).item())
 
 
+class PipelineAbort(RuntimeError):
+    """Another rank of the pipeline failed in this step; the message says which and why.
+
+    ``reason`` names the rank that failed first and its error; ``source`` is the global
+    rank this rank heard it from (which is not told again)."""
+
+    def __init__(self, message: str, reason: str, source: int, key: int) -> None:
+        super().__init__(message)
+        self.reason, self.source, self.key = reason, source, key
+
+
 class Direction(IntEnum):
     FORWARD = 0
     BACKWARD = 1
@@ -196,6 +221,7 @@ class _Recv:
         self, peer: int, owner: str, group: dist.ProcessGroup, device: torch.device
     ) -> None:
         self.peer, self.owner = peer, owner
+        self.tag = 0  # the transfer's base tag, set by subclasses
         self.group = group
         self.device = device
         self.work: dist.Work | None = None  # set when the batch is posted
@@ -204,6 +230,23 @@ class _Recv:
         if self.work is not None:
             spmd.wait(self.work, f"recv from rank {self.peer} of {self.owner}")
             self.work = None
+
+    def _receive(self, tensor: torch.Tensor, part: _Part) -> None:
+        """Receive one follow-up message now (the sender posted it with the header)."""
+        op = _op(dist.irecv, tensor, self.peer, self.group, self.tag + part, self.owner)
+        for work in dist.batch_isend_irecv([op]):
+            spmd.wait(work, f"recv from rank {self.peer} of {self.owner} ({part.name.lower()})")
+
+    def _raise_abort(self, key: int) -> None:
+        """The header said abort: read the sender's reason from the store and raise it."""
+        reason = _store().get(_abort_key(key)).decode(errors="replace")
+        raise PipelineAbort(
+            f"plait: the pipeline step stopped because {reason} (this rank was waiting for "
+            f"{self.owner} from rank {self.peer})",
+            reason,
+            self.peer,
+            key,
+        )
 
 
 class ActivationRecv(_Recv):
@@ -229,6 +272,8 @@ class ActivationRecv(_Recv):
         with traced("plait.pipeline.recv_wait"):
             self._wait_posted()
             length = _read_header(self.first)
+            if length < 0:
+                self._raise_abort(-length)
             if length == 0:
                 assert self.agreed is not None
                 return self.agreed, _unpack(self.first, self.agreed, self.offsets)
@@ -240,32 +285,32 @@ class ActivationRecv(_Recv):
             self._receive(buf, _Part.NEW_PAYLOAD)
             return meta, _unpack(buf, meta, offsets)
 
-    def _receive(self, tensor: torch.Tensor, part: _Part) -> None:
-        """Receive one follow-up message now (the sender posted it with the header)."""
-        op = _op(dist.irecv, tensor, self.peer, self.group, self.tag + part, self.owner)
-        for work in dist.batch_isend_irecv([op]):
-            spmd.wait(work, f"recv from rank {self.peer} of {self.owner} ({part.name.lower()})")
-
 
 class GradientRecv(_Recv):
-    """A gradient transfer being received into a buffer of known layout."""
+    """A gradient transfer being received into a buffer of known layout (after the header)."""
 
     def __init__(
         self,
         meta: Meta,
         peer: int,
+        tag: int,
         owner: str,
         group: dist.ProcessGroup,
         device: torch.device,
     ) -> None:
         super().__init__(peer, owner, group, device)
-        self.meta = meta
-        self.offsets, size = _offsets(meta, 0)
+        self.meta, self.tag = meta, tag
+        self.offsets, size = _offsets(meta, _HEADER)
         self.buf = torch.empty(size, dtype=torch.uint8, device=device)
 
     def wait(self) -> list[torch.Tensor]:
         with traced("plait.pipeline.recv_wait"):
+            if not self.meta:
+                return []  # nothing was sent
             self._wait_posted()
+            header = _read_header(self.buf)
+            if header < 0:
+                self._raise_abort(-header)
             return _unpack(self.buf, self.meta, self.offsets)
 
 
@@ -343,14 +388,25 @@ class P2PBatch:
         self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owner: str
     ) -> None:
         if tensors:
-            buf = _pack(tensors, meta_of(tensors), 0, self.device)
+            buf = _pack(tensors, meta_of(tensors), _HEADER, self.device)
             self._send(buf, peer, tag + _Part.PACKED, owner)
 
     def recv_gradients(self, meta: Meta, peer: int, tag: int, owner: str) -> GradientRecv:
-        recv = GradientRecv(meta, peer, owner, self.group, self.device)
+        recv = GradientRecv(meta, peer, tag, owner, self.group, self.device)
         if meta:
             self._recv(recv.buf, peer, tag + _Part.PACKED, recv)
         return recv
+
+    def send_abort(
+        self, key: int, peer: int, tag: int, expected: Meta | None, first: bool, owner: str
+    ) -> None:
+        """Queue an abort in place of the transfer the peer waits for (see the module
+        docstring); ``key`` is where :func:`publish_abort` put the reason. ``expected``:
+        the metadata of the message the peer posted (header only if None, which gloo
+        accepts into any larger buffer); ``first``: the peer posted an activation
+        transfer's header alone (no agreement yet)."""
+        size = _HEADER if expected is None else _offsets(expected, _HEADER)[1]
+        self._send(_header(-key, size, self.device), peer, tag + _part(first), owner)
 
     def post(self) -> list[SentTensor]:
         """Issue every operation in one batch; returns the sends in flight."""
@@ -370,6 +426,28 @@ class P2PBatch:
             else:
                 sent.append((work, op.tensor, what))
         return sent
+
+
+def publish_abort(reason: str) -> int:
+    """Put ``reason`` in the job's store under a fresh key; returns the key's number (a
+    random one: keys of earlier aborts never collide with it)."""
+    key = secrets.randbelow(2**62) + 1
+    _store().set(_abort_key(key), reason)
+    return key
+
+
+def _abort_key(key: int) -> str:
+    return f"plait/pipeline_abort/{key}"
+
+
+def _store() -> Store:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _part(first: bool) -> _Part:
+    return _Part.HEADER if first else _Part.PACKED
 
 
 def _op(

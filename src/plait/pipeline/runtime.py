@@ -15,27 +15,52 @@ communication, and with FSDP actions when stages do data parallelism) runs here:
   free, and reduce their accumulated gradients (:mod:`plait.pipeline.grad_sync`); after
   each backward action, ``fully_shard`` units move the new gradients into their
   reduce-dtype accumulators.
+
+Failures. When anything raises on this rank once the step's messages flow (the model, the
+loss, a transfer, or an abort heard from a neighbour), :func:`abort_step` sends an abort,
+with the cause, in place of this rank's next message to each neighbour that waits for
+one, then the error is raised here. Each neighbour raises
+:class:`~plait.pipeline.p2p.PipelineAbort` naming the rank that failed first and why, and
+passes it on: every rank of the pipeline ends the step at once with the cause, none waits
+for messages that will never come. An error this rank finds before its first message
+(bad arguments to ``step``) stays local, so the caller can fix the call and step again:
+no neighbour has started the step with this rank, and an abort nobody reads would be
+matched by a later step. (Its neighbours then wait; with ``PLAIT_CHECK_SPMD=1`` they fail
+at the deadline, naming the transfer.)
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from plait.hooks import traced
 from plait.pipeline.actions import Action, ActionKind
 from plait.pipeline.grad_sync import StageGradSync
-from plait.pipeline.p2p import P2PBatch, SentTensor, prune_sends, wait_sends
+from plait.pipeline.p2p import (
+    P2PBatch,
+    PipelineAbort,
+    SentTensor,
+    prune_sends,
+    publish_abort,
+    wait_sends,
+)
 from plait.pipeline.stage import PipelineStage
 
-__all__ = ["StepData", "StepResult", "run_actions"]
+__all__ = ["StepData", "StepResult", "abort_step", "run_actions"]
+
+logger = logging.getLogger(__name__)
 
 K = ActionKind
-LossFn = Callable[[Any, Any], torch.Tensor]
+LossFn = Callable[..., torch.Tensor]
+"""``loss_fn(output, target, **loss_kwargs) -> scalar`` for one microbatch."""
 
 
 @dataclass
@@ -44,7 +69,9 @@ class StepData:
 
     ``args`` / ``kwargs``: per microbatch (args used by the first stage only). ``targets``
     and ``scales``: per microbatch, for the last stage; the backward of microbatch i starts
-    from ``loss_i * scales[i]``. ``backward``: False runs forwards only (no graph kept).
+    from ``loss_i * scales[i]``, where ``loss_i = loss_fn(output_i, targets[i],
+    **loss_kwargs)``. ``backward``: False runs forwards only (no graph kept).
+    ``keep_outputs``: False keeps no outputs of the last stage (only the losses).
     """
 
     args: Sequence[tuple[Any, ...]]
@@ -53,6 +80,8 @@ class StepData:
     scales: Sequence[float]
     loss_fn: LossFn | None
     backward: bool
+    loss_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    keep_outputs: bool = True
 
 
 @dataclass
@@ -82,17 +111,67 @@ def run_actions(
         stage.begin_step()
     for sync in syncs.values():
         sync.begin_step()
+    done = 0  # actions run (or, for communication, queued)
     try:
         for action in actions:
             runner.run(action)
+            done += 1
         runner.flush()
         wait_sends(runner.sent)
         for stage in stages.values():
             stage.end_step()
+    except BaseException as error:
+        if runner.messaged:  # this rank's messages flowed: its neighbours are in the step
+            abort_step([*runner.pending, *actions[done:]], stages, error)
+        raise
     finally:
         for sync in syncs.values():
             sync.end_step()
     return runner.result
+
+
+def _finish_sends(sent: list[SentTensor]) -> None:
+    """Wait for abort messages on a daemon thread: gloo moves a send whose receive is not
+    posted yet only inside ``wait()``, and a peer that never looks must not block us."""
+
+    def wait_all() -> None:
+        for work, _, what in sent:
+            try:
+                work.wait()
+            except Exception as error:  # the peer is gone: nothing left to tell it
+                logger.debug("plait: %s did not complete: %s", what, error)
+
+    threading.Thread(target=wait_all, name="plait-pipeline-abort", daemon=True).start()
+
+
+def abort_step(
+    remaining: Sequence[Action], stages: Mapping[int, PipelineStage], error: BaseException
+) -> None:
+    """Tell each neighbour waiting for one of ``remaining`` (this rank's actions not yet
+    posted, in order) that this rank's step failed with ``error``: an abort replaces the
+    first send to each peer (see :mod:`plait.pipeline.p2p`). Never raises: the caller
+    raises ``error``."""
+    any_stage = next(iter(stages.values()))
+    try:
+        if isinstance(error, PipelineAbort):  # pass on the same reason
+            key, told = error.key, {error.source}
+        else:
+            where = f"pipeline rank {any_stage.group_rank} (global rank {dist.get_rank()})"
+            key, told = publish_abort(f"{where} failed: {type(error).__name__}: {error}"), set()
+        batch = P2PBatch(any_stage.group, any_stage.device)
+        for action in remaining:
+            if action.kind not in (K.SEND_F, K.SEND_B):
+                continue
+            stage, forward = stages[action.stage], action.kind is K.SEND_F
+            peer = stage.next_peer if forward else stage.prev_peer
+            if peer is None or peer in told:
+                continue
+            told.add(peer)
+            assert action.microbatch is not None
+            stage.send_abort(forward, action.microbatch, key, batch)
+        _finish_sends(batch.post())
+    except Exception as failure:  # the group may be broken too: the original error counts
+        logger.warning("plait: could not tell the other pipeline ranks of the failure: %s", failure)
 
 
 _RECVS = (K.RECV_F, K.RECV_B)
@@ -115,6 +194,7 @@ class _Runner:
         self.syncs = syncs
         self.data = data
         self.before_first_message = before_first_message
+        self.messaged = False  # whether this rank has posted a message in this step
         self.result = StepResult()
         self.pending: list[Action] = []  # consecutive communication actions
         self.sent: list[SentTensor] = []
@@ -146,10 +226,11 @@ class _Runner:
             output = stage.forward_one_chunk(mb, args, data.kwargs[mb], save=data.backward)
             if not stage.is_last:
                 return
-            self.result.outputs[mb] = tree_map(_detached, output)
+            if data.keep_outputs:
+                self.result.outputs[mb] = tree_map(_detached, output)
             if data.loss_fn is None or data.targets is None:
                 return
-            loss = data.loss_fn(output, data.targets[mb])
+            loss = data.loss_fn(output, data.targets[mb], **data.loss_kwargs)
         self.result.losses[mb] = loss.detach()
         if data.backward:
             stage.seed_loss(mb, loss, data.scales[mb])
@@ -196,6 +277,7 @@ class _Runner:
             callback, self.before_first_message = self.before_first_message, None
             if callback is not None:
                 callback()
+            self.messaged = True
             prune_sends(self.sent)  # free the buffers of sends that have completed
             self.sent += batch.post()
 

@@ -6,7 +6,8 @@ printed, validated and simulated anywhere. Two passes lower it for the runtime:
 :func:`add_communication` (sends and receives between ranks) and :func:`add_fsdp_actions`
 (unshard, reshard, gradient reduction). :func:`generate` dispatches by torch's names.
 
-Microbatches: every schedule accepts any ``n_microbatches >= 1``. The interleaved ones run
+Microbatches: every schedule but DualPipeV accepts any ``n_microbatches >= 1`` (DualPipeV
+needs one per stage, as in torch). The interleaved ones run
 microbatches depth-first in ``max(1, m // n_ranks)`` groups, each group through every local
 stage in turn (Megatron's order). torch requires equal groups (m a multiple of the group
 count) and then generates exactly this order; plait also takes other counts by making the
@@ -17,7 +18,8 @@ rank, 32 microbatches).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from plait.pipeline.actions import Action, ActionKind, Schedule, Style, stage_to_rank
@@ -27,6 +29,7 @@ __all__ = [
     "ScheduleSpec",
     "add_communication",
     "add_fsdp_actions",
+    "dualpipe_v",
     "generate",
     "gpipe",
     "interleaved_1f1b",
@@ -213,14 +216,112 @@ def zbv_zero_bubble(n_ranks: int, n_microbatches: int) -> Schedule:
     return schedule
 
 
+class _DualVRank:
+    """Emits one rank's DualPipeV actions. Forwards and backwards (B or I) are counted per
+    local stage; each I queues its W, which the next :meth:`weight` emits (oldest first)."""
+
+    def __init__(self, rank: int, n_ranks: int) -> None:
+        self.stages = (rank, 2 * n_ranks - 1 - rank)  # down the V, then back up
+        self.forwards = [0, 0]
+        self.backwards = [0, 0]
+        self.weights: deque[Action] = deque()
+        self.actions: list[Action] = []
+
+    def forward(self, chunk: int) -> None:
+        self.actions.append(Action(self.stages[chunk], K.FORWARD, self.forwards[chunk]))
+        self.forwards[chunk] += 1
+
+    def backward(self, chunk: int, split: bool = False) -> None:
+        """B, or I with its W queued when ``split``."""
+        stage, mb = self.stages[chunk], self.backwards[chunk]
+        self.actions.append(Action(stage, K.BACKWARD_INPUT if split else K.FULL_BACKWARD, mb))
+        if split:
+            self.weights.append(Action(stage, K.BACKWARD_WEIGHT, mb))
+        self.backwards[chunk] += 1
+
+    def weight(self) -> None:
+        """The oldest queued W, if any (a gap with nothing queued stays empty)."""
+        if self.weights:
+            self.actions.append(self.weights.popleft())
+
+    def overlapped(self, forward_chunk: int, backward_chunk: int) -> None:
+        """DualPipeV's overlapped pair: F of one chunk, then B of the other, back to back."""
+        self.forward(forward_chunk)
+        self.backward(backward_chunk)
+
+
+def dualpipe_v(n_ranks: int, n_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V): two stages per rank, whose steady
+    state runs a forward of one local stage together with a backward of the other.
+
+    Rank r holds stages r and 2 * n_ranks - 1 - r ("v" placement). Phases for rank r of p:
+    2 * (p - 1 - r) forwards of stage 0 (local index); r + 1 pairs F0 F1; p - 1 - r rounds
+    of I1 W1 F1; m - 2p + 1 + r rounds of the overlapped pairs (F0, B1) and (F1, B0); p - 1 - r
+    rounds of B1 then (F1, B0); r + 1 rounds of B1 B0, switching to split backwards (I, W
+    queued) half-way; p - 1 - r rounds of W then B0 / I0; r + 1 W's to drain.
+
+    An overlapped pair is plain data here: the F action immediately followed by the B
+    action (torch wraps the two in one ``OVERLAP_F_B`` action; its runtime runs them one
+    after the other too, so the arithmetic is the same). Equal to torch's order with each
+    ``OVERLAP_F_B`` expanded. :func:`~plait.pipeline.simulate.simulate` times a pair as
+    its F then its B: the overlap DualPipe is after (one chunk's compute hiding the other's
+    all-to-all) happens inside the layers, below the level of this cost model. Requires
+    n_microbatches >= 2 * n_ranks (torch's constraint: at least one microbatch per stage);
+    ValueError otherwise.
+    """
+    p, m = n_ranks, n_microbatches
+    if p < 1 or m < 2 * p:
+        raise ValueError(
+            f"DualPipeV needs n_microbatches >= n_stages = 2 * n_ranks, got n_ranks={p}, "
+            f"n_microbatches={m}: use at least {2 * max(p, 1)} microbatches"
+        )
+    schedule: Schedule = {}
+    for r in range(p):
+        v = _DualVRank(r, p)
+        for _ in range(2 * (p - 1 - r)):
+            v.forward(0)
+        for _ in range(r + 1):
+            v.forward(0)
+            v.forward(1)
+        for _ in range(p - 1 - r):  # the first gradients turn at the bottom of the V
+            v.backward(1, split=True)
+            v.weight()
+            v.forward(1)
+        for _ in range(m - 2 * p + 1 + r):  # steady state: two overlapped pairs a round
+            v.overlapped(0, 1)
+            v.overlapped(1, 0)
+        for _ in range(p - 1 - r):
+            v.backward(1)
+            v.overlapped(1, 0)
+        split, half = False, (r + 1) // 2
+        for i in range(r + 1):  # cool-down: the later backwards split, W's fill the gaps
+            split = split or (i == half and r % 2 == 1)
+            v.backward(1, split)
+            split = split or (i == half and r % 2 == 0)
+            v.backward(0, split)
+        for _ in range(p - 1 - r):
+            v.weight()
+            v.backward(0, split)
+        for _ in range(r + 1):
+            v.weight()
+        schedule[r] = v.actions
+    return schedule
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """A named schedule: its placement and how many stages each rank holds."""
+    """A named schedule: its placement, how many stages each rank holds, and the fewest
+    microbatches it takes per stage of the pipeline (DualPipeV: one, as in torch)."""
 
     name: str
     style: Style
     build: Callable[[int, int, int], Schedule]  # (n_ranks, n_stages, n_microbatches)
     stages_per_rank: int | None  # None: any positive whole number
+    min_microbatches_per_stage: int = 0
+
+    def min_microbatches(self, n_stages: int) -> int:
+        """The fewest microbatches this schedule runs over ``n_stages`` stages."""
+        return max(1, self.min_microbatches_per_stage * n_stages)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -232,6 +333,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("LoopedBFS", "loop", looped_bfs, None),
         ScheduleSpec("InterleavedZeroBubble", "loop", interleaved_zero_bubble, None),
         ScheduleSpec("ZBVZeroBubble", "v", lambda p, _s, m: zbv_zero_bubble(p, m), 2),
+        ScheduleSpec("DualPipeV", "v", lambda p, _s, m: dualpipe_v(p, m), 2, 1),
     )
 }
 
@@ -259,7 +361,8 @@ def generate(
     UNSHARD / RESHARD / REDUCE_GRAD). Raises ValueError for an unknown name or an
     impossible shape: fewer than one rank, stage or microbatch; ``n_stages`` not a multiple
     of ``n_ranks``; a stages-per-rank count the schedule does not support (GPipe and 1F1B
-    hold one stage per rank, ZB-V exactly two).
+    hold one stage per rank, ZB-V and DualPipeV exactly two); fewer microbatches than the
+    schedule needs (DualPipeV: at least ``n_stages``, as torch requires).
     """
     spec = schedule_spec(name)
     if min(n_ranks, n_stages, n_microbatches) < 1:
@@ -281,6 +384,11 @@ def generate(
             f"{spec.name}: n_stages ({n_stages}) must be a multiple of n_ranks ({n_ranks}) "
             "so that every rank holds the same number of stages"
         )
+    if n_microbatches < spec.min_microbatches(n_stages):
+        raise ValueError(
+            f"{spec.name} needs at least as many microbatches as stages: n_microbatches="
+            f"{n_microbatches} < n_stages={n_stages}; use n_microbatches >= {n_stages}"
+        )
     schedule = spec.build(n_ranks, n_stages, n_microbatches)
     if communication:
         schedule = add_communication(schedule, n_ranks, spec.style)
@@ -288,9 +396,15 @@ def generate(
 
 
 def add_communication(
-    schedule: Schedule, n_ranks: int, style: Style, n_stages: int | None = None
+    schedule: Schedule,
+    n_ranks: int,
+    style: Style | Mapping[int, int],
+    n_stages: int | None = None,
 ) -> Schedule:
     """Insert the sends and receives a compute-only schedule needs between ranks.
+
+    ``style`` is the placement: a :data:`~plait.pipeline.actions.Style`, or an explicit
+    ``{stage: rank}`` mapping (for schedules loaded from a file).
 
     After every F whose next stage lives on another rank: ``SEND_F``; after every B / I
     whose previous stage lives on another rank: ``SEND_B``; right before every F / B / I
@@ -305,7 +419,12 @@ def add_communication(
     n = last + 1 if n_stages is None else n_stages
 
     def remote(stage: int, rank: int) -> bool:
-        return 0 <= stage < n and stage_to_rank(stage, n_ranks, style) != rank
+        if not 0 <= stage < n:
+            return False
+        owner = (
+            style.get(stage) if isinstance(style, Mapping) else stage_to_rank(stage, n_ranks, style)
+        )
+        return owner != rank
 
     out: Schedule = {}
     for rank, actions in schedule.items():

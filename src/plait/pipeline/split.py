@@ -1,27 +1,67 @@
 """Cut a layered model into pipeline stage modules that keep every parameter's name.
 
-A stage is a copy of the whole model in which the layers of the other stages are gone: a
-layer inside a container (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) becomes
-``nn.Identity`` (so the container's forward passes activations through), any other layer
-becomes ``None``. The model's own ``forward`` then runs as the stage's forward, provided
-it skips ``None`` parts, as :class:`~plait.train.model.GPT` does; an ``nn.Sequential``
-needs nothing. Because names are unchanged, each stage's ``state_dict`` is a slice of the
-whole model's and loads back into it.
+A stage is a copy of the whole model in which the layers of the other stages are replaced
+by a :class:`SkippedLayer`: a module without parameters that returns its first positional
+argument unchanged, and is *falsy*. So the model's own ``forward`` runs as every stage's
+forward, with no edits:
 
-Only the kept layers are copied (removed ones are substituted during ``deepcopy``), so
-building a stage costs the stage's memory, not the model's.
+* a plain loop, ``for layer in self.layers: x = layer(x)`` (over an ``nn.ModuleList``, an
+  ``nn.ModuleDict``'s values, or an ``nn.Sequential``), passes activations through the
+  layers of other stages, also when layers take more arguments (``layer(x, mask)``);
+* an embedding or a head of another stage passes its input through too
+  (``x = self.emb(x)`` on a later stage gets hidden states and returns them);
+* torchtitan's guards, ``h = self.tok_embeddings(tokens) if self.tok_embeddings else
+  tokens``, see a falsy module and skip it, as they would skip ``None``.
+
+What a forward must not do is compute outside its layers or combine the output of a
+skipped layer with something else, since pass-through only makes sense for a chain of
+layer calls: code between the calls runs on every stage (``x = torch.tanh(layer(x))``
+applies ``tanh`` once per stage; move it into the layer), and ``x = self.tok_emb(ids)
++ self.pos_emb(pos)`` on a stage without the embeddings would add ``pos`` to the hidden
+states. Guard such parts with the layer's truth value (``if self.tok_emb:``), as
+:class:`~plait.train.model.GPT` does; ``is not None`` guards see a module and do not skip.
+
+Because names are unchanged (a placeholder has no parameters or buffers), each stage's
+``state_dict`` is a slice of the whole model's and loads back into it. Only the kept
+layers are copied (removed ones are substituted during ``deepcopy``), so building a stage
+costs the stage's memory, not the model's.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from torch import nn
 
-__all__ = ["split_model", "stage_layers"]
+__all__ = ["SkippedLayer", "split_model", "stage_layers"]
 
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+class SkippedLayer(nn.Module):
+    """A layer that lives on another pipeline stage: returns its first positional argument
+    unchanged, holds no parameters, and is falsy (see the module docstring)."""
+
+    def __init__(self, name: str, stage: int) -> None:
+        super().__init__()
+        self.layer_name = name  # the replaced layer's name in the whole model
+        self.stage = stage  # the stage that runs it
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not args:
+            raise TypeError(
+                f"{self.layer_name!r} runs on pipeline stage {self.stage}; on this stage it "
+                "passes its first positional argument through, but it was called with "
+                f"keyword arguments only ({sorted(kwargs)}): pass the activation "
+                "positionally, or guard the call with `if self.<layer>:`"
+            )
+        return args[0]
+
+    def __bool__(self) -> bool:
+        return False
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name!r} on stage {self.stage}"
 
 
 def stage_layers(model: nn.Module, n_stages: int, *, layers: str | None = None) -> list[list[str]]:
@@ -100,12 +140,9 @@ def _owners(model: nn.Module, plan: Sequence[Sequence[str]]) -> dict[str, int]:
 
 def _stage_copy(model: nn.Module, owner: dict[str, int], stage: int) -> nn.Module:
     """Deepcopy ``model``, substituting the layers of other stages (never copied)."""
-    memo: dict[int, object] = {}
-    for name, s in owner.items():
-        if s == stage:
-            continue
-        parent_name, _, _ = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        replacement = nn.Identity() if isinstance(parent, _CONTAINERS) else None
-        memo[id(model.get_submodule(name))] = replacement
+    memo: dict[int, object] = {
+        id(model.get_submodule(name)): SkippedLayer(name, s)
+        for name, s in owner.items()
+        if s != stage
+    }
     return copy.deepcopy(model, memo)

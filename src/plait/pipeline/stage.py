@@ -22,6 +22,17 @@ Contract:
 * ``dw_builder`` (torch's): a callable returning a function that finishes the weight
   gradients of one microbatch. With it, ``I`` runs a full backward and ``W`` calls that
   function; without it, plait splits the autograd graph (:mod:`plait.pipeline.backward`).
+
+The constructor takes torch 2.13's arguments in torch's order. Two of them are accepted
+for compatibility and have nothing to do in plait, by design:
+
+* ``output_grads`` / ``input_grads`` (torch: static gradient metadata, for DTensor
+  stages): a gradient's shape, dtype and layout are those of the forward tensor it belongs
+  to, which both ends of a link already know, so nothing needs declaring;
+* ``get_mesh`` (torchtitan's; torch: rebuilds the device mesh of DTensor activations
+  received as metadata): plait's stages exchange plain tensors, and a DTensor crossing a
+  stage boundary stays on the sending rank's side of the model, so no mesh is rebuilt from
+  a message. The callback is kept as ``stage.get_mesh`` for code that reads it.
 """
 
 from __future__ import annotations
@@ -83,8 +94,11 @@ class PipelineStage:
         device: torch.device | str | int,
         input_args: Any = None,
         output_args: Any = None,
+        output_grads: Any = None,
+        input_grads: Any = None,
         group: dist.ProcessGroup | None = None,
-        dw_builder: Callable[[], Callable[[], None]] | None = None,
+        dw_builder: Callable[[], Callable[..., None]] | None = None,
+        get_mesh: Callable[..., Any] | None = None,
     ) -> None:
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"PipelineStage needs an nn.Module, got {type(submodule).__name__}")
@@ -106,6 +120,9 @@ class PipelineStage:
         self.group_rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         self.dw_builder = dw_builder
+        self.get_mesh = get_mesh
+        del output_grads, input_grads  # known from the forward outputs (module docstring)
+        self.has_backward = True  # torch's flag; the schedule's order decides here
         self._declared_in = _declared(input_args)
         self._declared_out = _declared(output_args)
         self.prev_peer: int | None = None  # global ranks of remote neighbours
@@ -171,6 +188,10 @@ class PipelineStage:
 
     def begin_step(self) -> None:
         """Forget whatever a failed previous step left behind."""
+        self._clear_step()
+
+    def clear_runtime_states(self) -> None:
+        """torch's name: forget the per-step state (what :meth:`begin_step` does)."""
         self._clear_step()
 
     def end_step(self) -> None:
@@ -303,9 +324,20 @@ class PipelineStage:
             return self._take(self._output_grads, microbatch, "the next stage's backward (B / I)")
         return self._take(self._gradient_recvs, microbatch, "its output gradients (RECV_B)").wait()
 
-    def backward_weight_one_chunk(self, microbatch: int) -> None:
-        """``W``: the weight gradients that ``I`` left for later."""
-        self._take(self._weight_work, microbatch, "its input-gradient half (I)")()
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """``W``: the weight gradients that ``I`` left for microbatch ``bwd_chunk_id``.
+
+        Raises AssertionError (torch's type) if its ``I`` half, ``backward_one_chunk``
+        with ``full=False``, has not run. ``last_backward`` is torch's and has no use
+        here: gradient reduction is the schedule's ``REDUCE_GRAD`` action."""
+        del last_backward
+        if bwd_chunk_id not in self._weight_work:
+            raise AssertionError(
+                f"{self._name(bwd_chunk_id)}: backward_weight_one_chunk (W) was called "
+                "before backward_one_chunk(full=False) (I) computed this microbatch's input "
+                "gradients: run the I half first"
+            )
+        self._weight_work.pop(bwd_chunk_id)()
 
     # --- communication ---------------------------------------------------------------------
 
@@ -351,6 +383,33 @@ class PipelineStage:
         tag = transfer_tag(self.stage_index + 1, microbatch, Direction.BACKWARD, self.num_stages)
         owner = self._transfer("gradients", self.stage_index + 1, microbatch)
         self._gradient_recvs[microbatch] = batch.recv_gradients(meta, self.next_peer, tag, owner)
+
+    def send_abort(self, forward: bool, microbatch: int, key: int, batch: P2PBatch) -> int | None:
+        """Queue an abort in place of this stage's SEND_F (``forward``) or SEND_B of
+        ``microbatch``, sized as the peer's posted receive; ``key`` says where the reason
+        is (:mod:`plait.pipeline.p2p`).
+        Returns the peer's global rank, or None when the neighbour is on this rank or
+        expects no message."""
+        peer = self.next_peer if forward else self.prev_peer
+        if peer is None:
+            return None
+        direction = Direction.FORWARD if forward else Direction.BACKWARD
+        tag = transfer_tag(self.stage_index, microbatch, direction, self.num_stages)
+        owner = "abort of " + self._transfer(
+            "activations" if forward else "gradients", self.stage_index, microbatch
+        )
+        if forward:
+            agreed = self._sent_meta.get(microbatch)
+            batch.send_abort(key, peer, tag, agreed, agreed is None, owner)
+            return peer
+        # The peer's gradient buffer holds its outputs that require grad: the inputs this
+        # stage last received for the microbatch (unknown before the first: header only).
+        received = self._received_meta.get(microbatch)
+        expected = None if received is None else tuple(m for m in received if m.requires_grad)
+        if expected is not None and not expected:
+            return None  # no gradients flow back on this link: the peer waits for nothing
+        batch.send_abort(key, peer, tag, expected, False, owner)
+        return peer
 
     @staticmethod
     def _transfer(what: str, sender: int, microbatch: int) -> str:

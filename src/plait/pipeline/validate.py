@@ -47,13 +47,13 @@ def validate(
     n_stages: int,
     n_microbatches: int,
     *,
-    style: Style | None = None,
+    style: Style | Mapping[int, int] | None = None,
 ) -> None:
     """Raise ScheduleError unless ``schedule`` is a correct, deadlock-free pipeline schedule.
 
-    ``style`` fixes the placement (:func:`~plait.pipeline.actions.stage_to_rank`); without
-    it, each stage belongs to the rank that runs most of its actions. Works with or without
-    communication and FSDP actions.
+    ``style`` fixes the placement (:func:`~plait.pipeline.actions.stage_to_rank`, or an
+    explicit ``{stage: rank}``); without it, each stage belongs to the rank that runs most
+    of its actions. Works with or without communication and FSDP actions.
     """
     _check_shape(schedule, n_ranks, n_stages, n_microbatches)
     where: _Where = {}
@@ -64,9 +64,12 @@ def validate(
         raise ScheduleError(f"'v' placement needs n_stages == 2 * n_ranks, got {n_stages}")
     if style is None:
         owner = stage_owners(schedule)
+        how = "the rank running most of its actions"
+    elif isinstance(style, Mapping):
+        owner, how = dict(style), "the given placement"
     else:
         owner = {s: stage_to_rank(s, n_ranks, style) for s in range(n_stages)}
-    how = f"placement {style!r}" if style else "the rank running most of its actions"
+        how = f"placement {style!r}"
     _check_complete(where, owner, n_stages, n_microbatches)
     _check_placement(schedule, owner, n_stages, how)
     _check_pairs(schedule, where, owner)

@@ -5,9 +5,9 @@ MLP, learned position embeddings. Blocks live in ``self.blocks`` (an ``nn.Module
 that parallelism recipes can wrap or split them by index.
 
 A pipeline stage is the same class with parts removed (``plait.pipeline.split_model``):
-blocks outside the stage become ``nn.Identity`` and the embeddings or the head ``None``,
-which ``forward`` skips. So every parameter a stage keeps has the name it has in the whole
-model, and checkpoints of pipelined and unpipelined runs are interchangeable.
+parts outside the stage become falsy pass-through placeholders, and ``forward`` skips the
+embeddings and the head when they are falsy. So every parameter a stage keeps has the name
+it has in the whole model, and checkpoints of pipelined and unpipelined runs are interchangeable.
 """
 
 from __future__ import annotations
@@ -120,12 +120,12 @@ class GPT(nn.Module):
         t = x.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds seq_len={self.cfg.seq_len}")
-        if self.tok_emb is not None and self.pos_emb is not None:
+        if self.tok_emb and self.pos_emb:  # falsy on stages without them (split_model)
             pos = torch.arange(t, device=x.device)
             x = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        if self.ln_f is not None and self.head is not None:
+        if self.ln_f and self.head:
             x = self.head(self.ln_f(x))  # (B, T, vocab)
         return x
 

@@ -1,0 +1,141 @@
+"""What one ``schedule.step`` / ``schedule.eval`` call takes, turned into :class:`StepData`.
+
+Two forms, as torch's schedules:
+
+* **whole batch** (torch 2.13): ``step(*args, target=None, losses=None, return_outputs=True,
+  loss_kwargs=None, **kwargs)``: ``args`` / ``kwargs`` / ``target`` are cut into
+  microbatches with :func:`~plait.pipeline.microbatch.split_args_kwargs_into_chunks` and the
+  schedule's chunk specs;
+* **microbatch lists** (torch's newest form, used by torchtitan): ``step(arg_mbs=[...],
+  kwarg_mbs=[...], target_mbs=[...], losses=None, return_outputs=True, loss_kwargs=None)``:
+  the caller has cut the microbatches itself (e.g. one attention mask per microbatch).
+  Each list has one entry per microbatch; ``arg_mbs[i]`` is a tuple of positional
+  arguments (a single value is taken as a 1-tuple). A list left out means "nothing"
+  (ranks without the first stage pass no ``arg_mbs``, ranks without the last no
+  ``target_mbs``).
+
+The two forms cannot be mixed in one call. In both, ``loss_kwargs`` go to the loss function
+(``loss_fn(output, target, **loss_kwargs)``) of every microbatch, never to the model; and
+``return_outputs=False`` makes the last stage keep no outputs (only the losses) and
+``step`` return None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from plait.pipeline.microbatch import ChunkSpec, split_args_kwargs_into_chunks
+from plait.pipeline.runtime import LossFn, StepData
+
+__all__ = ["step_data"]
+
+
+def step_data(
+    name: str,
+    n_microbatches: int,
+    *,
+    has_first: bool,
+    has_last: bool,
+    backward: bool,
+    loss_fn: LossFn | None,
+    scale_grads: bool,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    target: Any,
+    arg_mbs: Sequence[Any] | None,
+    kwarg_mbs: Sequence[dict[str, Any]] | None,
+    target_mbs: Sequence[Any] | None,
+    args_chunk_spec: Sequence[ChunkSpec] | None,
+    kwargs_chunk_spec: Mapping[str, ChunkSpec] | None,
+    loss_kwargs: Mapping[str, Any] | None,
+    return_outputs: bool,
+) -> StepData:
+    """This rank's microbatches of one step; raises ValueError / TypeError naming the
+    argument at fault (``name`` is the schedule's, for messages)."""
+    m = n_microbatches
+    given_lists = any(x is not None for x in (arg_mbs, kwarg_mbs, target_mbs))
+    if given_lists and (args or kwargs or target is not None):
+        raise ValueError(
+            f"{name}.step: give either the whole batch (positional / keyword arguments and "
+            "target=) or the microbatch lists (arg_mbs= / kwarg_mbs= / target_mbs=), not both"
+        )
+    if loss_kwargs is not None and not isinstance(loss_kwargs, Mapping):
+        raise TypeError(
+            f"{name}.step: loss_kwargs must be a dict of keyword arguments for loss_fn, got "
+            f"{type(loss_kwargs).__name__}"
+        )
+    if given_lists:
+        args_list = _args_list(name, arg_mbs, m)
+        kwargs_list = _checked_list(name, "kwarg_mbs", kwarg_mbs, m) or [{}] * m
+        targets = _checked_list(name, "target_mbs", target_mbs, m)
+    else:
+        args_list, kwargs_list = split_args_kwargs_into_chunks(
+            args if has_first else (),
+            kwargs,
+            m,
+            args_chunk_spec if has_first else None,
+            kwargs_chunk_spec,
+        )
+        targets = None
+        if has_last and target is not None:
+            target_split, _ = split_args_kwargs_into_chunks((target,), None, m)
+            targets = [t for (t,) in target_split]
+    if has_first and not any(args_list) and not any(kwargs_list):
+        raise ValueError(
+            f"{name}.step: this rank holds stage 0, which needs the batch: pass it as "
+            "positional arguments (or as arg_mbs=)"
+        )
+    if has_last and backward and targets is None:
+        raise ValueError(
+            f"{name}.step: this rank holds the last stage, which needs target= (or "
+            "target_mbs=) to compute the loss"
+        )
+    scales = [1.0] * m
+    if has_last and targets is not None and scale_grads:
+        scales = _row_shares(targets)
+    return StepData(
+        args_list,
+        kwargs_list,
+        targets if has_last else None,
+        scales,
+        loss_fn,
+        backward,
+        loss_kwargs=dict(loss_kwargs or {}),
+        keep_outputs=return_outputs,
+    )
+
+
+def _checked_list(name: str, what: str, value: Sequence[Any] | None, m: int) -> list[Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name}.step: {what} must be a list, got {type(value).__name__}")
+    if len(value) != m:
+        raise ValueError(
+            f"{name}.step: {what} has {len(value)} entries, but the schedule runs {m} "
+            "microbatches: give one entry per microbatch"
+        )
+    return list(value)
+
+
+def _args_list(name: str, arg_mbs: Sequence[Any] | None, m: int) -> list[tuple[Any, ...]]:
+    checked = _checked_list(name, "arg_mbs", arg_mbs, m)
+    if checked is None:
+        return [()] * m
+    return [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in checked]
+
+
+def _row_shares(target_mbs: Sequence[Any]) -> list[float]:
+    """Microbatch i's share of the rows of the whole batch (see schedule_classes)."""
+    rows = [_rows(t) for t in target_mbs]
+    total = sum(rows)
+    return [r / total for r in rows]
+
+
+def _rows(target: Any) -> int:
+    leaves = [t for t in tree_leaves(target) if isinstance(t, torch.Tensor)]
+    return leaves[0].shape[0] if leaves and leaves[0].dim() else 1
