@@ -341,3 +341,35 @@ def _torch_actions_body() -> bool:
 
 def test_torchs_action_lists_run() -> None:
     assert run_on_ranks(2, _torch_actions_body) == [True, True]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ScheduleGPipe",
+        "Schedule1F1B",
+        "ScheduleInterleaved1F1B",
+        "ScheduleLoopedBFS",
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleZBVZeroBubble",
+        "ScheduleDualPipeV",
+        "PipelineScheduleSingle",
+        "PipelineScheduleMulti",
+    ],
+)
+def test_constructors_take_torchs_positional_order(name: str) -> None:
+    """Code that passes torch's constructor arguments by position binds them the same."""
+    import inspect
+
+    import torch.distributed.pipelining.schedules as torch_schedules
+
+    import plait.pipeline as plait_pipeline
+
+    def positional(cls: type) -> list[str]:
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return [p.name for p in params if p.kind in kinds]
+
+    theirs = positional(getattr(torch_schedules, name))
+    ours = positional(getattr(plait_pipeline, name))
+    assert ours[: len(theirs)] == theirs, (ours, theirs)

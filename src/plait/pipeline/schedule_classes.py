@@ -538,7 +538,8 @@ class PipelineScheduleSingle(PipelineSchedule):
 
 
 class PipelineScheduleMulti(PipelineSchedule):
-    """A schedule over a list of this rank's stages."""
+    """A schedule over a list of this rank's stages (torch's positional order, in which
+    ``use_full_backward`` comes before ``scale_grads``)."""
 
     name = "PipelineScheduleMulti"
 
@@ -550,7 +551,9 @@ class PipelineScheduleMulti(PipelineSchedule):
         args_chunk_spec: Sequence[ChunkSpec] | None = None,
         kwargs_chunk_spec: Mapping[str, ChunkSpec] | None = None,
         output_merge_spec: Any = None,
+        use_full_backward: bool | None = None,
         scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
         **options: Any,
     ) -> None:
         if isinstance(stages, PipelineStage):
@@ -563,6 +566,8 @@ class PipelineScheduleMulti(PipelineSchedule):
             kwargs_chunk_spec,
             output_merge_spec,
             scale_grads,
+            backward_requires_autograd=backward_requires_autograd,
+            use_full_backward=use_full_backward,
             **options,
         )
 
@@ -570,9 +575,36 @@ class PipelineScheduleMulti(PipelineSchedule):
 class _PipelineScheduleRuntime(PipelineScheduleMulti):
     """torch's runtime over an order given as data: build it, then give it its order with
     ``_load_csv(filename, format)`` or ``_prepare_schedule_with_comms(actions, format)``.
-    The looped and V schedules below derive from it, as in torch."""
+    The looped and V schedules below derive from it, as in torch, and take its positional
+    order (``scale_grads, backward_requires_autograd, defer_pp_recv`` after the specs)."""
 
     name = "PipelineScheduleRuntime"
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        args_chunk_spec: Sequence[ChunkSpec] | None = None,
+        kwargs_chunk_spec: Mapping[str, ChunkSpec] | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            stages,
+            n_microbatches,
+            loss_fn,
+            args_chunk_spec,
+            kwargs_chunk_spec,
+            output_merge_spec,
+            scale_grads=scale_grads,
+            backward_requires_autograd=backward_requires_autograd,
+            defer_pp_recv=defer_pp_recv,
+            **options,
+        )
 
 
 class _ScheduleForwardOnly(PipelineScheduleSingle):
@@ -630,9 +662,32 @@ class ScheduleInterleaved1F1B(_PipelineScheduleRuntime):
 
 
 class ScheduleLoopedBFS(_PipelineScheduleRuntime):
-    """Breadth-first over several looped stages per rank."""
+    """Breadth-first over several looped stages per rank (torch's arguments: no chunk
+    specs, whole tensors are cut on dim 0)."""
 
     name = "LoopedBFS"
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            stages,
+            n_microbatches,
+            loss_fn,
+            output_merge_spec=output_merge_spec,
+            scale_grads=scale_grads,
+            backward_requires_autograd=backward_requires_autograd,
+            defer_pp_recv=defer_pp_recv,
+            **options,
+        )
 
 
 class ScheduleInterleavedZeroBubble(_PipelineScheduleRuntime):
