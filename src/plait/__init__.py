@@ -4,7 +4,14 @@ The public vocabulary follows torch's composable APIs, so code moves over by cha
 imports. See README.md for the tour and DESIGN.md (in the shared folder) for the layout.
 """
 
-from plait.checkpoint import CheckpointError, checkpoint
+from plait.checkpoint import (
+    CheckpointError,
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint,
+    checkpoint_wrapper,
+)
 from plait.contract import _get_registry as _get_registry  # torch's name for get_registry
 from plait.contract import contract
 from plait.fsdp import (
@@ -27,13 +34,17 @@ from plait.replicate import ReplicateModule, replicate
 __all__ = [
     "CPUOffloadPolicy",
     "CheckpointError",
+    "CheckpointImpl",
+    "CheckpointWrapper",
     "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReplicateModule",
     "UnshardHandle",
+    "apply_activation_checkpointing",
     "checkpoint",
+    "checkpoint_wrapper",
     "clip_grad_norm_",
     "contract",
     "fully_shard",
