@@ -43,9 +43,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 _ALLOWED = {
     "policies": set(),
     "collectives": set(),
+    "cast": set(),
     "param": {"collectives"},
-    "group": {"collectives", "param"},
-    "state": {"collectives", "param", "group", "policies"},
+    "extensions": {"collectives", "param", "policies"},
+    "group": {"collectives", "param", "extensions", "policies"},
+    "state": {"collectives", "param", "group", "policies", "cast", "extensions"},
     "state_dict": {"collectives", "param", "group", "policies", "state"},
     "clip": {"collectives", "param", "group", "policies", "state"},
     "api": {"collectives", "param", "group", "policies", "state", "state_dict"},

@@ -42,6 +42,7 @@ from plait.fsdp.collectives import (
     gradient_division,
     reduce_scatter_segments,
 )
+from plait.fsdp.extensions import GatherExtension, has_extension
 from plait.fsdp.param import FSDPParam
 from plait.hooks import traced
 
@@ -105,6 +106,11 @@ class FSDPParamGroup:
         self._unsharded_data: list[torch.Tensor] = []
         self._copy_outs: list[torch.Tensor] = []
         self._reductions: dict[tuple[bool, ...], list[_Reduction]] = {}
+        # Parameters with all-gather extensions (extensions.py), found at the first unshard
+        # (hooks may be patched on after fully_shard); ``None``: not looked for yet.
+        self._extensions: dict[FSDPParam, GatherExtension] | None = None
+        self._plain_order: list[FSDPParam] = []  # gather_order without them
+        self.mp_policy: Any = None  # handed to 5-argument fsdp_pre_all_gather hooks
         self.lay_out()
         self.sharded_state = ShardedState.SHARDED
         self.requires_gradient_sync = True
@@ -137,8 +143,12 @@ class FSDPParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather unless the unit is unsharded or already being gathered."""
         if self.sharded_state is not ShardedState.UNSHARDED and self._gather is None:
+            if self._extensions is None:
+                self._find_extensions()
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 self._gather = self._gather_post_forward()
+            elif self._extensions:
+                self._gather = self._gather_with_extensions()
             else:
                 self._gather = all_gather_segments(
                     self._segment(), self.groups.shard, self.world, self.owner, self.all_gather_comm
@@ -169,6 +179,7 @@ class FSDPParamGroup:
         self.gather_dtype = self.gather_order[0].param_dtype if self.split_copy else torch.uint8
         self._reductions.clear()  # reduce dtypes may have changed
         self._unsharded_buffer = None  # rebuilt at the next unshard, in the new dtypes
+        self._extensions = None  # local tensors may have been replaced
         self.adopt_flat_storage()
 
     def adopt_flat_storage(self) -> None:
@@ -183,6 +194,8 @@ class FSDPParamGroup:
         self.flat = self._ready_segment = None
         if len(kinds) != 1 or params[0].padded.is_meta or self.segment_tail:
             return
+        if any(type(p.padded) is not torch.Tensor for p in params):
+            return  # a subclass shard (all-gather extensions) must stay its own tensor
         first = params[0]
         flat = torch.empty(sum(self.split_sizes), dtype=first.dtype, device=first.padded.device)
         if first.policy.offload and first.policy.pin_memory and torch.cuda.is_available():
@@ -224,6 +237,62 @@ class FSDPParamGroup:
             self.all_gather_comm,
         )
 
+    # --- all-gather extensions (extensions.py) ----------------------------------------------
+
+    def _find_extensions(self) -> None:
+        """Look for parameters with all-gather hooks; units without keep the fast path."""
+        found = [p for p in self.params if has_extension(p)]
+        if found:
+            if len({p.device for p in self.params}) != 1:
+                raise ValueError(
+                    f"{self.owner}: all-gather extensions need every parameter of the unit "
+                    "on one compute device"
+                )
+            for p in found:
+                if p.dim != 0:
+                    raise ValueError(
+                        f"fully_shard: parameter {p.fqn!r} has all-gather extensions and "
+                        f"shard_placement_fn chose Shard({p.dim}); extensions gather along "
+                        "dim 0 only: return Shard(0) or None for it"
+                    )
+            self.split_copy = False  # the plain parameters' copy-out goes one by one
+        self._extensions = {p: GatherExtension(p, self.world, self.mp_policy) for p in found}
+        self._plain_order = [p for p in self.gather_order if p not in self._extensions]
+        self._unsharded_buffer = None  # laid out again without the extended parameters
+
+    def _gather_with_extensions(self) -> tuple[torch.Tensor, dist.Work | None]:
+        """One all-gather of the plain parameters' chunks and every hook's inputs, as bytes.
+
+        The pre-all-gather hooks run here, on every gather (their inputs may change).
+        """
+        assert self._extensions is not None
+        pieces = [p.gather_input() for p in self._plain_order]
+        for extension in self._extensions.values():
+            pieces.extend(extension.inputs())
+        row = torch.cat(pieces).view(1, -1)
+        return all_gather_segments(
+            row, self.groups.shard, self.world, self.owner, self.all_gather_comm
+        )
+
+    def _copy_out_extensions(
+        self, gathered: torch.Tensor, destinations: list[torch.Tensor]
+    ) -> None:
+        """Fill the plain parameters from the gathered bytes, then rebuild the extended ones
+        through their post-all-gather hooks."""
+        assert self._extensions is not None
+        gathered = gathered.view(self.world, -1)
+        offset = 0
+        for p, dest in zip(self._plain_order, destinations, strict=True):
+            # A copy: the columns are not aligned for the parameter's dtype in general.
+            p.copy_out(gathered[:, offset : offset + p.gather_nbytes].clone(), dest)
+            offset += p.gather_nbytes
+        for extension in self._extensions.values():
+            columns = []
+            for nbytes in extension.nbytes:
+                columns.append(gathered[:, offset : offset + nbytes])
+                offset += nbytes
+            extension.finish(columns)
+
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather (issuing one if needed) and swap in full parameters."""
         if self.sharded_state is ShardedState.UNSHARDED:
@@ -236,7 +305,9 @@ class FSDPParamGroup:
         with traced("plait.fsdp.copy_out"):
             spmd.wait(work, "all_gather", self.owner)
             destinations = self._alloc_unsharded()
-            if self.split_copy:
+            if self._extensions:
+                self._copy_out_extensions(gathered, destinations)
+            elif self.split_copy:
                 torch.split_with_sizes_copy(gathered, self.split_sizes, 1, out=self._copy_outs)
             else:
                 for p, dest in zip(self.gather_order, destinations, strict=True):
@@ -258,7 +329,7 @@ class FSDPParamGroup:
         """
         buffer = self._unsharded_buffer
         if buffer is None:  # first use, or the parameters changed (lay_out resets it)
-            order = self.gather_order
+            order = self._plain_order
             nbytes = [p.numel * p.param_dtype.itemsize for p in order]
             buffer = torch.empty(sum(nbytes), dtype=torch.uint8, device=self.device)
             self._unsharded_data = []
@@ -289,8 +360,16 @@ class FSDPParamGroup:
         self._post_forward_rows = gathered[first : first + per_member].clone()
 
     def prepare_post_forward(self, enabled: bool) -> None:
-        """Say whether the coming forward's unshard should keep an hpZ block."""
+        """Say whether the coming forward's unshard should keep an hpZ block.
+
+        Not for units with all-gather extensions (their gathered rows are the hooks'
+        inputs, not the parameters): those reshard fully, as with ``True``.
+        """
         self._keep_block = enabled and self.groups.post_forward is not None
+        if self._keep_block and self._extensions is None:
+            self._find_extensions()
+        if self._extensions:
+            self._keep_block = False
 
     def reshard(self, post_forward: bool = False) -> None:
         """Back to the sharded parameters; ``post_forward`` keeps the hpZ block if any."""
@@ -308,6 +387,8 @@ class FSDPParamGroup:
             parameters[name] = p.sharded
         if self._unsharded_buffer is not None:
             self._unsharded_buffer.untyped_storage().resize_(0)
+        for extension in (self._extensions or {}).values():
+            extension.free()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD if keep else ShardedState.SHARDED
 
     # --- gradient reduction -------------------------------------------------------------

@@ -214,6 +214,15 @@ class FSDPParam:
         device = torch.device("cpu") if self.policy.offload else source.device
         if source.is_meta:
             device = source.device  # stays on meta until to_empty()
+        if hasattr(type(source), "fsdp_pre_all_gather"):
+            # A subclass with all-gather extensions (extensions.py) stays one: its hooks are
+            # called on the local shard. (``new_zeros`` dispatches through the subclass.)
+            padded = source.new_zeros(self.padded_numel, device=device)
+            if not source.is_meta:
+                with torch.no_grad():
+                    rows = self._own_rows(source) if rows_of_full else source
+                    self._local(padded).copy_(rows)
+            return padded
         padded = torch.zeros(self.padded_numel, dtype=source.dtype, device=device)
         if self.policy.offload and self.policy.pin_memory and torch.cuda.is_available():
             padded = padded.pin_memory()

@@ -41,10 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plait import spmd
 from plait.contract import APIState, get_registry
+from plait.fsdp.cast import cast_floating, tensors_in
 from plait.fsdp.group import FSDPParamGroup, ShardedState
 from plait.fsdp.policies import MixedPrecisionPolicy
 from plait.hooks import in_backward, queue_end_of_backward, traced
@@ -155,6 +156,7 @@ class FSDPState(APIState):
             if state.reshard_after_forward is None:
                 state.reshard_after_forward = state is not self
             if state.unit is not None:
+                state.unit.mp_policy = state.mp_policy  # for all-gather extension hooks
                 state.check_params_materialised()
                 unit_names = [names.get(id(m), "") or "<root>" for m in state.modules]
                 state.unit.owner = f"fully_shard unit {', '.join(unit_names)!r}"
@@ -337,7 +339,9 @@ class FSDPState(APIState):
         self.next_in_backward = {id(b): a for a, b in pairwise(post)}
 
     def hook_outputs(self, output: Any) -> Any:
-        leaves = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+        # torch's containers (dataclasses included), not just pytree nodes: a unit whose
+        # output hides in a dataclass must still unshard before its backward.
+        leaves = [output] if isinstance(output, torch.Tensor) else tensors_in(output)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(self.pre_backward)
@@ -489,14 +493,9 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """``tree`` with every floating-point tensor cast to ``dtype`` (autograd-visible)."""
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
+    """``tree`` with every floating-point tensor cast to ``dtype`` (autograd-visible),
+    through the containers torch's cast reaches (dataclasses included: see ``cast``)."""
+    return cast_floating(tree, dtype)
 
 
 def _zero_missing_grads(unit: FSDPParamGroup) -> None:
