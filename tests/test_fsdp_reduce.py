@@ -380,8 +380,8 @@ def test_all_reduce_hook_after_hsdp_all_reduce() -> None:
 # --- custom collectives ---------------------------------------------------------------------------
 
 
-class CountingAllGather(AllGather):
-    """torch's protocol: allocate the output, then gather into it."""
+class _CountingAllocations:
+    """torch's comm protocol allocates the output first; count allocations and calls."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -392,6 +392,10 @@ class CountingAllGather(AllGather):
     ) -> torch.Tensor:
         self.allocations += 1
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountingAllGather(_CountingAllocations, AllGather):
+    """torch's protocol: allocate the output, then gather into it."""
 
     def __call__(
         self,
@@ -404,17 +408,7 @@ class CountingAllGather(AllGather):
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class CountingReduceScatter(ReduceScatter):
-    def __init__(self) -> None:
-        self.calls = 0
-        self.allocations = 0
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        self.allocations += 1
-        return torch.empty(*size, dtype=dtype, device=device)
-
+class CountingReduceScatter(_CountingAllocations, ReduceScatter):
     def __call__(
         self,
         output_tensor: torch.Tensor,
