@@ -15,7 +15,7 @@ matches to rounding error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +52,22 @@ class ParityReport:
     reference_losses: list[float] = field(default_factory=list)
     parallel_losses: list[float] = field(default_factory=list)
     max_param_diff: float = 0.0
+
+
+class StageModules(nn.Module):
+    """A rank's pipeline stage modules seen as one model, for ``check_parity``: their
+    parameters under their own (whole-model) names. Holds the modules without registering
+    them, so nothing is renamed."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self._parts = modules
+
+    def named_parameters(  # type: ignore[override]
+        self, *args: object, **kwargs: object
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        for m in self._parts:
+            yield from m.named_parameters(*args, **kwargs)  # type: ignore[arg-type]
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from plait.pipeline import PipelineStage, ScheduleGPipe, split_model
 
 from harness import run_on_ranks
 from models import MLP, MLPStack, shard_blocks
-from parity import check_parity, default_step, random_batches
+from parity import StageModules, check_parity, default_step, random_batches
 
 BACKEND = "inductor"
 
@@ -223,18 +223,6 @@ def _stage_stack() -> nn.Sequential:
     return nn.Sequential(*(MLP(8, 16) for _ in range(4)))
 
 
-class _Stages(nn.Module):
-    """This rank's stage modules seen as one, for the parity oracle: names unchanged."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        super().__init__()
-        self._parts = modules
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        for m in self._parts:
-            yield from m.named_parameters(*args, **kwargs)
-
-
 def _compiled_layers(stage: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -> nn.Module:
     """Every layer the stage kept (the others are parameterless stand-ins) wrapped."""
     for name, layer in list(stage.named_children()):
@@ -261,7 +249,7 @@ def _pipeline_body(backend: str, dp: int) -> None:
         schedule = ScheduleGPipe(
             PipelineStage(stage, pp_rank, 2, "cpu", group=pp_group), 2, F.mse_loss
         )
-        stages = _Stages([stage])
+        stages = StageModules([stage])
         schedules[id(stages)] = schedule
         return stages
 

@@ -43,6 +43,7 @@ from plait.train.model import GPT, GPTConfig, lm_loss
 from collective_spy import spy_collectives
 from harness import run_on_ranks
 from parity import (
+    StageModules,
     check_parity,
     default_optimizer,
     default_step,
@@ -411,18 +412,6 @@ def test_errors_are_clear(case: str, rank: int, match: str) -> None:
 # --- composition with data parallelism on a (dp, pp) mesh ---------------------------------
 
 
-class _Stages(nn.Module):
-    """This rank's stage modules seen as one, for the parity oracle: names unchanged."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        super().__init__()
-        self._parts = modules
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        for m in self._parts:
-            yield from m.named_parameters(*args, **kwargs)
-
-
 def _shard(module: nn.Module, mesh: Any, **kwargs: Any) -> nn.Module:
     for layer in layers_with_parameters(module):
         fully_shard(layer, mesh=mesh, **kwargs)
@@ -461,7 +450,7 @@ def _pp_dp_body(name: str, kind: str) -> None:
         )
         if kind == "fully_shard":
             assert all(isinstance(p, DTensor) for m in modules for p in m.parameters())
-        stages = _Stages(modules)
+        stages = StageModules(modules)
         schedules[id(stages)] = schedule
         return stages
 
