@@ -11,7 +11,9 @@ Peak live tensor memory is measured separately, per mode, on fresh models run fo
 untimed steps under ``LiveTensorBytes`` (it slows ops down, so it never overlaps timing).
 
 The report gives, per mode: median step time, min-max, tokens/s, ratio to ``single``, ratio
-to the torch counterpart, and peak live MiB on the busiest rank; as JSON and Markdown.
+to the torch counterpart, peak live MiB on the busiest rank, and the MiB all-gathered
+(received) and reduce-scattered (sent) per step by the busiest rank during the timed steps
+(``comm_bytes``); as JSON and Markdown.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.comm_bytes import count_comm_bytes
 from benchmarks.memory import LiveTensorBytes
 from plait.train.model import GPTConfig
 
@@ -83,10 +86,10 @@ def _rank_main(rank: int, cfg: BenchConfig, modes: list[Mode], store: str, out: 
         timeout=timedelta(minutes=10),
     )
     try:
-        times, cpu = _time_modes(cfg, modes)
+        times, cpu, comm = _time_modes(cfg, modes)
         peaks = {m.name: _peak_bytes(cfg, m) for m in modes if m.measure_memory}
         if rank == 0:
-            report = _report(cfg, modes, times, cpu, peaks)
+            report = _report(cfg, modes, times, cpu, peaks, comm)
             with open(out, "w") as f:
                 json.dump(report, f)
     finally:
@@ -99,8 +102,9 @@ def _runs_here(mode: Mode) -> bool:
 
 def _time_modes(
     cfg: BenchConfig, modes: list[Mode]
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall time and this thread's CPU time of every step, each the max over ranks.
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Wall time and this thread's CPU time of every step, each the max over ranks, and the
+    bytes all-gathered and reduce-scattered per step (``count_comm_bytes``, max over ranks).
 
     CPU time (``time.thread_time`` of the training thread) counts the library's own work
     and not time spent waiting for peers or for a core, so it stays meaningful on a busy
@@ -114,21 +118,32 @@ def _time_modes(
                 steps[m.name]()
     times: dict[str, list[float]] = {m.name: [] for m in modes}
     cpu: dict[str, list[float]] = {m.name: [] for m in modes}
+    comm = torch.zeros(len(modes), 2, dtype=torch.float64)
     for round_ in range(cfg.repeats):
         shift = round_ % len(modes)
         for m in modes[shift:] + modes[:shift]:
             dist.barrier()
             local = torch.zeros(2, cfg.steps, dtype=torch.float64)
             if _runs_here(m):
-                for i in range(cfg.steps):
-                    start, start_cpu = time.perf_counter(), time.thread_time()
-                    steps[m.name]()
-                    local[0, i] = time.perf_counter() - start
-                    local[1, i] = time.thread_time() - start_cpu
+                with count_comm_bytes() as moved:
+                    for i in range(cfg.steps):
+                        start, start_cpu = time.perf_counter(), time.thread_time()
+                        steps[m.name]()
+                        local[0, i] = time.perf_counter() - start
+                        local[1, i] = time.thread_time() - start_cpu
+                comm[modes.index(m)] += torch.tensor(
+                    [moved["all_gather"], moved["reduce_scatter"]], dtype=torch.float64
+                )
             dist.all_reduce(local, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
             times[m.name] += local[0].tolist()
             cpu[m.name] += local[1].tolist()
-    return times, cpu
+    dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+    comm /= cfg.repeats * cfg.steps
+    per_step = {
+        m.name: {"all_gather": float(row[0]), "reduce_scatter": float(row[1])}
+        for m, row in zip(modes, comm, strict=True)
+    }
+    return times, cpu, per_step
 
 
 def _peak_bytes(cfg: BenchConfig, mode: Mode) -> int:
@@ -150,6 +165,7 @@ def _report(
     times: dict[str, list[float]],
     cpu: dict[str, list[float]],
     peaks: dict[str, int],
+    comm: dict[str, dict[str, float]],
 ) -> dict[str, Any]:
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     cpu_medians = {name: statistics.median(ts) for name, ts in cpu.items()}
@@ -176,6 +192,8 @@ def _report(
                 else None
             ),
             "peak_mib_per_rank": peaks[m.name] / 2**20 if m.name in peaks else None,
+            "all_gather_mib_per_step": comm[m.name]["all_gather"] / 2**20,
+            "reduce_scatter_mib_per_step": comm[m.name]["reduce_scatter"] / 2**20,
             "step_times_s": times[m.name],
             "step_cpu_s": cpu[m.name],
         }
@@ -197,8 +215,8 @@ def _mib(value: float | None) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| mode | median step (ms) | min-max (ms) | tokens/s | vs single | vs torch | "
-        "CPU ms/step | CPU vs torch | peak MiB/rank | mem vs torch |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "CPU ms/step | CPU vs torch | peak MiB/rank | mem vs torch | AG MiB/step | RS MiB/step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         versus = _ratio(r["vs_torch"])
@@ -209,6 +227,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
             f"{_ratio(r['vs_single'])} | {versus} | {r['cpu_median_s'] * 1e3:.1f} | "
             f"{_ratio(r['cpu_vs_torch'])} | {_mib(r['peak_mib_per_rank'])} | "
-            f"{_ratio(r.get('mem_vs_torch'))} |"
+            f"{_ratio(r.get('mem_vs_torch'))} | {r['all_gather_mib_per_step']:.3f} | "
+            f"{r['reduce_scatter_mib_per_step']:.3f} |"
         )
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from benchmarks.harness import BenchConfig, Mode, Step
+from benchmarks.int8_weight import int8_gather_linears
 from benchmarks.pipeline_modes import PIPELINE_MODES, PIPELINE_SUITE
 from plait.checkpoint import checkpoint
 from plait.fsdp import MixedPrecisionPolicy, fully_shard
@@ -142,6 +143,15 @@ def _sharded(
     return training_step(_shard_blocks(_model(cfg), which, reshard, mesh, param_dtype), cfg)
 
 
+def _int8_sharded(cfg: BenchConfig) -> Step:
+    """``fully_shard`` per block with every block's linear weights all-gathered as int8 and a
+    per-row scale (``benchmarks.int8_weight``, the README's all-gather extension)."""
+    model = _model(cfg)
+    for block in model.blocks:
+        int8_gather_linears(block)
+    return training_step(_shard_blocks(model, "plait", reshard=True), cfg)
+
+
 def _compile_blocks(model: GPT) -> GPT:
     """torchtitan's recipe: each block replaced by ``torch.compile(block, fullgraph=True)``
     (inductor), before any sharding; the API is then applied to the compiled wrappers."""
@@ -207,6 +217,7 @@ MODES: dict[str, Mode] = {
             torch_counterpart="torch_fully_shard_keep",
         ),
         Mode("torch_fully_shard", partial(_sharded, which="torch", reshard=True)),
+        Mode("int8_allgather_fully_shard", _int8_sharded, torch_counterpart="torch_fully_shard"),
         Mode("torch_fully_shard_keep", partial(_sharded, which="torch", reshard=False)),
         Mode(
             "fully_shard_bf16",
@@ -266,6 +277,8 @@ SUITES: dict[str, list[str]] = {
         "hsdp",  # needs --nproc 4 (a 2 x 2 mesh)
         "torch_hsdp",
     ],
+    # the README's all-gather extension: linear weights gathered as int8 + per-row scale
+    "int8_allgather": ["fully_shard", "int8_allgather_fully_shard", "torch_fully_shard"],
     # torchtitan's per-block torch.compile (inductor), then fully_shard; eager beside it
     "compile": [
         "fully_shard",
