@@ -27,7 +27,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn import functional as F
 
 from plait import checkpoint, fully_shard, register_fsdp_forward_method, replicate
-from plait.pipeline import PipelineStage, ScheduleGPipe, split_model
+from plait.pipeline import (
+    PipelineStage,
+    ScheduleGPipe,
+    ScheduleInterleavedZeroBubble,
+    split_model,
+    stages_of_rank,
+)
 
 from harness import run_on_ranks
 from models import MLP, MLPStack, shard_blocks
@@ -345,3 +351,44 @@ def _forward_method_body() -> float:
 def test_registered_forward_method_called_from_compiled_code() -> None:
     """The unshard / reshard around a registered method stays out of the graph too."""
     assert run_on_ranks(2, _forward_method_body) == [0.0, 0.0]
+
+
+def _zero_bubble_body() -> None:
+    """Split backward (I then W) over compiled blocks: torch refuses compiled stages with
+    zero-bubble schedules; plait's W half reuses the graph autograd recorded, so it runs."""
+    _reset_dynamo()
+    rank = torch.distributed.get_rank()
+    schedules: dict[int, ScheduleInterleavedZeroBubble] = {}
+
+    def parallelize(model: nn.Module) -> nn.Module:
+        ids = stages_of_rank(rank, 2, 4, "loop")
+        modules = [
+            _compiled_layers(m, lambda b: _compile(b, BACKEND))
+            for m in split_model(model, 4, stages=ids)
+        ]
+        stages = [PipelineStage(m, s, 4, "cpu") for m, s in zip(modules, ids, strict=True)]
+        view = StageModules(modules)
+        schedules[id(view)] = ScheduleInterleavedZeroBubble(stages, 4, F.mse_loss)
+        return view
+
+    def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> torch.Tensor:
+        if id(model) not in schedules:  # the reference
+            return default_step(model, x, y, loss_fn)
+        losses: list[torch.Tensor] = []
+        schedules[id(model)].step(x, target=y, losses=losses)
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    check_parity(
+        _stage_stack,
+        parallelize,
+        random_batches(STEPS, 8, 8, 8),
+        step=step,
+        data_rank=0,
+        data_world=1,
+        build_reference=lambda: _compiled_layers(_stage_stack(), _Eager),
+    )
+    assert _graphs() >= 1, "no stage block was compiled"
+
+
+def test_compiled_stages_under_a_zero_bubble_schedule() -> None:
+    run_on_ranks(2, _zero_bubble_body, timeout=300)
