@@ -237,6 +237,19 @@ def _compiled_layers(stage: nn.Module, wrap: Callable[[nn.Module], nn.Module]) -
     return stage
 
 
+def _schedule_step(schedules: dict[int, Any]) -> Any:
+    """check_parity's step: the pipeline schedule of a parallel copy, plain for the reference."""
+
+    def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> torch.Tensor:
+        if id(model) not in schedules:  # the reference
+            return default_step(model, x, y, loss_fn)
+        losses: list[torch.Tensor] = []
+        schedules[id(model)].step(x, target=y, losses=losses)
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    return step
+
+
 def _pipeline_body(backend: str, dp: int) -> None:
     """GPipe over compiled blocks; with ``dp=2`` on a (dp, pp) mesh, blocks also sharded."""
     _reset_dynamo()
@@ -259,18 +272,11 @@ def _pipeline_body(backend: str, dp: int) -> None:
         schedules[id(stages)] = schedule
         return stages
 
-    def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> torch.Tensor:
-        if id(model) not in schedules:  # the reference
-            return default_step(model, x, y, loss_fn)
-        losses: list[torch.Tensor] = []
-        schedules[id(model)].step(x, target=y, losses=losses)
-        return torch.stack(losses).mean() if losses else torch.zeros(())
-
     check_parity(
         _stage_stack,
         parallelize,
         random_batches(STEPS, 8, 8, 8),
-        step=step,
+        step=_schedule_step(schedules),
         data_rank=mesh["dp"].get_local_rank(),
         data_world=dp,
         build_reference=lambda: _compiled_layers(_stage_stack(), _Eager),
@@ -371,18 +377,11 @@ def _zero_bubble_body() -> None:
         schedules[id(view)] = ScheduleInterleavedZeroBubble(stages, 4, F.mse_loss)
         return view
 
-    def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> torch.Tensor:
-        if id(model) not in schedules:  # the reference
-            return default_step(model, x, y, loss_fn)
-        losses: list[torch.Tensor] = []
-        schedules[id(model)].step(x, target=y, losses=losses)
-        return torch.stack(losses).mean() if losses else torch.zeros(())
-
     check_parity(
         _stage_stack,
         parallelize,
         random_batches(STEPS, 8, 8, 8),
-        step=step,
+        step=_schedule_step(schedules),
         data_rank=0,
         data_world=1,
         build_reference=lambda: _compiled_layers(_stage_stack(), _Eager),
