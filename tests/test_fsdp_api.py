@@ -44,7 +44,8 @@ _ALLOWED = {
     "policies": set(),
     "collectives": set(),
     "cast": set(),
-    "param": {"collectives"},
+    "tp": set(),
+    "param": {"collectives", "tp"},
     "extensions": {"collectives", "param", "policies"},
     "group": {"collectives", "param", "extensions", "policies"},
     "state": {"collectives", "param", "group", "policies", "cast", "extensions"},
@@ -473,9 +474,11 @@ def _dtensor_params() -> tuple[str, bool]:
 
 
 def test_tensor_parallel_parameters_are_refused_clearly() -> None:
-    # torch's test_shard_dtensor_parameters: refused until tensor parallelism composes
+    # torch's test_shard_dtensor_parameters: TP over the very mesh fully_shard shards over
+    # (test_fsdp_tp.py covers TP on its own mesh dimension, which composes)
     message, not_implemented = run_on_ranks(2, _dtensor_params)[0]
-    assert "'in_proj.weight' is already a DTensor" in message and not_implemented
+    assert "'in_proj.weight' is a DTensor on mesh" in message and not_implemented
+    assert 'mesh["tp"]' in message
 
 
 def _rank0_broadcast_meta_init() -> None:

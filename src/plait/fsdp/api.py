@@ -446,7 +446,7 @@ def _resolve_reshard(value: bool | int | None, world: int) -> bool | None:
 
 
 def _collect_params(
-    modules: list[nn.Module], ignored: set[nn.Parameter]
+    modules: list[nn.Module], ignored: set[nn.Parameter], mesh: DeviceMesh
 ) -> dict[nn.Parameter, list[Location]]:
     """This unit's parameters with every place they are referenced from, in order."""
     inner = [s for m in modules for s in fsdp_states_in(m)]
@@ -482,7 +482,7 @@ def _collect_params(
                             "Shard all its users as one unit: fully_shard([module_a, module_b])."
                         )
                     continue
-                _check_shardable(fqn, param)
+                _check_shardable(fqn, param, mesh)
                 locations = found.setdefault(param, [])
                 if all(loc.module is not sub or loc.name != name for loc in locations):
                     locations.append(Location(sub, name, fqn))
@@ -528,7 +528,7 @@ def _localize_replicated_params(module: nn.Module, mesh: DeviceMesh) -> None:
             sub._parameters[name] = local[id(param)]
 
 
-def _check_shardable(fqn: str, param: torch.Tensor) -> None:
+def _check_shardable(fqn: str, param: torch.Tensor, mesh: DeviceMesh) -> None:
     if param.numel() == 0:
         raise ValueError(
             f"fully_shard: parameter {fqn!r} has no elements; pass it in ignored_params"
@@ -539,17 +539,36 @@ def _check_shardable(fqn: str, param: torch.Tensor) -> None:
             "store it with shape (1,), or pass it in ignored_params"
         )
     if isinstance(param, DTensor):
-        raise FSDPUnsupportedError(
-            f"fully_shard: parameter {fqn!r} is already a DTensor (placements "
-            f"{tuple(param.placements)}, e.g. from tensor parallelism); sharding DTensor "
-            "parameters is not supported yet. Apply fully_shard to plain parameters, or pass "
-            "it in ignored_params."
-        )
+        check_tp_param(fqn, param, mesh)
     if not param.is_contiguous():
         raise FSDPUnsupportedError(
             f"fully_shard: parameter {fqn!r} is not contiguous (strides {param.stride()}): "
             "make it contiguous before fully_shard (param.data = param.data.contiguous())"
         )
+
+
+def check_tp_param(fqn: str, param: DTensor, dp_mesh: DeviceMesh) -> None:
+    """Refuse, naming ``fqn`` and the fix, a DTensor parameter ``fully_shard`` over
+    ``dp_mesh`` cannot shard: one on a mesh that overlaps ``dp_mesh`` or is not a sibling
+    sub-mesh of it, or with a placement other than ``Shard`` / ``Replicate``."""
+    tp_mesh = param.device_mesh
+    dp_names = set(dp_mesh.mesh_dim_names or ())
+    tp_names = set(tp_mesh.mesh_dim_names or ())
+    same_root = tp_mesh._get_root_mesh() == dp_mesh._get_root_mesh()
+    if not same_root or dp_names & tp_names or not tp_names:
+        raise FSDPUnsupportedError(
+            f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a "
+            f"separate dimension of the same device mesh as fully_shard's mesh {dp_mesh}. "
+            'Tensor-parallelize over one sub-mesh (e.g. mesh["tp"]) and fully_shard over '
+            'the data-parallel dims of the same mesh (e.g. mesh["dp_shard"])'
+        )
+    for placement in param.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise FSDPUnsupportedError(
+                f"fully_shard: parameter {fqn!r} has placement {placement} on its "
+                f"tensor-parallel mesh; only Shard(dim) and Replicate() can be sharded "
+                "further: redistribute it first"
+            )
 
 
 @contract(FSDPState)
@@ -600,7 +619,7 @@ def fully_shard(
         offload,
         offload and offload_policy.pin_memory,  # type: ignore[attr-defined]
     )
-    found = _collect_params(modules, set(ignored_params or ()))
+    found = _collect_params(modules, set(ignored_params or ()), mesh)
     # Every placement is checked before any parameter is sharded: a refusal changes nothing.
     dims = [
         resolve_shard_dim(shard_placement_fn(p), p, locs[0].fqn) if shard_placement_fn else 0

@@ -6,7 +6,8 @@ ranks. A rank sees three kinds of gradient:
 * a DTensor: each mesh dimension is either ``Shard`` (the ranks along it hold disjoint
   pieces, which are summed: an all-reduce along that dimension) or ``Replicate`` (they
   hold the same piece, which counts once: no communication). 1-D ``fully_shard`` grads
-  are ``(Shard(0),)``; HSDP grads are ``(Replicate(), Shard(0))``;
+  are ``(Shard(0),)``; HSDP grads are ``(Replicate(), Shard(0))``; over tensor-parallel
+  parameters they add the TP placements (``_StridedShard`` when dp and tp split one dim);
 * a plain tensor: replicated on every rank (``replicate``, or parameters no API shards),
   counted once;
 * with ``group``: the ranks of ``group`` hold disjoint sets of parameters (pipeline
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from plait import spmd
 from plait.mesh import collective_device
@@ -105,7 +107,7 @@ def _local_and_groups(grad: torch.Tensor) -> tuple[torch.Tensor, _Groups]:
     mesh = grad.device_mesh
     groups = []
     for dim, placement in enumerate(grad.placements):
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, _StridedShard)):  # strided: dp over tp shards
             pg = mesh.get_group(dim)
             assert isinstance(pg, dist.ProcessGroup)
             groups.append(pg)

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.fsdp.param import FSDPParam, contiguous_strides
+from plait.fsdp.param import FSDPParam
+from plait.fsdp.tp import contiguous_strides
 from plait.fsdp.policies import MixedPrecisionPolicy
 
 

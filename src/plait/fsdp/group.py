@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from plait import spmd
 from plait.fsdp.collectives import (
@@ -338,7 +337,7 @@ class FSDPParamGroup:
                 # ``.data`` twice: the parameter and the copy destination get their own
                 # version counters, so the copy-out does not look like an in-place change
                 # of a parameter autograd saved in forward.
-                p.unsharded = nn.Parameter(view.data, p.sharded.requires_grad)
+                p.unsharded = p.new_unsharded(view.data)
                 self._unsharded_data.append(view.data)
             self._copy_outs = (
                 [d.view(self.world, -1) for d in self._unsharded_data] if self.split_copy else []

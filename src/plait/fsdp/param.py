@@ -16,6 +16,10 @@ the full shape, created once by its unit as a view of the unit's unsharded buffe
 storage the unit frees (``resize_(0)``) at reshard and reallocates at unshard. Keeping the
 same object alive lets autograd, which saved it during forward, see the re-gathered values
 during backward.
+
+A tensor-parallel parameter (a DTensor on a tp mesh) is sharded the same way, with its
+TP-local tensor in the role of the full tensor above; tp.py says how its sharded and
+unsharded forms are described.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from plait.fsdp.tp import (
+    combined_mesh,
+    contiguous_strides,
+    local_grad,
+    sharded_tp_spec,
+    unsharded_tp_spec,
+)
+
 
 @dataclass(frozen=True)
 class Location:
@@ -38,14 +50,6 @@ class Location:
     module: nn.Module
     name: str
     fqn: str
-
-
-def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def shard_spec(
@@ -165,12 +169,21 @@ class FSDPParam:
         self.mesh = mesh
         self.policy = policy
         self.device = policy.device
-        self.shape = param.shape
+        # A tensor-parallel parameter (a DTensor on a tp mesh, see tp.py): everything below
+        # works on its TP-local tensor, which the dp ranks of one tp coordinate share.
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        requires_grad = param.requires_grad
+        self.global_shape = param.shape  # what the user sees: the whole parameter's shape
+        local: torch.Tensor = param
+        if isinstance(param, DTensor):
+            self.spmd_mesh = combined_mesh(mesh, param.device_mesh)
+            local = param._local_tensor
+        self.shape = local.shape
         self.dim = dim
         self.rows = self.shape[dim]
         # The elements of one row: the dims before ``dim`` times those after it.
         self.row_numel = math.prod(self.shape[:dim]) * math.prod(self.shape[dim + 1 :])
-        self.numel = param.numel()
+        self.numel = local.numel()
         self.chunk_rows, self.start, self.local_rows = shard_rows(self.rows, rank, world)
         self.padded_numel = self.chunk_rows * self.row_numel
         self.local_shape = (*self.shape[:dim], self.local_rows, *self.shape[dim + 1 :])
@@ -181,15 +194,14 @@ class FSDPParam:
         outermost = math.prod(self.shape[:dim]) == 1 or world == 1
         self.even = self.chunk_rows * world == self.rows and outermost
         self.gather_offset = 0  # set by the unit once all its parameters are known
-        self._set_dtypes(param.dtype)
+        self._set_dtypes(local.dtype)
         self.unsharded: nn.Parameter | None = None  # created on first unshard
         # Gradients accumulated without sync, kept in the reduce dtype (see stash_grad).
         self.accumulated: torch.Tensor | None = None
 
-        self.padded = self._new_padded(param.detach(), rows_of_full=True)
+        self.padded = self._new_padded(local.detach(), rows_of_full=True)
         self.sharded = nn.Parameter(
-            make_dtensor(self._local(self.padded), self.spec),
-            requires_grad=param.requires_grad,
+            make_dtensor(self._local(self.padded), self.spec), requires_grad=requires_grad
         )
         self.set_on_modules(self.sharded)
 
@@ -198,7 +210,13 @@ class FSDPParam:
         floating = dtype.is_floating_point or dtype.is_complex
         self.param_dtype = (self.policy.param_dtype or dtype) if floating else dtype
         self.reduce_dtype = (self.policy.reduce_dtype or self.param_dtype) if floating else None
-        self.spec = shard_spec(self.mesh, self.shape, dtype, self.dim)
+        if self.tp_spec is None:
+            self.spec = shard_spec(self.mesh, self.shape, dtype, self.dim)
+            self.unsharded_spec: DTensorSpec | None = None
+        else:
+            tp_spec = self.tp_spec
+            self.spec = sharded_tp_spec(self.spmd_mesh, self.mesh.ndim, tp_spec, dtype, self.dim)
+            self.unsharded_spec = unsharded_tp_spec(tp_spec, self.param_dtype)
 
     def _local(self, padded: torch.Tensor) -> torch.Tensor:
         """The unpadded local shard inside a padded chunk: its first ``local_numel``
@@ -258,6 +276,11 @@ class FSDPParam:
                     f"{type(current).__name__} after fully_shard; assign a full tensor of "
                     f"shape {tuple(self.shape)} instead"
                 )
+            if self.tp_spec is not None:
+                raise RuntimeError(
+                    f"fully_shard: parameter {loc.fqn!r} is tensor-parallel and was replaced "
+                    "after fully_shard; load new values with load_state_dict instead"
+                )
             if current.shape != self.shape:
                 raise RuntimeError(
                     f"fully_shard: parameter {loc.fqn!r} was replaced by a tensor of shape "
@@ -309,6 +332,25 @@ class FSDPParam:
         chunk = self.padded.to(self.device, self.param_dtype, non_blocking=True)
         return chunk.view(-1).view(torch.uint8)
 
+    def new_unsharded(self, data: torch.Tensor) -> nn.Parameter:
+        """The unsharded parameter around ``data`` (the full, or full TP-local, tensor): a
+        plain parameter, or for a tensor-parallel one a DTensor on its tp mesh (tp.py)."""
+        value = data if self.unsharded_spec is None else make_dtensor(data, self.unsharded_spec)
+        return nn.Parameter(value, self.sharded.requires_grad)
+
+    def _unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded parameter's gradient as a plain tensor of ``shape``."""
+        grad = None if self.unsharded is None else self.unsharded.grad
+        if grad is not None and self.tp_spec is not None:
+            grad = local_grad(grad, self.tp_spec)
+        return grad
+
+    def zero_unsharded_grad(self) -> None:
+        """Give the unsharded parameter a zero gradient (it exists: the unit unsharded)."""
+        assert self.unsharded is not None
+        zeros = torch.zeros(self.shape, dtype=self.unsharded.dtype, device=self.device)
+        self.unsharded.grad = self.new_unsharded(zeros).data
+
     def follow_requires_grad(self) -> None:
         """The unsharded parameter follows the sharded one being frozen or unfrozen."""
         unsharded = self.unsharded
@@ -330,7 +372,8 @@ class FSDPParam:
         grad = None if self.unsharded is None else self.unsharded.grad
         if grad is None or grad.dtype == self.reduce_dtype:
             return  # autograd keeps accumulating into .grad, already in the right dtype
-        assert self.unsharded is not None and self.reduce_dtype is not None
+        grad = self._unsharded_grad()
+        assert grad is not None and self.unsharded is not None and self.reduce_dtype is not None
         if self.accumulated is None:
             self.accumulated = grad.to(self.reduce_dtype)
         else:
@@ -339,7 +382,7 @@ class FSDPParam:
 
     def take_grad(self) -> torch.Tensor | None:
         """The unsharded gradient to reduce (with any no-sync accumulation), cleared here."""
-        grad = None if self.unsharded is None else self.unsharded.grad
+        grad = self._unsharded_grad()
         if self.accumulated is not None:
             grad = self.accumulated if grad is None else self.accumulated.add_(grad)
             self.accumulated = None

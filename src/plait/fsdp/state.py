@@ -191,7 +191,7 @@ class FSDPState(APIState):
             current = loc.module._parameters.get(loc.name)
             if not p.padded.is_meta or isinstance(current, DTensor) or current is None:
                 continue
-            if current.is_meta or current.shape != p.shape:
+            if current.is_meta or current.shape != p.global_shape:
                 continue  # still meta, or a mistake adopt_replacement reports
             layout = p.sharded
             assert isinstance(layout, DTensor)
@@ -505,8 +505,7 @@ def _zero_missing_grads(unit: FSDPParamGroup) -> None:
         unsharded = p.unsharded
         missing = unsharded is not None and unsharded.grad is None and p.accumulated is None
         if p.sharded.requires_grad and missing:
-            assert unsharded is not None
-            unsharded.grad = torch.zeros(p.shape, dtype=unsharded.dtype, device=p.device)
+            p.zero_unsharded_grad()
 
 
 def _check_no_shared_params(states: list[FSDPState]) -> None:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.modules.module import _IncompatibleKeys
 
 from plait.fsdp.group import ShardedState
@@ -68,15 +68,19 @@ def _local_piece(
     if coordinate is None:
         raise RuntimeError("this rank is not part of the parameter's device mesh")
     piece = full
-    for mesh_dim, placement in enumerate(placements):
+    # A ``_StridedShard`` (fully_shard over tensor parallelism, tp.py) splits what the later
+    # mesh dims' shards leave on its dim: it is applied after every plain ``Shard``.
+    order = sorted(range(len(placements)), key=lambda i: type(placements[i]) is _StridedShard)
+    for mesh_dim in order:
+        placement = placements[mesh_dim]
         if isinstance(placement, Replicate):
             continue
-        if type(placement) is not Shard:
+        if type(placement) not in (Shard, _StridedShard):
             raise NotImplementedError(
                 f"loading a full tensor into a DTensor with placement {placement} is not "
                 "supported (only Shard and Replicate)"
             )
-        dim = placement.dim
+        dim = placement.dim  # type: ignore[attr-defined]
         if piece.shape[dim] == 0:
             continue  # nothing to split
         _, start, length = shard_rows(piece.shape[dim], coordinate[mesh_dim], mesh.size(mesh_dim))
@@ -173,7 +177,7 @@ def _register_on(module: nn.Module, state: FSDPState, entries: list[tuple[str, F
             if (
                 isinstance(value, torch.Tensor)
                 and not isinstance(value, DTensor)
-                and value.shape == p.shape  # else load_state_dict reports the mismatch
+                and value.shape == p.global_shape  # else load_state_dict reports it
             ):
                 state_dict[key] = shard_full_tensor(value, _sharded(p))
 
