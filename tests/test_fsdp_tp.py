@@ -272,3 +272,47 @@ def test_hsdp_x_tp_on_8_ranks_trains_like_one_process() -> None:
     """dp_replicate 2 x dp_shard 2 x tp 2 with sequence parallelism."""
     for loss_diff, param_diff in run_on_ranks(8, _hsdp_body, timeout=240):
         assert loss_diff < 1e-6 and param_diff < 1e-5, (loss_diff, param_diff)
+
+
+def _mesh_dims_body(full_mesh_params: bool) -> tuple[float, float]:
+    """torch 2.13's full-mesh form, torchtitan's default: ``fully_shard(mesh=whole mesh,
+    dp_mesh_dims=...)`` over TP parameters, given on the tp sub-mesh or (torch's form) as
+    DTensors on the whole mesh, replicated over dp."""
+    from torch.distributed.tensor import Replicate
+
+    from plait.fsdp import DataParallelMeshDims
+
+    mesh = _mesh_2d()
+    want_losses, want = _reference(steps=2)
+    torch.manual_seed(0)
+    model = apply_tp(TinyGPT(), mesh["tp"])
+    for sub in model.modules():  # sharded TP parameters in torch's full-mesh form
+        for name, p in list(sub._parameters.items()):
+            if full_mesh_params and isinstance(p, DTensor) and p.placements != (Replicate(),):
+                whole = DTensor.from_local(p.to_local(), mesh, [Replicate(), *p.placements])
+                sub._parameters[name] = nn.Parameter(whole)
+    dims = DataParallelMeshDims(shard="dp")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    opt = _optimizer(model)
+    losses = []
+    dp_rank = mesh["dp"].get_local_rank()
+    for tokens, targets in token_batches(2, BATCH):
+        loss = lm_loss(model(local_slice(tokens, dp_rank, 2)), local_slice(targets, dp_rank, 2))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / 4)
+    params = {k: full_value(v.detach()) for k, v in model.named_parameters()}
+    return max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)), _max_diff(
+        params, want
+    )
+
+
+@pytest.mark.parametrize("full_mesh_params", [False, True], ids=["tp-submesh", "full-mesh"])
+def test_dp_mesh_dims_over_tensor_parallel_parameters(full_mesh_params: bool) -> None:
+    for loss_diff, param_diff in run_on_ranks(4, _mesh_dims_body, full_mesh_params):
+        assert loss_diff < 1e-6 and param_diff < 1e-5, (loss_diff, param_diff)

@@ -115,8 +115,8 @@ def data_parallel_submesh(
 ) -> DeviceMesh:
     """The 1-D (shard) or 2-D (replicate, shard) mesh over the named dims of ``mesh``.
 
-    Several names on one side are flattened into one dim. Dims of ``mesh`` not named must
-    have size 1: composing with a tensor-parallel dim of size > 1 is not supported yet.
+    Several names on one side are flattened into one dim. Dims of ``mesh`` not named are
+    model-parallel (tensor parallelism): parameters placed on them are sharded further.
     """
     names = mesh.mesh_dim_names
     if names is None:
@@ -126,13 +126,6 @@ def data_parallel_submesh(
         raise ValueError(
             f"{api_name}: dp_mesh_dims names {unknown}, which the mesh does not have (its dims "
             f"are {names}): use names from mesh_dim_names"
-        )
-    others = [n for n in names if n not in replicate + shard and mesh[n].size() > 1]
-    if others:
-        raise NotImplementedError(
-            f"{api_name}: the mesh's dims {others} are not data parallel and have size > 1 "
-            "(tensor parallelism); fully_shard over tensor-parallel parameters is not "
-            "supported yet. Use a mesh of data-parallel dims only."
         )
 
     def one_dim(side: tuple[str, ...]) -> DeviceMesh:

@@ -492,8 +492,8 @@ def _collect_params(
 def _data_parallel_mesh(
     modules: list[nn.Module], mesh: DeviceMesh | None, dims: DataParallelMeshDims
 ) -> DeviceMesh:
-    """The mesh ``fully_shard`` runs over when given ``dp_mesh_dims``; takes in the
-    parameters that are DTensors replicated on the whole ``mesh`` as plain tensors."""
+    """The mesh ``fully_shard`` runs over when given ``dp_mesh_dims``; parameters that are
+    DTensors on the whole ``mesh`` are taken in as their model-parallel form."""
     if not isinstance(dims, DataParallelMeshDims):
         raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {dims!r}")
     if mesh is None:
@@ -501,30 +501,52 @@ def _data_parallel_mesh(
             "fully_shard: dp_mesh_dims names dims of mesh=, but no mesh was given: pass the "
             "full device mesh"
         )
+    dp_names = dims.replicate_names + dims.shard_names
     dp_mesh = data_parallel_submesh(mesh, dims.replicate_names, dims.shard_names, "fully_shard")
     for m in modules:
-        _localize_replicated_params(m, mesh)
+        _localize_full_mesh_params(m, mesh, dp_names)
     return dp_mesh
 
 
-def _localize_replicated_params(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Replace DTensor parameters replicated on every dim of ``mesh`` by their local tensor
-    (one new parameter per original, so tied parameters stay tied).
+def _localize_full_mesh_params(
+    module: nn.Module, mesh: DeviceMesh, dp_names: tuple[str, ...]
+) -> None:
+    """Replace DTensor parameters on the whole ``mesh`` (torch 2.13's full-mesh form) by
+    what plait shards: replicated on every dim, their local tensor; placed on the other
+    (tensor-parallel) dims, a DTensor on the sub-mesh of those dims. One new parameter per
+    original, so tied parameters stay tied.
 
-    Other DTensors (inner units' shards, tensor-parallel parameters) are left as they are:
-    inner units keep theirs, and ``_check_shardable`` refuses the rest by name.
+    Other DTensors (inner units' shards, parameters already on a tp sub-mesh) are left as
+    they are: inner units keep theirs, and ``_check_shardable`` checks the rest.
     """
+    names = mesh.mesh_dim_names or ()
+    model_dims = [i for i, n in enumerate(names) if n not in dp_names]
     local: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             data: object = param.data if param is not None else None
             if not isinstance(data, DTensor) or data.device_mesh != mesh:
                 continue
-            if not all(isinstance(p, Replicate) for p in data.placements):
-                continue
+            placements = data.placements
+            if any(
+                not isinstance(placements[i], Replicate)
+                for i, n in enumerate(names)
+                if n in dp_names
+            ):
+                continue  # sharded on a data-parallel dim: not a parameter to shard again
             assert param is not None
             if id(param) not in local:
-                local[id(param)] = nn.Parameter(data.to_local(), requires_grad=param.requires_grad)
+                value: torch.Tensor = data.to_local()
+                if not all(isinstance(placements[i], Replicate) for i in model_dims):
+                    value = DTensor.from_local(
+                        value,
+                        mesh[tuple(names[i] for i in model_dims)],
+                        [placements[i] for i in model_dims],
+                        run_check=False,
+                        shape=data.shape,
+                        stride=data.stride(),
+                    )
+                local[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
             sub._parameters[name] = local[id(param)]
 
 

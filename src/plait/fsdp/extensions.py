@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.fsdp.param import FSDPParam
-from plait.fsdp.tp import contiguous_strides
 from plait.fsdp.policies import MixedPrecisionPolicy
+from plait.fsdp.tp import contiguous_strides
 
 
 def has_extension(param: FSDPParam) -> bool:
