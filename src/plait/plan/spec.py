@@ -1,0 +1,106 @@
+"""What the planner reasons about: a model, a workload, a machine, a layout, and the memory
+of one rank. Plain frozen dataclasses shared by the cost model, the search, the dry run and
+the command line; nothing here computes a prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DeviceSpec", "Layout", "MemoryBreakdown", "ModelSpec", "Workload"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer (Llama family or plait's GPT).
+
+    ``ffn_hidden``: the MLP's inner width; ``gated``: a SwiGLU MLP (three matrices, Llama)
+    rather than two (GPT); ``kv_heads``: grouped-query attention (``heads`` for none);
+    ``tied``: the head shares the embedding's weight; ``bias`` / ``norm_bias``: linear and
+    norm layers have biases (GPT: LayerNorm and biased linears; Llama: RMSNorm, none).
+    """
+
+    name: str
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    gated: bool = True
+    tied: bool = False
+    bias: bool = False
+    norm_bias: bool = False
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step: ``global_batch`` sequences of ``seq_len`` tokens.
+
+    ``precision``: ``"fp32"`` or ``"bf16"`` (bf16 compute and all-gathers, fp32 shards,
+    gradient reductions and optimizer state, as plait's ``--mp bf16``).
+    """
+
+    seq_len: int
+    global_batch: int
+    precision: str = "bf16"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator and its links, per device: bytes, FLOP/s and bytes/s."""
+
+    name: str
+    memory: float
+    flops: float  # dense peak in the workload's compute precision
+    intra_node_bw: float  # per device, one direction (NVLink)
+    inter_node_bw: float  # per device, one direction (RDMA NIC)
+    gpus_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A composition of plait's parallelisms; the mesh is ``(pp, dp_replicate, dp_shard,
+    tp)``, ``tp`` innermost, and its product is the world size.
+
+    ``microbatches``: per pipeline step (1 without a pipeline); ``ac``: ``"none"``,
+    ``"full"`` or ``"selective"``; ``reshard_after_forward``: as ``fully_shard``'s (``True``
+    frees parameters between forward and backward).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1F1B"
+    microbatches: int = 1
+    ac: str = "none"
+    sequence_parallel: bool = True
+    reshard_after_forward: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many ways the global batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank holds at its peak, by part (predicted or measured)."""
+
+    params: float  # sharded (or replicated) parameters this rank stores
+    grads: float
+    optimizer: float
+    unsharded: float  # all-gathered units alive at the peak
+    activations: float  # saved for backward, over the microbatches in flight
+    buffers: float  # communication buffers (all-gather / reduce-scatter staging)
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        parts = (self.params, self.grads, self.optimizer, self.unsharded, self.activations)
+        return sum(parts) + self.buffers + sum(self.extra.values())
