@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from benchmarks.harness import BenchConfig, Mode, Step
 from benchmarks.int8_weight import int8_gather_linears
 from benchmarks.pipeline_modes import PIPELINE_MODES, PIPELINE_SUITE
+from benchmarks.tp_modes import TP_MODES, TP_SUITE
 from plait.checkpoint import checkpoint
 from plait.fsdp import MixedPrecisionPolicy, fully_shard
 from plait.replicate import replicate
@@ -255,6 +256,7 @@ MODES: dict[str, Mode] = {
 }
 
 MODES.update(PIPELINE_MODES)
+MODES.update(TP_MODES)
 
 SUITES: dict[str, list[str]] = {
     "replicate": ["single", "replicate", "torch_ddp"],
@@ -288,4 +290,7 @@ SUITES: dict[str, list[str]] = {
     ],
     # --nproc 2: GPipe, 1F1B and Interleaved1F1B (2 stages per rank) beside torch's
     "pipeline": PIPELINE_SUITE,
+    # --nproc 4: fully_shard over TP on a (dp_shard 2, tp 2) mesh beside torch's, with and
+    # without sequence parallelism; --nproc 2: dp 1 x tp 2 (FSDP's overhead over TP)
+    "tp": TP_SUITE,
 }
