@@ -33,6 +33,9 @@ own neighbours, so a failure on one rank ends the step on every rank of the pipe
 with the cause. After an aborted step the group's pending receives are unusable: restart
 the job (or the process group), as after any failed collective.
 
+A DTensor travels as its local tensor; its layout is part of the activation metadata
+(:mod:`plait.pipeline.dtensors`), so a change of layout is a change of metadata too.
+
 Messages are told apart by tags (stage, microbatch, direction, part), so the order of
 operations between two ranks does not matter on gloo. NCCL ignores tags and matches
 messages in posting order; the generated schedules post in matching order in the steady
@@ -59,6 +62,7 @@ from torch._C._distributed_c10d import Store
 
 from plait import spmd
 from plait.hooks import traced
+from plait.pipeline.dtensors import DTensorLayout, decode_layout, encode_layout
 
 __all__ = [
     "ActivationRecv",
@@ -83,9 +87,10 @@ __all__ = [
 class TensorMeta:
     """What a receiver needs to allocate one tensor of a transfer."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of the local tensor, for a DTensor
     dtype: torch.dtype
     requires_grad: bool
+    layout: DTensorLayout | None = None  # a DTensor's, rebuilt by the receiver
 
 
 Meta = tuple[TensorMeta, ...]
@@ -110,17 +115,27 @@ _ALIGN = 16  # bytes: every tensor of a packed buffer starts at a multiple of th
 _HEADER = _ALIGN  # every message's header: one int64, padded to the alignment
 
 
-def meta_of(tensors: Sequence[torch.Tensor]) -> Meta:
-    return tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+def meta_of(
+    tensors: Sequence[torch.Tensor], layouts: Sequence[DTensorLayout | None] | None = None
+) -> Meta:
+    """The metadata of plain tensors; ``layouts`` marks the local tensors of DTensors."""
+    if layouts is None:
+        layouts = [None] * len(tensors)
+    return tuple(
+        TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, layout)
+        for t, layout in zip(tensors, layouts, strict=True)
+    )
 
 
 def encode_meta(meta: Meta) -> torch.Tensor:
-    """``[n, (dtype code, requires_grad, ndim, *shape) per tensor]`` as int64."""
+    """``[n, (dtype code, requires_grad, ndim, *shape, is DTensor, *layout) per tensor]``
+    as int64 (the layout encoded by :func:`~plait.pipeline.dtensors.encode_layout`)."""
     values = [len(meta)]
     for m in meta:
         if m.dtype not in _DTYPE_CODE:
             raise TypeError(f"pipeline stages cannot send tensors of dtype {m.dtype}")
         values += [_DTYPE_CODE[m.dtype], int(m.requires_grad), len(m.shape), *m.shape]
+        values += [0] if m.layout is None else [1, *encode_layout(m.layout)]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -130,8 +145,13 @@ def decode_meta(encoded: torch.Tensor) -> Meta:
     for _ in range(values[0]):
         code, requires_grad, ndim = values[pos : pos + 3]
         shape = tuple(values[pos + 3 : pos + 3 + ndim])
-        metas.append(TensorMeta(shape, _DTYPES[code], bool(requires_grad)))
         pos += 3 + ndim
+        layout = None
+        if values[pos]:
+            layout, pos = decode_layout(values, pos + 1)
+        else:
+            pos += 1
+        metas.append(TensorMeta(shape, _DTYPES[code], bool(requires_grad), layout))
     return tuple(metas)
 
 
@@ -356,11 +376,13 @@ class P2PBatch:
         peer: int,
         tag: int,
         owner: str,
+        meta: Meta | None = None,
     ) -> Meta:
         """Queue an activation transfer; returns the metadata both ends agree on after it.
 
-        ``owner`` names the transfer in error reports."""
-        meta = meta_of(tensors)
+        ``owner`` names the transfer in error reports; ``meta`` is ``tensors``' metadata
+        when it says more than their own (DTensor layouts)."""
+        meta = meta_of(tensors) if meta is None else meta
         if meta == agreed:
             buf = _pack(tensors, meta, _HEADER, self.device)
             self._send(buf, peer, tag + _Part.PACKED, owner)

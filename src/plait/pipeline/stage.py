@@ -23,16 +23,18 @@ Contract:
   gradients of one microbatch. With it, ``I`` runs a full backward and ``W`` calls that
   function; without it, plait splits the autograd graph (:mod:`plait.pipeline.backward`).
 
-The constructor takes torch 2.13's arguments in torch's order. Two of them are accepted
-for compatibility and have nothing to do in plait, by design:
+The constructor takes torch 2.13's arguments in torch's order. ``output_grads`` /
+``input_grads`` (torch: static gradient metadata, for DTensor stages) are accepted for
+compatibility and have nothing to do in plait, by design: a gradient's shape, dtype and
+layout are those of the forward tensor it belongs to, which both ends of a link already
+know, so nothing needs declaring.
 
-* ``output_grads`` / ``input_grads`` (torch: static gradient metadata, for DTensor
-  stages): a gradient's shape, dtype and layout are those of the forward tensor it belongs
-  to, which both ends of a link already know, so nothing needs declaring;
-* ``get_mesh`` (torchtitan's; torch: rebuilds the device mesh of DTensor activations
-  received as metadata): plait's stages exchange plain tensors, and a DTensor crossing a
-  stage boundary stays on the sending rank's side of the model, so no mesh is rebuilt from
-  a message. The callback is kept as ``stage.get_mesh`` for code that reads it.
+``get_mesh`` (torch's, torchtitan's): ``get_mesh(mesh_dim_names, mesh_layout)`` returns the
+device mesh on which received DTensor activations are rebuilt. plait needs it only when
+the receiving stage holds no DTensor parameter or buffer on a mesh of those dimensions
+(it looks there first) and calls it with ``mesh_layout=None``. A DTensor output crosses
+a stage boundary as its local tensor and arrives as a DTensor with the same placements
+(:mod:`plait.pipeline.dtensors`); its gradient flows back the same way.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from plait.pipeline.backward import (
     backward_input,
     backward_weight,
 )
+from plait.pipeline.dtensors import MeshResolver, to_local
 from plait.pipeline.p2p import (
     ActivationRecv,
     Direction,
@@ -121,6 +124,7 @@ class PipelineStage:
         self.group_size = dist.get_world_size(self.group)
         self.dw_builder = dw_builder
         self.get_mesh = get_mesh
+        self._meshes = MeshResolver(submodule, get_mesh)  # for DTensors received
         del output_grads, input_grads  # known from the forward outputs (module docstring)
         self.has_backward = True  # torch's flag; the schedule's order decides here
         self._declared_in = _declared(input_args)
@@ -177,8 +181,9 @@ class PipelineStage:
     # --- step lifecycle --------------------------------------------------------------------
 
     def _clear_step(self) -> None:
-        self._inputs: dict[int, list[torch.Tensor]] = {}  # from a local stage, for F
-        self._outputs: dict[int, list[torch.Tensor]] = {}  # computed, waiting to be sent
+        # From a local stage, for F; computed, waiting to be sent: tensors and metadata.
+        self._inputs: dict[int, tuple[list[torch.Tensor], Meta]] = {}
+        self._outputs: dict[int, tuple[list[torch.Tensor], Meta]] = {}
         self._saved: dict[int, _Saved] = {}  # forward graphs waiting for B / I
         self._output_grads: dict[int, list[torch.Tensor]] = {}  # from a local stage
         self._input_grads: dict[int, list[torch.Tensor]] = {}  # computed, waiting to be sent
@@ -221,26 +226,43 @@ class PipelineStage:
         ``args`` are used by the first stage only; other stages take what was received.
         With ``save`` the graph is kept for the backward actions.
         """
+        leaves: list[torch.Tensor] = []  # received tensors: the graph's inputs
         if self.is_first:
             inputs = list(args)
         else:
-            inputs = self._received_inputs(microbatch)
+            leaves, meta = self._received_inputs(microbatch)
+            layouts = [m.layout for m in meta]
+            inputs = self._meshes.rebuild(leaves, layouts, self._name(microbatch))
             self._check_declared(inputs, self._declared_in, microbatch, "input")
         output = self.submod(*inputs, **kwargs)
         outputs = self._as_tensors(output, microbatch)
         self._check_declared(outputs, self._declared_out, microbatch, "output")
+        if not self.is_last:
+            outputs = self._hand_on(microbatch, outputs)
         if save:
             self._saved[microbatch] = _Saved(
                 roots=[o for o in outputs if o.requires_grad],
-                inputs=[] if self.is_first else [x for x in inputs if x.requires_grad],
+                inputs=[x for x in leaves if x.requires_grad],
             )
-        if self.next_local is not None:
-            self.next_local._inputs[microbatch] = [_leaf(o) for o in outputs]
-        elif not self.is_last:
-            self._outputs[microbatch] = outputs  # until SEND_F
         return output
 
-    def _received_inputs(self, microbatch: int) -> list[torch.Tensor]:
+    def _hand_on(self, microbatch: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Give ``outputs`` to the next stage on this rank, or keep them for SEND_F.
+
+        Returns the tensors that leave: DTensors as their local tensors, which become the
+        graph's roots, their layouts kept in the metadata (:mod:`plait.pipeline.dtensors`).
+        """
+        local, layouts = to_local(outputs)
+        meta = meta_of(local, layouts)
+        if self.next_local is not None:
+            self.next_local._meshes.remember(outputs)
+            self.next_local._inputs[microbatch] = ([_leaf(o) for o in local], meta)
+        else:
+            self._outputs[microbatch] = (local, meta)  # until SEND_F
+        return local
+
+    def _received_inputs(self, microbatch: int) -> tuple[list[torch.Tensor], Meta]:
+        """The tensors received for ``microbatch`` (leaves) and their metadata."""
         if self.prev_local is not None:
             return self._take(self._inputs, microbatch, "the previous stage's forward (F)")
         recv = self._take(self._activation_recvs, microbatch, "its input activations (RECV_F)")
@@ -248,7 +270,8 @@ class PipelineStage:
         if meta != self._received_meta.get(microbatch):
             logger.debug("%s: new input metadata %s", self._name(microbatch), _describe(meta))
         self._received_meta[microbatch] = meta
-        return [t.requires_grad_(m.requires_grad) for t, m in zip(tensors, meta, strict=True)]
+        leaves = [t.requires_grad_(m.requires_grad) for t, m in zip(tensors, meta, strict=True)]
+        return leaves, meta
 
     def _as_tensors(self, output: Any, microbatch: int) -> list[torch.Tensor]:
         if self.is_last:
@@ -343,12 +366,12 @@ class PipelineStage:
 
     def send_activations(self, microbatch: int, batch: P2PBatch) -> None:
         assert self.next_peer is not None
-        outputs = self._take(self._outputs, microbatch, "its forward (F) before SEND_F")
+        outputs, meta = self._take(self._outputs, microbatch, "its forward (F) before SEND_F")
         tag = transfer_tag(self.stage_index, microbatch, Direction.FORWARD, self.num_stages)
         agreed = self._sent_meta.get(microbatch)
         owner = self._transfer("activations", self.stage_index, microbatch)
         self._sent_meta[microbatch] = batch.send_activations(
-            outputs, agreed, self.next_peer, tag, owner
+            outputs, agreed, self.next_peer, tag, owner, meta
         )
 
     def recv_activations(self, microbatch: int, batch: P2PBatch) -> None:
