@@ -26,6 +26,18 @@ Contract:
   accumulated sum, one all-reduce per bucket.
 * ``reduce_dtype`` (e.g. ``torch.bfloat16``) is the dtype of the all-reduce; gradients are
   cast back to the parameter dtype when written back.
+* Tensor-parallel parameters (DTensors, e.g. after torch's ``parallelize_module`` over
+  ``mesh["tp"]``) stay DTensors on their own mesh, so optimizers, ``clip_grad_norm_`` and
+  state dicts see them as the TP code left them; ``replicate`` over ``mesh["dp"]``
+  broadcasts and all-reduces their local tensors over the dp ranks only. A gradient whose
+  placement differs from its parameter's (``Partial`` for a replicated parameter used on
+  sequence-sharded activations) is first brought to the parameter's placements (a
+  collective over the parameter's mesh, as torch's DDP + TP does in backward), so every
+  gradient written back is laid out as its parameter. The parameter's mesh must share only
+  this rank with the dp group, and dp peers must hold the same coordinate on it (slices of
+  one parent mesh do): otherwise ``replicate`` raises ``ValueError``. Unlike torch's DDP +
+  TP, which swaps DTensor parameters for plain ones around every forward, nothing is
+  renamed or swapped.
 * Buffers are broadcast once at apply time only (torch's DDP re-broadcasts them every
   forward; plait leaves that to the user, as running statistics rarely need it).
 * Submodules already ``fully_shard``-ed (or ``replicate``-d) keep their parameters and
@@ -55,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from plait import spmd
@@ -68,6 +81,44 @@ _FIRST_BUCKET_BYTES = 1024 * 1024
 _HSDP_HINT = "Use fully_shard with a 2-D mesh (HSDP) to combine replication and sharding."
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local tensor, a plain tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``grad`` laid out as ``param``'s local tensor.
+
+    A DTensor gradient in other placements than its parameter (``Partial`` where a replicated
+    parameter met sharded activations; ``Replicate`` for a vocabulary-sharded embedding) is
+    redistributed first: a collective over the parameter's mesh, which every rank of that
+    mesh runs in the same order since they all run the same backward and launch the same
+    buckets in order.
+    """
+    if (
+        isinstance(param, DTensor)
+        and isinstance(grad, DTensor)
+        and tuple(grad.placements) != tuple(param.placements)
+    ):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return _local(grad)
+
+
+def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's part of a gradient) as a gradient of ``param``: wrapped as a
+    DTensor with ``param``'s mesh, placements, shape and stride when ``param`` is one."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
 class _Bucket:
     """Parameters whose gradients travel in one all-reduce, and that all-reduce's state."""
 
@@ -75,10 +126,11 @@ class _Bucket:
         self.params = params
         self.reduce_dtype = reduce_dtype
         self.offsets: list[int] = []
+        self.shapes = [_local(p).shape for p in params]  # what this rank holds of each
         numel = 0
-        for p in params:
+        for shape in self.shapes:
             self.offsets.append(numel)
-            numel += p.numel()
+            numel += shape.numel()
         self.numel = numel
         self.ready = 0
         self.flat: torch.Tensor | None = None
@@ -93,12 +145,12 @@ class _Bucket:
             self.numel + len(self.params), dtype=self.reduce_dtype, device=self.params[0].device
         )
         used = []
-        for p, offset in zip(self.params, self.offsets, strict=True):
-            piece = flat[offset : offset + p.numel()]
+        for p, offset, shape in zip(self.params, self.offsets, self.shapes, strict=True):
+            piece = flat[offset : offset + shape.numel()]
             if p.grad is None:
                 piece.zero_()
             else:
-                piece.copy_(p.grad.reshape(-1))
+                piece.copy_(_local_grad(p, p.grad).reshape(-1))
             used.append(p.grad is not None)
         # Every rank that used a parameter adds one; reading the counts back costs a device
         # sync, so it is skipped when this rank used them all (then every count is > 0).
@@ -119,11 +171,14 @@ class _Bucket:
         spmd.wait(self.work, "all_reduce", self.owner)
         flat = self.flat
         counts = [1] * len(self.params) if self.all_used else flat[self.numel :].tolist()
-        for p, offset, count in zip(self.params, self.offsets, counts, strict=True):
+        for p, offset, shape, count in zip(
+            self.params, self.offsets, self.shapes, counts, strict=True
+        ):
             if count == 0:
                 continue  # no rank used this parameter: keep grad None, as one process would
             # The gradient becomes a view of the reduced bucket (no copy) when dtypes agree.
-            p.grad = flat[offset : offset + p.numel()].view(p.shape).to(p.dtype)
+            grad = flat[offset : offset + shape.numel()].view(shape).to(p.dtype)
+            p.grad = _like_param(p, grad)
         self.flat = None
         self.work = None
         self.ready = 0
@@ -290,6 +345,54 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup)
                 t.copy_(piece.view_as(t))
 
 
+def _check_tensor_parallel(
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, module: nn.Module
+) -> None:
+    """Refuse DTensors whose mesh the dp group cannot be layered over.
+
+    Averaging local tensors over the dp group is right only when each dp peer holds the same
+    part of the tensor: the tensor's mesh must share no rank with the dp group but this one
+    (as ``mesh["tp"]`` and ``mesh["dp"]`` of one parent mesh), and every dp peer must sit at
+    the same coordinate of its own copy of that mesh. Checked on all dp ranks together (one
+    ``all_gather_object``), so a layout wrong on one rank fails everywhere instead of hanging.
+    """
+    first_on: dict[DeviceMesh, str] = {}  # each DTensor mesh -> the first tensor on it
+    for name, t in named:
+        if isinstance(t, DTensor):
+            first_on.setdefault(t.device_mesh, name)
+    if not first_on:
+        return
+    dp_ranks = set(dist.get_process_group_ranks(group))
+    rank = dist.get_rank()
+    problem = ""
+    for tp_mesh, name in first_on.items():
+        shared = sorted(dp_ranks & set(tp_mesh.mesh.flatten().tolist()))
+        if shared != [rank]:
+            problem = (
+                f"{name!r} of {type(module).__name__} is a DTensor on a mesh of ranks "
+                f"{sorted(tp_mesh.mesh.flatten().tolist())}, which shares ranks {shared} with "
+                f"the replicate group {sorted(dp_ranks)} (rank {rank}): replicate "
+                "all-reduces over the dp ranks only, so the two must be different dims of "
+                'one parent mesh, e.g. parallelize_module(model, mesh["tp"], ...) then '
+                'replicate(model, device_mesh=mesh["dp"])'
+            )
+            break
+    mine = (problem, [tp_mesh.get_coordinate() for tp_mesh in first_on])
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for peer_problem, _ in everyone:
+        if peer_problem:
+            raise ValueError(f"replicate: {peer_problem}")
+    if any(coords != mine[1] for _, coords in everyone):
+        names = list(first_on.values())
+        raise ValueError(
+            f"replicate: the dp ranks {sorted(dp_ranks)} hold different parts of DTensors "
+            f"such as {names[0]!r} of {type(module).__name__} (coordinates on their meshes: "
+            f"{[coords for _, coords in everyone]}): build both meshes as dims of one "
+            'init_device_mesh(...) and pass mesh["dp"] to replicate'
+        )
+
+
 def _make_buckets(
     params: list[nn.Parameter], cap_bytes: int, reduce_dtype: torch.dtype | None
 ) -> list[_Bucket]:
@@ -300,7 +403,7 @@ def _make_buckets(
     limit = min(cap_bytes, _FIRST_BUCKET_BYTES)
     for p in params:
         dtype = reduce_dtype or p.dtype
-        nbytes = p.numel() * dtype.itemsize
+        nbytes = _local(p).numel() * dtype.itemsize
         same_kind = bool(current) and (reduce_dtype or current[0].dtype, current[0].device) == (
             dtype,
             p.device,
@@ -376,11 +479,11 @@ def replicate(
     state.managed_at_apply = {id(sub) for sub in managed}
     ignored.update(p for sub in managed for p in sub.parameters())
     managed_buffers = {id(b) for sub in managed for b in sub.buffers()}
-    _broadcast_from_rank0(
-        [p.detach() for p in module.parameters() if p not in ignored]
-        + [b for b in module.buffers() if id(b) not in managed_buffers],
-        group,
-    )
+    synced = [(n, p) for n, p in module.named_parameters() if p not in ignored] + [
+        (n, b) for n, b in module.named_buffers() if id(b) not in managed_buffers
+    ]
+    _check_tensor_parallel(synced, group, module)
+    _broadcast_from_rank0([_local(t).detach() for _, t in synced], group)
     trainable = [p for p in module.parameters() if p.requires_grad and p not in ignored]
     state.buckets = _make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20), reduce_dtype)
     names = {p: n for n, p in module.named_parameters()}
