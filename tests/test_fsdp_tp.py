@@ -257,21 +257,36 @@ def test_tp_parameters_on_the_sharding_mesh_are_refused_with_the_fix() -> None:
     assert "embed.weight" in message and 'mesh["dp_shard"]' in message, message
 
 
-def _hsdp_body() -> tuple[float, float]:
+def _hsdp_body() -> list[tuple[str, float, float]]:
+    """Every 8-rank variant in one call (starting 8 processes is the expensive part)."""
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp = ("dp_replicate", "dp_shard")
     want_losses, want = _reference(steps=2)
-    losses, params, model = _train(mesh, ("dp_replicate", "dp_shard"), steps=2)
-    names = next(iter(model.parameters())).device_mesh.mesh_dim_names  # type: ignore[attr-defined]
-    assert names == ("dp_replicate", "dp_shard", "tp"), names
-    return max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)), _max_diff(
-        params, want
+    results = []
+    for label, kwargs in (("sp", {}), ("no sp + ac", {"sp": False, "ac": True})):
+        losses, params, model = _train(mesh, dp, steps=2, **kwargs)  # type: ignore[arg-type]
+        names = {p.device_mesh.mesh_dim_names for p in model.parameters()}  # type: ignore[attr-defined]
+        assert ("dp_replicate", "dp_shard", "tp") in names, names
+        loss_diff = max(abs(a - b) for a, b in zip(losses, want_losses, strict=True))
+        results.append((label, loss_diff, _max_diff(params, want)))
+    # bf16: against torch's fully_shard with the same policy on the same 3-D layout
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    ours = _train(mesh, dp, steps=2, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    theirs = _train(
+        mesh, dp, "torch", steps=2, mp_policy=TorchPolicy(torch.bfloat16, torch.float32)
     )
+    loss_diff = max(abs(a - b) for a, b in zip(ours[0], theirs[0], strict=True))
+    results.append(("bf16 vs torch", loss_diff, _max_diff(ours[1], theirs[1])))
+    return results
 
 
 def test_hsdp_x_tp_on_8_ranks_trains_like_one_process() -> None:
-    """dp_replicate 2 x dp_shard 2 x tp 2 with sequence parallelism."""
-    for loss_diff, param_diff in run_on_ranks(8, _hsdp_body, timeout=240):
-        assert loss_diff < 1e-6 and param_diff < 1e-5, (loss_diff, param_diff)
+    """dp_replicate 2 x dp_shard 2 x tp 2: with sequence parallelism; without it and with
+    checkpointing; in bf16 against torch's fully_shard on the same layout."""
+    for results in run_on_ranks(8, _hsdp_body, timeout=300):
+        for label, loss_diff, param_diff in results:
+            assert loss_diff < 1e-6 and param_diff < 1e-5, (label, loss_diff, param_diff)
 
 
 def _mesh_dims_body(full_mesh_params: bool) -> tuple[float, float]:

@@ -39,7 +39,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tp_models import SEQ, TinyGPT, block_plan, lm_loss, token_batches
 
 from plait.checkpoint import checkpoint
-from plait.fsdp import fully_shard
+from plait.fsdp import MixedPrecisionPolicy, fully_shard
 from plait.pipeline import (
     SCHEDULE_CLASSES,
     SCHEDULES,
@@ -113,6 +113,7 @@ def _parallelize_stage(
     sequence_parallel: bool,
     dtensor_out: bool,
     ckpt: bool,
+    bf16: bool = False,
 ) -> None:
     """The usual composition order on one stage module: tensor parallelism over
     ``mesh["tp"]``, then checkpointed blocks, then ``fully_shard`` per block and on the
@@ -124,12 +125,17 @@ def _parallelize_stage(
         for block in blocks:
             checkpoint(block)
     if "dp_shard" in (mesh.mesh_dim_names or ()):
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
         for block in blocks:
-            fully_shard(block, mesh=mesh["dp_shard"])
-        fully_shard(module, mesh=mesh["dp_shard"])
+            fully_shard(block, mesh=mesh["dp_shard"], mp_policy=mp)
+        fully_shard(module, mesh=mesh["dp_shard"], mp_policy=mp)
         if sequence_parallel:  # then every parameter is TP'd: all are sharded on both dims
             meshes = {p.device_mesh.mesh_dim_names for p in module.parameters()}
             assert meshes == {("dp_shard", "tp")}, meshes
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
 
 
 def _pp_tp_body(
@@ -139,8 +145,14 @@ def _pp_tp_body(
     dtensor_out: bool = False,
     ckpt: bool = False,
     dp: int = 1,
+    bf16: bool = False,
 ) -> list[str]:
-    """Parity of one PP x (DP x) TP layout; returns what the stages of this rank received."""
+    """Parity of one PP x (DP x) TP layout; returns what the stages of this rank received.
+
+    ``bf16`` (with ``dp``: fully_shard's bf16 compute, fp32 reductions) is compared with
+    the fp32 reference at bf16's tolerance: TP sums partial products in bf16 across ranks,
+    so no single-process run does the same casts (test_fsdp_tp.py compares bf16 FSDP x TP
+    with torch's, which does)."""
     if dp == 1:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     else:
@@ -170,6 +182,7 @@ def _pp_tp_body(
                 sequence_parallel=sequence_parallel,
                 dtensor_out=dtensor_out,
                 ckpt=ckpt,
+                bf16=bf16,
             )
             if s > 0:
                 module.register_forward_pre_hook(lambda _m, args: received.add(_received(args)))
@@ -189,6 +202,9 @@ def _pp_tp_body(
         data_rank=dp_rank,
         data_world=dp,
         loss_group=same_tp[dist.get_rank() % 2],
+        # bf16: plain SGD, so a rounding difference moves a parameter by lr * itself (Adam
+        # would turn it into a whole lr-sized step of the other sign).
+        **({"atol": 1e-2, "rtol": 1e-2, "make_optimizer": _sgd} if bf16 else {}),
     )
     return sorted(received)
 
@@ -227,6 +243,21 @@ def test_pp_dp_tp_on_8_ranks_with_fully_shard() -> None:
         8, _pp_tp_body, "1F1B", sequence_parallel=True, ckpt=True, dp=2, timeout=240
     )
     assert results[4:] == [[f"Tensor {HALF}"]] * 4
+
+
+def _pp_dp_tp_variants() -> list[list[str]]:
+    """More 8-rank layouts in one call (the 8-process pool is the expensive part): without
+    sequence parallelism, interleaved; with bf16 compute."""
+    return [
+        _pp_tp_body("Interleaved1F1B", sequence_parallel=False, dp=2),
+        _pp_tp_body("1F1B", sequence_parallel=True, dp=2, bf16=True),
+    ]
+
+
+def test_pp_dp_tp_on_8_ranks_without_sp_and_in_bf16() -> None:
+    for rank, (no_sp, bf16) in enumerate(run_on_ranks(8, _pp_dp_tp_variants, timeout=300)):
+        if rank >= 4:  # pp rank 1: the full activation, then the sequence shard
+            assert no_sp == [f"Tensor {FULL}"] and bf16 == [f"Tensor {HALF}"], (no_sp, bf16)
 
 
 # --- the wire format and the receiver's mesh (no pipeline) ---------------------------------
