@@ -158,12 +158,15 @@ def test_no_sync_accumulation_with_tp_parameters() -> None:
     run_on_ranks(4, _accumulation, True)
 
 
-def _train(impl: str, sp: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train TP + plait's replicate or torch's DDP with ``device_mesh``; losses and params."""
+def _train(
+    impl: str, sp: bool, dtype: torch.dtype = torch.float32
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train TP + plait's replicate or torch's DDP with ``device_mesh``; losses and params.
+    ``dtype``: the model's (bf16: bf16 compute, gradients and all-reduce in both)."""
     mesh = _mesh()
     dp = mesh["dp"]
     torch.manual_seed(0)
-    model = apply_tp(TinyGPT(), mesh["tp"], sequence_parallel=sp)
+    model = apply_tp(TinyGPT().to(dtype), mesh["tp"], sequence_parallel=sp)
     names = [name for name, _ in model.named_parameters()]
     if impl == "torch":
         from torch.nn.parallel import DistributedDataParallel
@@ -186,17 +189,21 @@ def _train(impl: str, sp: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: full_value(operator.attrgetter(n)(model).detach()) for n in names}
 
 
-def _compare_with_torch(sp: bool) -> None:
-    ours, our_params = _train("plait", sp)
-    theirs, their_params = _train("torch", sp)
+def _compare_with_torch(sp: bool, dtype: torch.dtype) -> None:
+    ours, our_params = _train("plait", sp, dtype)
+    theirs, their_params = _train("torch", sp, dtype)
     assert ours == pytest.approx(theirs, abs=1e-6)
     for name, value in our_params.items():
         torch.testing.assert_close(value, their_params[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
-def test_matches_torch_ddp_with_device_mesh(sp: bool) -> None:
-    run_on_ranks(4, _compare_with_torch, sp)
+@pytest.mark.parametrize(
+    ("sp", "dtype"),
+    [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
+    ids=["tp", "sp", "sp-bf16"],
+)
+def test_matches_torch_ddp_with_device_mesh(sp: bool, dtype: torch.dtype) -> None:
+    run_on_ranks(4, _compare_with_torch, sp, dtype)
 
 
 def _refusals() -> None:
