@@ -44,9 +44,9 @@ _ALLOWED = {
     "policies": set(),
     "collectives": set(),
     "cast": set(),
-    "tp": set(),
+    "tp": set(),  # (imports plait.mesh, outside the package)
     "param": {"collectives", "tp"},
-    "extensions": {"collectives", "param", "policies"},
+    "extensions": {"collectives", "param", "policies", "tp"},
     "group": {"collectives", "param", "extensions", "policies"},
     "state": {"collectives", "param", "group", "policies", "cast", "extensions"},
     "state_dict": {"collectives", "param", "group", "policies", "state"},

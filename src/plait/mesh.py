@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 
 def module_device_type(module: nn.Module) -> str:
@@ -145,3 +147,22 @@ def data_parallel_submesh(
             "without replicate= only; name one dim for each side"
         )
     return mesh[replicate + shard]
+
+
+def local_in_layout(
+    grad: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> torch.Tensor:
+    """This rank's part of ``grad`` laid out as a tensor-parallel parameter with
+    ``placements`` on ``mesh`` (a plain ``grad`` is returned as it is).
+
+    A DTensor gradient in other placements than its parameter (``Partial`` where a
+    replicated parameter met sharded activations, e.g. a sequence-parallel norm weight;
+    ``Replicate`` for a vocabulary-sharded embedding) is redistributed first: a collective
+    over ``mesh``, which every rank of it runs, in the same order, since they all run the
+    same backward.
+    """
+    if not isinstance(grad, DTensor):
+        return grad
+    if tuple(grad.placements) != tuple(placements):
+        grad = grad.redistribute(mesh, placements)
+    return grad._local_tensor

@@ -73,7 +73,7 @@ from torch.utils._pytree import tree_map_only
 from plait import spmd
 from plait.contract import APIState, contract, get_registry, with_mixin
 from plait.hooks import in_backward, outside_graphs, queue_end_of_backward, traced
-from plait.mesh import check_mesh_device, default_mesh, one_dim_group
+from plait.mesh import check_mesh_device, default_mesh, local_in_layout, one_dim_group
 
 __all__ = ["ReplicateModule", "replicate"]
 
@@ -87,20 +87,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``grad`` laid out as ``param``'s local tensor.
-
-    A DTensor gradient in other placements than its parameter (``Partial`` where a replicated
-    parameter met sharded activations; ``Replicate`` for a vocabulary-sharded embedding) is
-    redistributed first: a collective over the parameter's mesh, which every rank of that
-    mesh runs in the same order since they all run the same backward and launch the same
-    buckets in order.
-    """
-    if (
-        isinstance(param, DTensor)
-        and isinstance(grad, DTensor)
-        and tuple(grad.placements) != tuple(param.placements)
-    ):
-        grad = grad.redistribute(param.device_mesh, param.placements)
+    """This rank's part of ``grad`` laid out as ``param``'s local tensor."""
+    if isinstance(param, DTensor):
+        return local_in_layout(grad, param.device_mesh, tuple(param.placements))
     return _local(grad)
 
 

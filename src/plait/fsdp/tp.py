@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from plait.mesh import local_in_layout
 
 __all__ = [
     "combined_mesh",
@@ -77,14 +79,6 @@ def unsharded_tp_spec(tp_spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
 
 
 def local_grad(grad: torch.Tensor, tp_spec: DTensorSpec) -> torch.Tensor:
-    """The TP-local gradient of an unsharded TP parameter, laid out as the parameter.
-
-    A gradient in another placement (``Partial`` for a replicated parameter whose uses ran
-    on sharded activations) is redistributed first: a collective over the tp mesh, run by
-    every tp rank, since they all run the same backward.
-    """
-    if not isinstance(grad, DTensor):
-        return grad
-    if tuple(grad.placements) != tuple(tp_spec.placements):
-        grad = grad.redistribute(tp_spec.mesh, tp_spec.placements)
-    return grad._local_tensor
+    """The TP-local gradient of an unsharded TP parameter, laid out as the parameter
+    (``plait.mesh.local_in_layout``: a ``Partial`` gradient is summed over tp)."""
+    return local_in_layout(grad, tp_spec.mesh, tuple(tp_spec.placements))
