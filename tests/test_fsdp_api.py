@@ -51,7 +51,7 @@ _ALLOWED = {
     "state": {"collectives", "param", "group", "policies", "cast", "extensions"},
     "state_dict": {"collectives", "param", "group", "policies", "state"},
     "clip": {"collectives", "param", "group", "policies", "state"},
-    "api": {"collectives", "param", "group", "policies", "state", "state_dict"},
+    "api": {"collectives", "param", "group", "policies", "state", "state_dict", "tp"},
     "memory": {"collectives", "param", "group", "policies", "state", "api"},
 }
 

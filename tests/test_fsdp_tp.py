@@ -278,12 +278,18 @@ def _hsdp_body() -> list[tuple[str, float, float]]:
     )
     loss_diff = max(abs(a - b) for a, b in zip(ours[0], theirs[0], strict=True))
     results.append(("bf16 vs torch", loss_diff, _max_diff(ours[1], theirs[1])))
+    # partial resharding (ZeRO++'s hpZ) needs a shard group of more than 2: dp_shard 4 x tp 2
+    flat = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
+    losses, params, _ = _train(flat, ("dp_shard",), steps=2, reshard_after_forward=2)
+    loss_diff = max(abs(a - b) for a, b in zip(losses, want_losses, strict=True))
+    results.append(("dp_shard 4, reshard_after_forward=2", loss_diff, _max_diff(params, want)))
     return results
 
 
 def test_hsdp_x_tp_on_8_ranks_trains_like_one_process() -> None:
     """dp_replicate 2 x dp_shard 2 x tp 2: with sequence parallelism; without it and with
-    checkpointing; in bf16 against torch's fully_shard on the same layout."""
+    checkpointing; in bf16 against torch's fully_shard on the same layout. And dp_shard 4 x
+    tp 2 with partial resharding after forward."""
     for results in run_on_ranks(8, _hsdp_body, timeout=300):
         for label, loss_diff, param_diff in results:
             assert loss_diff < 1e-6 and param_diff < 1e-5, (label, loss_diff, param_diff)

@@ -39,6 +39,7 @@ from plait.fsdp.policies import (
 )
 from plait.fsdp.state import FSDPState, fsdp_states_in
 from plait.fsdp.state_dict import register_state_dict_hooks
+from plait.fsdp.tp import combined_mesh
 from plait.hooks import outside_graphs
 from plait.mesh import (
     check_mesh_device,
@@ -576,8 +577,13 @@ def check_tp_param(fqn: str, param: DTensor, dp_mesh: DeviceMesh) -> None:
     tp_mesh = param.device_mesh
     dp_names = set(dp_mesh.mesh_dim_names or ())
     tp_names = set(tp_mesh.mesh_dim_names or ())
-    same_root = tp_mesh._get_root_mesh() == dp_mesh._get_root_mesh()
-    if not same_root or dp_names & tp_names or not tp_names:
+    separate = bool(tp_names) and not dp_names & tp_names
+    if separate:
+        try:  # what the sharded parameters will live on: torch checks the two are orthogonal
+            combined_mesh(dp_mesh, tp_mesh)
+        except (RuntimeError, AssertionError):
+            separate = False
+    if not separate:
         raise FSDPUnsupportedError(
             f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tp_mesh}, which is not a "
             f"separate dimension of the same device mesh as fully_shard's mesh {dp_mesh}. "
