@@ -337,3 +337,33 @@ def _mesh_dims_body(full_mesh_params: bool) -> tuple[float, float]:
 def test_dp_mesh_dims_over_tensor_parallel_parameters(full_mesh_params: bool) -> None:
     for loss_diff, param_diff in run_on_ranks(4, _mesh_dims_body, full_mesh_params):
         assert loss_diff < 1e-6 and param_diff < 1e-5, (loss_diff, param_diff)
+
+
+def _clip_partial_body() -> float:
+    """Tensor parallelism alone leaves the sequence-parallel norms' gradients Partial (a
+    pending sum over tp): clipping must scale the gradients themselves, not a finished copy."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    torch.manual_seed(0)
+    model = apply_tp(TinyGPT(), mesh)
+    tokens, targets = token_batches(1, BATCH)[0]
+    for m in (reference, model):
+        lm_loss(m(tokens), targets).backward()
+    assert any(
+        isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()
+        for p in model.parameters()
+    )
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    got = clip_grad_norm_(model.parameters(), 0.1)
+    assert abs(got.item() - want.item()) < 1e-5, (got, want)
+    grads = dict(model.named_parameters())
+    return max(
+        (full_value(grads[n].grad) - p.grad).abs().max().item()  # type: ignore[arg-type]
+        for n, p in reference.named_parameters()
+    )
+
+
+def test_clipping_scales_pending_tensor_parallel_sums() -> None:
+    for diff in run_on_ranks(2, _clip_partial_body):
+        assert diff < 1e-6, diff

@@ -68,7 +68,9 @@ def clip_grad_norm_(
     pieces: list[torch.Tensor] = []
     for grad in grads:
         local, groups = _local_and_groups(grad)
-        pieces.append(local)
+        # What is scaled is the gradient's own local tensor: for a pending sum (Partial) the
+        # norm needs the finished sum, but scaling every rank's part scales the sum.
+        pieces.append(grad._local_tensor if isinstance(grad, DTensor) else grad)
         by_groups.setdefault(groups, []).append(local)
     device = pieces[0].device if pieces else torch.device("cpu")
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in pieces) else torch.float32

@@ -21,7 +21,8 @@ timeout allows for slow storage, so that the training collectives' short fault t
 What is saved, keyed by parameter name (FQN), so DCP can reshard on load:
 
 * ``model.<fqn>``: parameters as this rank holds them (DTensor shards under
-  ``fully_shard``, full tensors under ``replicate``, only its own stages with a pipeline);
+  ``fully_shard`` or tensor parallelism, full tensors under ``replicate``, only its own
+  stages with a pipeline);
 * ``optim.<fqn>.<key>``: the optimizer's per-parameter state (AdamW's ``step``,
   ``exp_avg``, ``exp_avg_sq``, shaped like the parameter), independent of param order;
 * ``rng.rank<r>.<device>``: each rank's RNG state, restored only into the same world size;

@@ -35,9 +35,11 @@ __all__ = ["build_config", "main"]
 _AUTO = "0 = auto"
 _TRAIN_HELP = """\
 Train a small GPT with any composition of plait's parallelisms: fully_shard (--dp-shard),
-replicate or HSDP (--dp-replicate), pipelines (--pp, --schedule), activation checkpointing
-(--ac) and mixed precision (--mp). Outside torchrun it starts --nproc local workers with
-torch's elastic launcher; under torchrun each process is one worker.
+replicate or HSDP (--dp-replicate), pipelines (--pp, --schedule), tensor parallelism
+(--tp, with sequence parallelism), activation checkpointing (--ac) and mixed precision
+(--mp). The processes form a (pp, dp_replicate, dp_shard, tp) mesh, tp innermost.
+Outside torchrun it starts --nproc local workers with torch's elastic launcher; under
+torchrun each process is one worker.
 
 Flags override --config (a flat TOML file of the same keys, e.g. dp_shard = 2) and, with
 --resume, the run's saved configuration. Impossible layouts are refused before any worker
@@ -47,6 +49,7 @@ examples:
   plait train
   plait train --dp-replicate 2 --dp-shard 2 --ac full --mp bf16
   plait train --pp 2 --dp-shard 2 --schedule 1F1B --microbatches 4
+  plait train --tp 2 --dp-shard 2
   plait train --run-dir runs/a --steps 600 --stop-after 200
   plait train --run-dir runs/a --resume
 """
@@ -78,6 +81,8 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         ("dp_replicate", "data-parallel replicas (replicate, or HSDP's outer dim)"),
         ("dp_shard", f"ranks sharding each replica with fully_shard ({_AUTO}: the rest)"),
         ("pp", "pipeline-parallel ranks"),
+        ("tp", "tensor-parallel ranks (neighbouring ranks: keep them on one node)"),
+        ("sequence_parallel", "with --tp: norms and activations split by sequence"),
         ("schedule", f"pipeline schedule: {', '.join(SCHEDULES)}"),
         ("stages_per_rank", f"pipeline stages per rank ({_AUTO}: the schedule's)"),
         ("microbatches", f"per step: pipeline microbatches or accumulation ({_AUTO})"),
@@ -214,8 +219,9 @@ def _resume_hint(cfg: TrainConfig) -> str:
 def _describe(cfg: TrainConfig) -> str:
     dims = " ".join(f"{name}={size}" for name, size in cfg.mesh_dims.items())
     pipe = f" schedule={cfg.schedule} microbatches={cfg.microbatches}" if cfg.pp > 1 else ""
+    sp = f" sequence_parallel={cfg.sequence_parallel}" if cfg.tp > 1 else ""
     return (
-        f"plait train: {cfg.nproc} x {cfg.device} worker(s), {dims}{pipe}, ac={cfg.ac}, "
+        f"plait train: {cfg.nproc} x {cfg.device} worker(s), {dims}{pipe}{sp}, ac={cfg.ac}, "
         f"mp={cfg.mp}; GPT {cfg.n_layer} layers x d{cfg.d_model}, "
         f"{cfg.batch_size} x {cfg.seq_len} tokens per step, {cfg.steps} steps"
     )

@@ -71,8 +71,10 @@ class TrainConfig:
     nproc: int = 0  # auto: 4 on CPU, the number of GPUs on CUDA (or WORLD_SIZE under torchrun)
     device: str = ""  # auto: cuda when available, else cpu
     dp_replicate: int = 1
-    dp_shard: int = 0  # auto: whatever nproc / (pp * dp_replicate) leaves
+    dp_shard: int = 0  # auto: whatever nproc / (pp * dp_replicate * tp) leaves
     pp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = True  # with tp > 1: norms and activations split by sequence
     schedule: str = "1F1B"
     stages_per_rank: int = 0  # auto: what the schedule holds (1, or 2 for looped schedules)
     microbatches: int = 0  # auto: pp * stages_per_rank with a pipeline, else 1
@@ -93,12 +95,19 @@ class TrainConfig:
 
     @property
     def mesh_dims(self) -> dict[str, int]:
-        """The parallel dimensions' sizes by mesh dimension name, outermost first."""
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        """The parallel dimensions' sizes by mesh dimension name, outermost first (``tp``
+        innermost: its ranks are neighbours, on one node)."""
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+        }
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: the ways each global batch is split."""
+        """Data-parallel ranks: the ways each global batch is split (the ``tp`` ranks of
+        one data-parallel rank share its batch)."""
         return self.dp_replicate * self.dp_shard
 
     @property

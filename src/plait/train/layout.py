@@ -11,6 +11,7 @@ import torch
 
 from plait.pipeline import SCHEDULES, schedule_spec
 from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag
+from plait.train.model import GPTConfig
 
 __all__ = ["default_device", "default_nproc", "resolve"]
 
@@ -34,6 +35,7 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """
     _check_choices(cfg)
     _check_positive(cfg)
+    _check_tensor_parallel(cfg)
     device = cfg.device or default_device()
     _check_device(device)
     nproc = cfg.nproc or default_nproc(device)
@@ -74,6 +76,7 @@ _AT_LEAST_ONE = (
     "d_model",
     "dp_replicate",
     "pp",
+    "tp",
     "keep",
     "eval_batches",
 )
@@ -127,21 +130,56 @@ def _check_local_gpus(device: str, nproc: int) -> None:
 
 
 def _dp_shard(cfg: TrainConfig, world: int) -> int:
-    others = cfg.pp * cfg.dp_replicate
+    others = cfg.pp * cfg.dp_replicate * cfg.tp
+    tp = f" x --tp {cfg.tp}" if cfg.tp > 1 else ""
     if cfg.dp_shard == 0:  # auto: whatever the other dimensions leave
         if world % others:
             raise ConfigError(
-                f"--pp {cfg.pp} x --dp-replicate {cfg.dp_replicate} = {others} does not divide "
-                f"the {world} processes (--nproc {world}): make --nproc a multiple of {others}"
+                f"--pp {cfg.pp} x --dp-replicate {cfg.dp_replicate}{tp} = {others} does not "
+                f"divide the {world} processes (--nproc {world}): make --nproc a multiple of "
+                f"{others}"
             )
         return world // others
     if others * cfg.dp_shard != world:
         raise ConfigError(
-            f"--dp-replicate {cfg.dp_replicate} x --dp-shard {cfg.dp_shard} x --pp {cfg.pp} = "
-            f"{others * cfg.dp_shard} processes, but {world} will run (--nproc {world}): make "
-            "the product equal the number of processes (or leave --dp-shard out: auto)"
+            f"--dp-replicate {cfg.dp_replicate} x --dp-shard {cfg.dp_shard} x --pp {cfg.pp}"
+            f"{tp} = {others * cfg.dp_shard} processes, but {world} will run (--nproc "
+            f"{world}): make the product equal the number of processes (or leave --dp-shard "
+            "out: auto)"
         )
     return cfg.dp_shard
+
+
+def _check_tensor_parallel(cfg: TrainConfig) -> None:
+    """Every dimension the tensor-parallel plan splits must divide by ``--tp``."""
+    if cfg.tp == 1:
+        return
+    model = GPTConfig(seq_len=cfg.seq_len, n_head=cfg.n_head, d_model=cfg.d_model)
+    # What is split --tp ways ({} is its size), and the flag that changes it. The widths
+    # divide whenever the heads do (d_model is a multiple of n_head), so they name the fix
+    # only if the model's shape rules change.
+    split = {
+        "the {} attention heads": (cfg.n_head, "--n-head"),
+        "the model width {}": (cfg.d_model, "--d-model"),
+        "the MLP width {} (4 x --d-model)": (model.d_mlp, "--d-model"),
+        "the vocabulary of {} byte tokens (embedding and head)": (model.vocab_size, ""),
+    }
+    if cfg.sequence_parallel:
+        split["each sequence of {} tokens (sequence parallelism)"] = (cfg.seq_len, "--seq-len")
+    # The largest --tp up to the given one that splits everything: the fix to suggest.
+    fits = max(t for t in range(1, cfg.tp + 1) if all(n % t == 0 for n, _ in split.values()))
+    for what, (size, option) in split.items():
+        if size % cfg.tp == 0:
+            continue
+        fixes = [f"use --tp {fits}" if fits > 1 else "drop --tp"]
+        if option:
+            fixes.append(f"set {option} to a multiple of {cfg.tp}")
+        if option == "--seq-len":
+            fixes.append("turn it off with --no-sequence-parallel")
+        raise ConfigError(
+            f"--tp {cfg.tp} splits {what.format(size)} {cfg.tp} ways, but {size} does not "
+            f"divide by {cfg.tp}: {', or '.join(fixes)}"
+        )
 
 
 def _stages_per_rank(cfg: TrainConfig) -> int:

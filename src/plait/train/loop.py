@@ -31,7 +31,13 @@ from plait.train.data import Corpus, global_batch, load_corpus
 from plait.train.faults import FaultInjector
 from plait.train.metrics import MetricsLog, gather_peak_memory
 from plait.train.model import GPT, GPTConfig
-from plait.train.optimizer import build_optimizer, clip_grad_norm, lr_at, set_lr
+from plait.train.optimizer import (
+    build_optimizer,
+    clip_grad_norm,
+    finish_partial_grads,
+    lr_at,
+    set_lr,
+)
 from plait.train.parallelize import Stage, build_mesh, mesh_coordinate, parallelize
 from plait.train.progress import Progress
 from plait.train.report import plot_loss_curve, summary_table
@@ -95,8 +101,11 @@ class _Session:
         self.checkpoint_group = checkpoint_group(cfg.fault_timeout)
         self.faults = FaultInjector(_rank())  # test-only: see plait.train.faults
         self.faults.arm(self.modules[0])
-        # Dropout draws differ per rank (each rank sees different data), yet are reproducible.
-        torch.manual_seed(cfg.seed + 1 + _rank())
+        # Dropout draws differ per data-parallel rank and pipeline stage, yet are
+        # reproducible. The tp ranks of one (neighbours: tp is the innermost mesh dimension)
+        # draw alike: without sequence parallelism their activations are replicated, and
+        # must stay identical after dropout.
+        torch.manual_seed(cfg.seed + 1 + _rank() // cfg.tp)
 
     def batch(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of global batch ``index`` of ``split``, on the device."""
@@ -112,6 +121,7 @@ class _Session:
         self.faults.step = step + 1
         local = self.stepper.train(*self.batch("train", step))
         self.faults.step = 0
+        finish_partial_grads(self.params)
         norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -2,7 +2,9 @@
 
 Byte-level (vocabulary 256 by default), pre-norm blocks of causal self-attention and a GELU
 MLP, learned position embeddings. Blocks live in ``self.blocks`` (an ``nn.ModuleList``) so
-that parallelism recipes can wrap or split them by index.
+that parallelism recipes can wrap or split them by index. Attention has separate q, k and v
+projections and infers its head count from their width, so the tensor-parallel plan
+(:mod:`plait.train.parallelize`) can split them by heads.
 
 A pipeline stage is the same class with parts removed (``plait.pipeline.split_model``):
 parts outside the stage become falsy pass-through placeholders, and ``forward`` skips the
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 
@@ -36,30 +39,46 @@ class GPTConfig:
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
 
+    @property
+    def d_mlp(self) -> int:
+        """The MLP's hidden width."""
+        return 4 * self.d_model
+
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q, k and v projections.
+
+    Separate projections let tensor parallelism split each of them column-wise by heads
+    (a fused q/k/v matrix split by rows would mix q, k and v across ranks). The number of
+    heads is read from the projections' output width, so under tensor parallelism each
+    rank runs its ``n_head / tp`` local heads with the same code.
+    """
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split(c, dim=2)  # 3 x (B, T, C)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t = x.shape[0], x.shape[1]  # x: (B, T, C)
+        # (B, heads, T, head_dim), heads = this rank's: all of them without tensor parallelism.
+        q, k, v = (
+            p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        y = y.transpose(1, 2).reshape(b, t, c)  # (B, T, C)
-        return self.proj(y)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
 
 
 class MLPBlock(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, cfg.d_mlp)
+        self.proj = nn.Linear(cfg.d_mlp, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,5 +153,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T).
 
     Computed in float32 whatever the logits' dtype (bf16 logits lose too much in the softmax).
+    Under tensor parallelism the logits are a DTensor sharded by vocabulary and this runs
+    inside ``loss_parallel`` (its backward too); the loss, a DTensor replicated over the tp
+    ranks, is returned as its local value (the loss itself), gradients flowing through.
     """
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return loss.to_local() if isinstance(loss, DTensor) else loss

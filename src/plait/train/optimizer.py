@@ -6,7 +6,8 @@ on the optimizer before every step, so a resumed run needs no scheduler state.
 Clipping needs the norm of the *whole* gradient, which no rank holds: plait's
 ``clip_grad_norm_`` adds up the squares of the ``fully_shard`` shards over the sharding
 dimension, counts replicated gradients once, and sums over the pipeline group, whose
-ranks hold different stages.
+ranks hold different stages. Before it, :func:`finish_partial_grads` completes the gradients
+that tensor parallelism leaves as pending sums, once for the optimizer's many operations.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from plait.fsdp.clip import clip_grad_norm_
 from plait.train.config import TrainConfig
 
-__all__ = ["build_optimizer", "clip_grad_norm", "lr_at"]
+__all__ = ["build_optimizer", "clip_grad_norm", "finish_partial_grads", "lr_at"]
 
 
 def build_optimizer(modules: Sequence[nn.Module], cfg: TrainConfig) -> torch.optim.AdamW:
@@ -49,6 +51,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def finish_partial_grads(params: list[nn.Parameter]) -> None:
+    """Replace each gradient that is a pending sum over ranks (a ``Partial`` DTensor) by the
+    sum, replicated: one all-reduce per such gradient.
+
+    Tensor parallelism leaves them on parameters replicated over the tp ranks that each
+    rank uses on a part of the data: with sequence parallelism, the norms (each rank's
+    gradient covers its positions only). The optimizer would sum them again in each of
+    its operations (an all-reduce each); summed once here, they cost one.
+    """
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            summed = [Replicate() if pl.is_partial() else pl for pl in grad.placements]
+            p.grad = grad.redistribute(grad.device_mesh, summed)
 
 
 def clip_grad_norm(

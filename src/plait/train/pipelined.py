@@ -17,7 +17,7 @@ from plait.mesh import mesh_device
 from plait.pipeline import SCHEDULE_CLASSES, PipelineScheduleSingle, PipelineStage, schedule_spec
 from plait.train.config import TrainConfig
 from plait.train.model import lm_loss
-from plait.train.parallelize import Stage, forward_context
+from plait.train.parallelize import Stage, forward_context, loss_context
 
 __all__ = ["PipelineStepper"]
 
@@ -48,12 +48,12 @@ class PipelineStepper:
 
     def train(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        with forward_context(self.cfg):
+        with loss_context(self.cfg), forward_context(self.cfg):  # backwards run in step too
             self.schedule.step(inputs, target=targets, losses=losses)
         return self._local_loss(losses, inputs.device)
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        with forward_context(self.cfg):
+        with loss_context(self.cfg), forward_context(self.cfg):
             self.schedule.eval(inputs, target=targets, losses=losses)
         return self._local_loss(losses, inputs.device)

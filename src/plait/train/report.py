@@ -14,8 +14,12 @@ LOSS_CURVE = "loss.png"
 
 
 def _layout(cfg: TrainConfig) -> str:
-    parts = [f"{name}={size}" for name, size in cfg.mesh_dims.items() if size > 1]
-    return " x ".join(parts) if parts else "single process"
+    """The mesh, every dimension shown (outermost first), e.g. ``pp=2 x dp_replicate=1 x
+    dp_shard=1 x tp=2, sequence parallel``."""
+    mesh = " x ".join(f"{name}={size}" for name, size in cfg.mesh_dims.items())
+    if cfg.tp > 1:
+        mesh += ", sequence parallel" if cfg.sequence_parallel else ", no sequence parallelism"
+    return mesh
 
 
 def _mib(n: int) -> str:

@@ -25,7 +25,7 @@ from plait.mesh import collective_device
 from plait.replicate import ReplicateModule
 from plait.train.config import TrainConfig
 from plait.train.model import lm_loss
-from plait.train.parallelize import Stage, forward_context
+from plait.train.parallelize import Stage, forward_context, loss_context
 
 __all__ = ["Stepper", "global_mean", "make_stepper"]
 
@@ -54,16 +54,17 @@ def global_mean(local: torch.Tensor, cfg: TrainConfig) -> float:
     """The mean over data-parallel ranks of their local losses (the global batch's loss
     for equal local batches); ranks without a loss contribute zero. ``local`` may hold
     several losses, one per batch: the mean of the batches' global losses, for one
-    collective and one wait for the device."""
+    collective and one wait for the device. The ``tp`` ranks of a data-parallel rank hold
+    the same loss (of the same batch), so the sum over all ranks counts it ``tp`` times."""
     total = local.detach().float().reshape(-1)
-    dp = 1
+    copies = 1
     if dist.is_initialized() and dist.get_world_size() > 1:
-        world, dp = dist.group.WORLD, cfg.dp
+        world, copies = dist.group.WORLD, cfg.dp * cfg.tp
         total = total.to(collective_device(world)).clone()
         spmd.record("all_reduce", total, world, "the loss")
         spmd.wait(dist.all_reduce(total, group=world, async_op=True), "all_reduce of the loss")
     losses = total.tolist()
-    return sum(loss / dp for loss in losses) / len(losses)
+    return sum(loss / copies for loss in losses) / len(losses)
 
 
 def _set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
@@ -86,13 +87,14 @@ class DataParallelStepper:
             # Each microbatch's loss is scaled by 1/m, so the accumulated gradient is that
             # of the mean loss over the local batch; only the last backward communicates.
             _set_gradient_sync(self.module, i == m - 1)
-            with forward_context(self.cfg):
-                loss = lm_loss(self.module(x), y) / m
-            loss.backward()
+            with loss_context(self.cfg):
+                with forward_context(self.cfg):
+                    loss = lm_loss(self.module(x), y) / m
+                loss.backward()
             total += loss.detach()
         return total
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with forward_context(self.cfg):
+        with loss_context(self.cfg), forward_context(self.cfg):
             return lm_loss(self.module(inputs), targets).float()
