@@ -1,8 +1,10 @@
 """Tensor-parallel modes: TP alone, and fully_shard over TP (FSDP x TP), plait beside torch.
 
-Every mode trains ``benchmarks.tp_model.TPDecoder`` under the same TP plan (torch's own
-``torch.distributed.tensor.parallel``, which plait builds on rather than replaces), from
-the same seed, with the same loss and AdamW step:
+Every mode trains plait's GPT (``plait.train.model``) under ``plait train``'s TP plan
+(``plait.train.parallelize.tensor_parallel_plan``: torch's own
+``torch.distributed.tensor.parallel`` styles, which plait builds on rather than replaces;
+logits sharded by vocabulary, the loss under ``loss_parallel``), from the same seed, with
+the same loss and AdamW step:
 
 * ``fsdp_tp`` / ``torch_fsdp_tp`` (and ``_sp``): a ``(dp_shard, tp)`` mesh of
   ``(nproc / 2, 2)``; TP over ``mesh["tp"]``, then ``fully_shard`` of every block and of the
@@ -30,10 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from benchmarks.harness import BenchConfig, Mode, Step
-from benchmarks.tp_model import TPDecoder, apply_tp, check_divisible
-from plait.train.model import lm_loss
+from plait.train.model import GPT, GPTConfig, lm_loss
+from plait.train.parallelize import tensor_parallel_plan
 
 TP_DEGREE = 2  # of the FSDP x TP modes
 
@@ -47,10 +50,25 @@ def _group_batch(cfg: BenchConfig, tp: int, dp_rank: int) -> tuple[torch.Tensor,
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _tp_model(cfg: BenchConfig, tp_mesh: DeviceMesh, sequence_parallel: bool) -> TPDecoder:
-    check_divisible(cfg.gpt, tp_mesh.size())
+def _check_divisible(cfg: GPTConfig, tp: int) -> None:
+    """Raise ``ValueError`` naming the flag when ``cfg`` cannot be split ``tp`` ways."""
+    sizes = {
+        "--heads": cfg.n_head,
+        "--d-model": cfg.d_model,
+        "the vocabulary": cfg.vocab_size,
+        "--seq-len (sequence parallelism)": cfg.seq_len,
+    }
+    for flag, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"tp suite: {flag} ({size}) must be divisible by tp={tp}")
+
+
+def _tp_model(cfg: BenchConfig, tp_mesh: DeviceMesh, sequence_parallel: bool) -> GPT:
+    _check_divisible(cfg.gpt, tp_mesh.size())
     torch.manual_seed(0)
-    return apply_tp(TPDecoder(cfg.gpt), tp_mesh, sequence_parallel=sequence_parallel)
+    model = GPT(cfg.gpt)
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel))  # type: ignore[arg-type]
+    return model
 
 
 def _step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Step:
@@ -59,7 +77,8 @@ def _step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> S
     inputs, targets = batch
 
     def step() -> None:
-        lm_loss(model(inputs), targets).backward()
+        with loss_parallel():  # the head leaves the logits sharded by vocabulary
+            lm_loss(model(inputs), targets).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
