@@ -31,6 +31,7 @@ class ModelSpec:
     tied: bool = False
     bias: bool = False
     norm_bias: bool = False
+    positions: int = 0  # rows of a learned position embedding (plait's GPT: seq_len), else 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class DeviceSpec:
     intra_node_bw: float  # per device, one direction (NVLink)
     inter_node_bw: float  # per device, one direction (RDMA NIC)
     gpus_per_node: int = 8
+    flops_fp32: float = 0.0  # dense fp32 peak (no TF32) for fp32 workloads; 0: flops / 2
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Layout:
     ac: str = "none"
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
+    stages_per_rank: int = 1  # pipeline stages each pp rank holds (interleaved / V: 2 or more)
 
     @property
     def world(self) -> int:

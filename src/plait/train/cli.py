@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.pipeline import SCHEDULES
+from plait.plan import cli as plan_cli
 from plait.train.checkpointing import (
     CheckpointDamaged,
     check_settings,
@@ -127,7 +128,7 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, text: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="composable parallelism for PyTorch")
-    commands = parser.add_subparsers(dest="command", metavar="{train,sample}")
+    commands = parser.add_subparsers(dest="command", metavar="{train,sample,plan}")
     train = commands.add_parser(
         "train",
         help="train a small GPT with any composition of parallelisms",
@@ -148,6 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8)
     sample.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     sample.add_argument("--seed", type=int, default=0)
+    plan_cli.add_parser(commands)
     return parser
 
 
@@ -231,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command == "plan":
+        return plan_cli.run(argparse.Namespace(**args))
     try:
         if command == "train":
             _train(args)

@@ -1,0 +1,182 @@
+"""``plait plan``: which layouts fit, and how fast they run (:func:`plait.plan.plan`).
+
+The model is a preset (``--preset llama3-8b``), a Hugging Face ``config.json``
+(``--hf-config``) or plait's GPT from ``plait train``'s flags (``--n-layer``, ``--n-head``,
+``--d-model``). Layout flags are ``plait train``'s: each one given is fixed, the others
+are searched. Exit status 2, with a message naming the flag, for input that cannot be
+planned (sizes that do not divide the devices, a ``--tp`` the model does not divide, a
+model that fits in no layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from plait.plan.devices import DEVICES, device, override
+from plait.plan.models import PRESETS, from_hf_config, gpt, preset
+from plait.plan.report import format_plan, to_json
+from plait.plan.search import AC_SEARCHED, PlanError, plan
+from plait.plan.spec import ModelSpec, Workload
+from plait.plan.timing import EFFICIENCY
+from plait.train.config import DEFAULTS, PRECISIONS
+
+__all__ = ["add_parser", "main", "run"]
+
+_HELP = """\
+Plan a training run: for a model, a sequence length and batch, and N devices, list the
+layouts (dp_replicate x dp_shard x tp x pp, schedule, microbatches, checkpointing,
+resharding) that fit in memory, fastest first, with per-rank memory by part,
+communication, pipeline bubble and predicted throughput (docs/plan.md: the cost model).
+Layout flags fix that part of the layout; the rest is searched.
+
+examples:
+  plait plan --preset llama3-8b --gpus 1024 --seq-len 8192
+  plait plan --preset llama3-70b --gpus 256 --tp 8 --ac full --json
+  plait plan --hf-config config.json --gpus 64 --device h200
+  plait plan --n-layer 4 --d-model 128 --gpus 4 --device cpu
+"""
+
+
+def add_parser(subcommands: Any) -> argparse.ArgumentParser:
+    """Add ``plan`` to an ``argparse`` sub-command set; returns its parser."""
+    p: argparse.ArgumentParser = subcommands.add_parser(
+        "plan",
+        help="which layouts fit, and how fast they run",
+        description=_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = p.add_argument_group("model (a preset, a Hugging Face config, or plait's GPT)")
+    which = model.add_mutually_exclusive_group()
+    which.add_argument("--preset", choices=list(PRESETS), help="a published model's shapes")
+    which.add_argument("--hf-config", metavar="PATH", help="a Llama-family config.json")
+    for name, what in (("n_layer", "blocks"), ("n_head", "attention heads"), ("d_model", "width")):
+        default = getattr(DEFAULTS, name)
+        model.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=default,
+            help=f"plait's GPT: {what} (default: {default})",
+        )
+    work = p.add_argument_group("work")
+    work.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sequence (default: 8192 for "
+        f"presets and configs, {DEFAULTS.seq_len} for plait's GPT)",
+    )
+    work.add_argument(
+        "--global-batch",
+        "--batch-size",
+        dest="global_batch",
+        type=int,
+        help="sequences per step over all devices (default: one per device)",
+    )
+    work.add_argument(
+        "--mp", choices=PRECISIONS, help="compute precision (default: bf16, fp32 on --device cpu)"
+    )
+    machine = p.add_argument_group("machine")
+    machine.add_argument("--gpus", type=int, required=True, help="devices in all")
+    machine.add_argument("--gpus-per-node", type=int, help="devices per node (default: 8)")
+    machine.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
+    machine.add_argument("--memory-gib", type=float, help="override: memory per device, GiB")
+    machine.add_argument("--tflops", type=float, help="override: dense bf16 peak, TFLOP/s")
+    machine.add_argument("--tflops-fp32", type=float, help="override: dense fp32 peak, TFLOP/s")
+    machine.add_argument("--intra-node-bw", type=float, help="override: GB/s per device, in a node")
+    machine.add_argument("--inter-node-bw", type=float, help="override: GB/s per device, across")
+    machine.add_argument(
+        "--efficiency",
+        type=float,
+        default=EFFICIENCY,
+        help=f"achievable fraction of peak (default: {EFFICIENCY}, calibrated)",
+    )
+    machine.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.9,
+        help="usable fraction of device memory (default: 0.9)",
+    )
+    layout = p.add_argument_group("layout (plait train's flags; given ones are fixed)")
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "stages_per_rank", "microbatches"):
+        layout.add_argument("--" + name.replace("_", "-"), type=int)
+    layout.add_argument("--schedule", help="a pipeline schedule (default: all searched)")
+    layout.add_argument("--ac", choices=AC_SEARCHED)
+    layout.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction)
+    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
+    out = p.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="layouts shown (0: all that fit)")
+    out.add_argument("--json", action="store_true", help="a JSON list instead of the table")
+    return p
+
+
+def _model(args: argparse.Namespace, seq_len: int) -> ModelSpec:
+    if args.preset:
+        return preset(args.preset)
+    if args.hf_config:
+        return from_hf_config(args.hf_config)
+    return gpt(args.n_layer, args.n_head, args.d_model, seq_len)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan from parsed ``args``; prints the table or JSON. Returns the exit status."""
+    try:
+        seq_len = args.seq_len or (8192 if args.preset or args.hf_config else DEFAULTS.seq_len)
+        model = _model(args, seq_len)
+        dev = device(args.device)
+        gib, tera, giga = 2.0**30, 1e12, 1e9
+        dev = override(
+            dev,
+            memory=args.memory_gib and args.memory_gib * gib,
+            flops=args.tflops and args.tflops * tera,
+            flops_fp32=args.tflops_fp32 and args.tflops_fp32 * tera,
+            intra_node_bw=args.intra_node_bw and args.intra_node_bw * giga,
+            inter_node_bw=args.inter_node_bw and args.inter_node_bw * giga,
+            gpus_per_node=args.gpus_per_node,
+        )
+        precision = args.mp or ("fp32" if dev.name == "cpu" else "bf16")
+        work = Workload(seq_len, args.global_batch or args.gpus, precision)
+        if work.seq_len < 1 or work.global_batch < 1:
+            raise PlanError("--seq-len and --global-batch must be at least 1")
+        if not 0 < args.efficiency <= 1 or not 0 < args.memory_fraction <= 1:
+            raise PlanError("--efficiency and --memory-fraction must be in (0, 1]")
+        ranked = plan(
+            model,
+            work,
+            dev,
+            args.gpus,
+            dp_replicate=args.dp_replicate,
+            dp_shard=args.dp_shard,
+            tp=args.tp,
+            pp=args.pp,
+            schedule=args.schedule,
+            stages_per_rank=args.stages_per_rank,
+            microbatches=args.microbatches,
+            ac=args.ac,
+            reshard_after_forward=args.reshard_after_forward,
+            sequence_parallel=args.sequence_parallel,
+            memory_fraction=args.memory_fraction,
+            efficiency=args.efficiency,
+        )
+    except ValueError as err:  # PlanError, and bad presets, configs or device values
+        print(f"plait plan: error: {err}", file=sys.stderr)
+        return 2
+    shown = ranked[: args.top] if args.top > 0 else ranked
+    if args.json:
+        print(json.dumps([to_json(c, model, work, dev) for c in shown], indent=1))
+    else:
+        print(format_plan(shown, model, work, dev, args.gpus))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``plait plan`` on its own (``python -m plait.plan.cli``)."""
+    parser = argparse.ArgumentParser(prog="plait")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["plan", *(argv if argv is not None else sys.argv[1:])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Device presets: memory, dense peak FLOP/s and link bandwidths per device.
+
+GPU figures are the vendors' published ones (dense, no sparsity; bandwidth per GPU and per
+direction). Memory is the usable HBM in GiB as ``nvidia-smi`` reports it, not the marketing
+figure. Inter-node bandwidth assumes one 400 Gb/s NIC per GPU (rail-optimised RDMA), the
+common H100 / H200 / B200 build; A100 systems mostly have 200 Gb/s.
+
+``cpu`` models one gloo worker process on a host CPU. Its figures are measure-free
+defaults, not a benchmark: 100 GFLOP/s per process (about one AVX2 / AVX-512 core's fp32
+FMA peak), 16 GiB per process, and 2 GB/s for gloo over loopback TCP, the same inside and
+across "nodes". Override them (``--flops``, ``--memory``, ``--intra-bw``, ``--inter-bw``)
+with figures measured on your machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from plait.plan.spec import DeviceSpec
+
+__all__ = ["DEVICES", "compute_peak", "device", "override"]
+
+_GIB = 2.0**30
+
+DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        DeviceSpec("h100", 80 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12),
+        DeviceSpec("h200", 140 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12),
+        DeviceSpec("a100", 80 * _GIB, 312e12, 300e9, 25e9, 8, flops_fp32=19.5e12),
+        DeviceSpec("b200", 180 * _GIB, 2250e12, 900e9, 50e9, 8, flops_fp32=75e12),
+        DeviceSpec("cpu", 16 * _GIB, 100e9, 2e9, 2e9, 8, flops_fp32=100e9),
+    )
+}
+_ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "gloo": "cpu"}
+
+
+def device(name: str) -> DeviceSpec:
+    """The preset ``name`` (case-insensitive, aliases such as ``h100-sxm``)."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in DEVICES:
+        known = ", ".join([*DEVICES, *_ALIASES])
+        raise ValueError(f"unknown device {name!r}; known: {known}")
+    return DEVICES[key]
+
+
+def override(spec: DeviceSpec, **values: Any) -> DeviceSpec:
+    """``spec`` with the given fields replaced; ``None`` values are ignored. Every value
+    must be positive (ValueError naming the field)."""
+    changes = {k: v for k, v in values.items() if v is not None}
+    for name, value in changes.items():
+        if value <= 0:
+            raise ValueError(f"device {name} must be positive, got {value}")
+    return dataclasses.replace(spec, **changes)
+
+
+def compute_peak(spec: DeviceSpec, precision: str) -> float:
+    """Dense peak FLOP/s for ``precision`` (``"bf16"`` or ``"fp32"``)."""
+    if precision == "bf16":
+        return spec.flops
+    return spec.flops_fp32 or spec.flops / 2

@@ -1,0 +1,147 @@
+"""Peak memory of one rank under a layout: the parts, as plait's code allocates them.
+
+Per rank, with ``P`` the elements it holds after tensor parallelism
+(:func:`~plait.plan.shards.rank_params`), ``ds = dp_shard``, ``e`` the compute dtype's
+bytes (2 for bf16, 4 for fp32) and ``n`` the tokens of one microbatch on one data-parallel
+rank (``global_batch / dp / microbatches * seq_len``):
+
+* **params, grads**: fp32 shards, ``4 P / ds`` each (``--mp bf16`` keeps fp32 shards and
+  fp32 gradient reductions); **optimizer**: AdamW's two fp32 moments, ``8 P / ds``.
+* **unsharded** (``ds > 1``): the all-gathered units in flight, in the compute dtype. The
+  root unit (embeddings, head) stays gathered from forward through backward
+  (``fully_shard`` does not reshard the root after forward); blocks: the current one and the
+  prefetched next, or every block with ``reshard_after_forward=False``; under a pipeline the
+  whole stage (plait's schedules gather a stage once per step, ``add_fsdp_actions``).
+  Without ``fully_shard``, ``--mp bf16`` runs under autocast, whose cache keeps a bf16 copy
+  of every matrix until backward.
+* **activations**: per block and token, what autograd saves (below), times the block's
+  layers and the microbatches in flight on the rank (from plait's schedule simulator).
+* **buffers**: the reduce-scatter staging of the largest block (its unsharded gradient in
+  the compute dtype and its fp32 reduction input); pipeline send / receive buffers.
+* **extra**: ``logits`` (the head's rank: the fp32 log-probabilities ``lm_loss`` saves per
+  microbatch in flight, plus the compute-dtype logits and their fp32 copy at the loss);
+  ``accumulated_grads`` (``fully_shard`` without gradient sync, i.e. gradient accumulation
+  or a pipeline: unsharded fp32 gradients of everything the rank holds); ``recompute``
+  (checkpointing: one block's activations rebuilt during its backward).
+
+Saved activations per token of one block (``d`` width, ``k`` the width of k and of v,
+``f`` the MLP width; ``/tp`` where tensor parallelism splits heads or the MLP; norm inputs
+``/tp`` under sequence parallelism only; linear inputs whole, since torch's tensor
+parallelism saves the all-gathered input):
+
+* ``--ac none``: norm inputs ``2d`` + linear inputs ``2d`` + q, k, v ``(d + 2k)/tp`` +
+  attention output ``d/tp`` (flash kernels lay it out so that the output projection's
+  input is a view of it) + MLP ``4f/tp`` (SwiGLU: w1, w3, silu, product) or ``2f/tp``
+  (GELU: fc output, gelu output).
+* ``--ac selective`` (plait keeps matmul outputs, recomputes the rest, attention included):
+  block input ``d`` + q, k, v ``(d + 2k)/tp`` + attention projection ``d`` + MLP matmuls
+  ``2f/tp + d`` (SwiGLU) or ``f/tp + d``.
+* ``--ac full``: the block input ``d`` only.
+
+Not modelled: the allocator's fragmentation and caching, CUDA context and library
+workspaces (the search leaves headroom for them), dropout masks, attention's per-row
+statistics, the root unit's gradient staging at the very end of backward (when activations
+are already freed), and the optimizer step's temporaries.
+"""
+
+from __future__ import annotations
+
+from plait.plan.schedule import PipelineShape, RankLoad, layout_shape
+from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params
+from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
+
+__all__ = ["activation_elems_per_token", "peak_memory", "predict_memory", "rank_memory"]
+
+
+def activation_elems_per_token(model: ModelSpec, layout: Layout, ac: str | None = None) -> float:
+    """Elements one block saves per token under ``ac`` (default: the layout's), per rank."""
+    d, f, tp = model.d_model, model.ffn_hidden, layout.tp
+    k = model.kv_heads * (d // model.heads)
+    norm = tp if layout.sequence_parallel and tp > 1 else 1
+    mode = ac or layout.ac
+    if mode == "none":
+        mlp = (4 if model.gated else 2) * f / tp
+        return 2 * d / norm + 2 * d + (d + 2 * k) / tp + d / tp + mlp
+    if mode == "selective":
+        mlp = (2 if model.gated else 1) * f / tp + d
+        return d / norm + (d + 2 * k) / tp + d + mlp
+    if mode == "full":
+        return d / norm
+    raise ValueError(f"--ac {mode}: the planner models none, selective and full")
+
+
+def rank_memory(
+    model: ModelSpec, layout: Layout, work: Workload, load: RankLoad
+) -> MemoryBreakdown:
+    """The memory of pipeline rank ``load`` (module docstring)."""
+    e = compute_bytes(work)
+    bf16 = work.precision == "bf16"
+    ds, tp = layout.dp_shard, layout.tp
+    p = rank_params(model, layout, load)
+    sharded = p.total / ds
+    n = microbatch_tokens(layout, work)
+    pipelined = layout.pp > 1
+    sp = layout.sequence_parallel and tp > 1
+    # Norm inputs live in the residual stream: fp32 under autocast (no fully_shard), else e.
+    e_res = 4 if (bf16 and ds == 1) else e
+
+    if ds > 1:
+        gathered_blocks = load.layers if (pipelined or not layout.reshard_after_forward) else 2
+        unsharded = (p.root + min(gathered_blocks, load.layers) * p.block) * e
+    elif bf16:  # autocast's cache: a bf16 copy of every matrix, forward to backward
+        head = model.vocab * model.d_model / tp if load.head else 0.0
+        unsharded = (load.layers * p.block_matmul + head) * 2
+    else:
+        unsharded = 0.0
+
+    per_token = activation_elems_per_token(model, layout)
+    norm_part = model.d_model / (tp if sp else 1) * (1 if layout.ac != "none" else 2)
+    block_bytes = (per_token - norm_part) * e + norm_part * e_res
+    activations = n * block_bytes * load.stage_layers * load.in_flight
+
+    extra: dict[str, float] = {}
+    if load.head:
+        v = model.vocab / tp
+        extra["logits"] = n * v * (4 * max(load.head_in_flight, 1) + e + 4)
+        extra["logits"] += n * model.d_model * (e_res / (tp if sp else 1) + e)  # ln_f, head in
+    if layout.ac != "none":
+        full = activation_elems_per_token(model, layout, "none")
+        extra["recompute"] = n * full * e
+    if ds > 1 and (pipelined or layout.microbatches > 1):
+        extra["accumulated_grads"] = p.total * 4
+
+    buffers = p.block * (e + 4) if ds > 1 else 0.0
+    if pipelined:
+        buffers += 2 * n * model.d_model / (tp if sp else 1) * e
+    return MemoryBreakdown(
+        params=4 * sharded,
+        grads=4 * sharded,
+        optimizer=8 * sharded,
+        unsharded=unsharded,
+        activations=activations,
+        buffers=buffers,
+        extra=extra,
+    )
+
+
+def peak_memory(
+    model: ModelSpec, layout: Layout, work: Workload, shape: PipelineShape
+) -> MemoryBreakdown:
+    """The memory of the pipeline rank of ``shape`` that needs the most."""
+    return max((rank_memory(model, layout, work, r) for r in shape.ranks), key=_total)
+
+
+def _total(m: MemoryBreakdown) -> float:
+    return m.total
+
+
+def predict_memory(
+    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec | None = None
+) -> MemoryBreakdown:
+    """Peak bytes of the rank that needs the most under ``layout`` (module docstring).
+
+    ``device`` is accepted for symmetry with the other predictions and not used: memory
+    does not depend on the device. ValueError for a layout plait's schedules refuse.
+    """
+    del device
+    return peak_memory(model, layout, work, layout_shape(model, layout))

@@ -1,0 +1,164 @@
+"""How a plan is shown: a table of the best layouts, the command lines that launch the
+best one, and a JSON form for programs (sizes in bytes, times in seconds)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from plait.plan.models import flops_per_token, param_counts
+from plait.plan.search import Candidate, describe
+from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
+
+__all__ = ["format_plan", "size", "to_json", "torchrun_command", "train_command"]
+
+_GIB = 2.0**30
+
+
+def size(nbytes: float) -> str:
+    """``nbytes`` in GiB, or MiB / KiB when smaller: ``61.6 GiB``, ``3.2 MiB``."""
+    for unit, scale in (("GiB", _GIB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _model_flags(model: ModelSpec) -> list[str]:
+    return [f"--n-layer {model.layers}", f"--n-head {model.heads}", f"--d-model {model.d_model}"]
+
+
+def _layout_flags(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
+    flags = [
+        f"--dp-replicate {layout.dp_replicate}",
+        f"--dp-shard {layout.dp_shard}",
+        f"--tp {layout.tp}",
+        f"--pp {layout.pp}",
+    ]
+    if layout.pp > 1:
+        flags += [f"--schedule {layout.schedule}", f"--stages-per-rank {layout.stages_per_rank}"]
+    flags += [
+        f"--microbatches {layout.microbatches}",
+        f"--ac {layout.ac}",
+        f"--mp {work.precision}",
+    ]
+    if not layout.reshard_after_forward:
+        flags.append("--no-reshard-after-forward")
+    if layout.tp > 1 and not layout.sequence_parallel:
+        flags.append("--no-sequence-parallel")
+    flags += [f"--batch-size {work.global_batch}", f"--seq-len {work.seq_len}"]
+    flags += _model_flags(model)
+    flags.append("--device cpu" if device.name == "cpu" else "--device cuda")
+    return " ".join(flags)
+
+
+def train_command(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
+    """``plait train`` running ``layout`` for ``work`` (model flags: plait's GPT of
+    ``model``'s depth, heads and width): with ``--nproc`` local workers when one node holds
+    them all, else the flags each torchrun worker takes (:func:`torchrun_command`)."""
+    nproc = f"--nproc {layout.world} " if layout.world <= device.gpus_per_node else ""
+    return f"plait train {nproc}" + _layout_flags(layout, model, work, device)
+
+
+def torchrun_command(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
+    """The same run launched by torchrun on every node (``$HEAD``: the first node)."""
+    per_node = min(device.gpus_per_node, layout.world)
+    nodes = math.ceil(layout.world / per_node)
+    rdzv = " --rdzv-backend c10d --rdzv-endpoint $HEAD:29500" if nodes > 1 else ""
+    flags = _layout_flags(layout, model, work, device)
+    return f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rdzv} -m plait train {flags}"
+
+
+def to_json(c: Candidate, model: ModelSpec, work: Workload, device: DeviceSpec) -> dict[str, Any]:
+    """One candidate as plain JSON values (bytes, seconds, fractions)."""
+    mem = c.memory
+    return {
+        "layout": {**vars(c.layout), "world": c.layout.world},
+        "summary": describe(c.layout),
+        "fits": c.fits,
+        "memory": {
+            "params": mem.params,
+            "grads": mem.grads,
+            "optimizer": mem.optimizer,
+            "unsharded": mem.unsharded,
+            "activations": mem.activations,
+            "buffers": mem.buffers,
+            "extra": dict(mem.extra),
+            "total": mem.total,
+            "device": device.memory,
+        },
+        "communication": [
+            {"dim": k.dim, "op": k.op, "bytes": k.bytes, "calls": k.calls, "seconds": k.seconds}
+            for k in c.timing.collectives
+        ],
+        "bubble": c.timing.bubble,
+        "step_time_s": c.timing.step_time,
+        "compute_s": c.timing.compute,
+        "exposed_comm_s": c.timing.exposed_comm,
+        "tokens_per_s_per_device": c.timing.tokens_per_s_per_device,
+        "mfu": c.timing.mfu,
+        "command": train_command(c.layout, model, work, device),
+        "torchrun": torchrun_command(c.layout, model, work, device),
+    }
+
+
+def format_plan(
+    candidates: list[Candidate], model: ModelSpec, work: Workload, device: DeviceSpec, gpus: int
+) -> str:
+    """The header, a table of ``candidates`` (best first) and the best one's commands."""
+    params = param_counts(model).total(model.layers)
+    lines = [
+        f"{model.name}: {_count(params)} parameters, {flops_per_token(model, work.seq_len):.3g} "
+        f"FLOPs/token; {work.global_batch} x {work.seq_len} tokens per step, {work.precision}; "
+        f"{gpus} x {device.name} ({device.memory / _GIB:.0f} GiB, {device.gpus_per_node} per node)",
+        "",
+    ]
+    head = ("#", "layout", "peak memory", "step s", "tokens/s/dev", "MFU", "bubble", "exposed s")
+    rows = [
+        (
+            str(i),
+            describe(c.layout),
+            size(c.memory.total),
+            f"{c.timing.step_time:.3f}",
+            f"{c.timing.tokens_per_s_per_device:,.0f}",
+            f"{c.timing.mfu:.1%}",
+            f"{c.timing.bubble:.1%}",
+            f"{c.timing.exposed_comm:.3f}",
+        )
+        for i, c in enumerate(candidates, 1)
+    ]
+    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
+    for row in [head, *rows]:
+        cells = [row[1].ljust(widths[1])] + [
+            v.rjust(w) for v, w in zip(row[2:], widths[2:], strict=True)
+        ]
+        lines.append(row[0].rjust(widths[0]) + "  " + "  ".join(cells))
+    best = candidates[0]
+    mem = best.memory
+    parts = {
+        "params": mem.params,
+        "grads": mem.grads,
+        "optimizer": mem.optimizer,
+        "unsharded": mem.unsharded,
+        "activations": mem.activations,
+        "buffers": mem.buffers,
+        **mem.extra,
+    }
+    lines += [
+        "",
+        "best, per rank: " + ", ".join(f"{k} {size(v)}" for k, v in parts.items()),
+        "  " + train_command(best.layout, model, work, device),
+        "  " + torchrun_command(best.layout, model, work, device),
+    ]
+    if model.gated or model.kv_heads != model.heads:
+        lines.append(
+            f"  (plait train builds its GPT; {model.name}'s exact blocks need your own model "
+            "with the same layout flags)"
+        )
+    return "\n".join(lines)

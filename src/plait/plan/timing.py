@@ -1,0 +1,177 @@
+"""Predicted step time, tokens/s per device and MFU: the cost model.
+
+**Compute.** A rank's FLOPs (its blocks' matrices after tensor parallelism, attention
+``4 T d / tp`` per token and block forward, backward twice the forward, the head on the
+last stage) run at ``EFFICIENCY x`` the device's dense peak for the compute dtype.
+Checkpointing adds its recomputation: ``selective`` recomputes attention (plait keeps only
+matmul outputs), ``full`` the whole block forward.
+
+**Communication** (bytes from :mod:`plait.plan.comm`, time = bytes / link bandwidth +
+``LATENCY`` per call), overlapped as plait overlaps it:
+
+* ``fully_shard`` prefetches: the next block's all-gather runs during the current block's
+  compute (forward and backward), its reduce-scatter (and HSDP's all-reduce) during the
+  next block's backward. Per block, only what exceeds that block's compute is exposed; the
+  first all-gather, the root's and the last reductions are exposed whole.
+* ``replicate``: bucketed all-reduces overlap backward the same way, per block.
+* tensor parallelism: exposed whole (plait runs torch's TP collectives synchronously, in
+  the compute stream; no async TP).
+* pipelines: the schedule's makespan from plait's simulator (:mod:`plait.plan.schedule`)
+  times the slowest stage's forward plus backward; the stage's all-gather at the start of
+  the step and its reductions at the end are exposed (plait gathers a stage once per
+  step); each of the ``2 (stages - 1)`` hops of the pipeline's fill and drain exposes one
+  send.
+
+**Calibration.** ``EFFICIENCY`` is the one fitted constant, from one published run only:
+torchtitan's Llama 3.1 8B on 8 H100s, FSDP 8, selective checkpointing, local batch 2,
+sequence 8192, 5,762 tokens/s per GPU (``shared/reference/published_runs.md``, table 1; see
+:mod:`plait.plan.calibration`, which recomputes it). Every other prediction uses it
+unchanged.
+
+Not modelled: kernel efficiency varying with shape (small matrices, short sequences), the
+causal mask's saving in attention, communication slowing compute down when overlapped,
+collective latency growing with group size, the optimizer step, data loading, host
+overheads (kernel launches, Python), ``torch.compile``, Float8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.plan.comm import Collective, communication, link_bandwidth, ring, tp_bytes_per_block
+from plait.plan.devices import compute_peak
+from plait.plan.models import attention_flops_per_token, flops_per_token
+from plait.plan.schedule import PipelineShape, RankLoad
+from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params
+from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
+
+__all__ = ["EFFICIENCY", "LATENCY", "Timing", "predict_time"]
+
+EFFICIENCY = 0.3641
+"""Achievable fraction of the dense peak (calibrated: module docstring)."""
+
+LATENCY = 10e-6
+"""Seconds per collective call, whatever its size."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One step's predicted time and throughput (seconds, tokens/s per device)."""
+
+    step_time: float
+    compute: float  # the busiest rank's compute, recomputation included
+    exposed_comm: float
+    bubble: float  # the pipeline's idle fraction (0 without a pipeline)
+    tokens_per_s_per_device: float
+    mfu: float
+    collectives: tuple[Collective, ...]  # the busiest rank's, per step
+
+
+def _seconds(nbytes: float, dim: str, layout: Layout, device: DeviceSpec, calls: int) -> float:
+    return nbytes / link_bandwidth(dim, layout, device) + calls * LATENCY
+
+
+@dataclass(frozen=True)
+class _RankTimes:
+    block_fwd: float  # one block, one microbatch: compute plus its TP collectives
+    block_bwd: float  # backward, recomputation and their TP collectives
+    head_fwd: float
+    head_bwd: float
+    compute: float  # per step, pure compute
+    exposed: float  # data-parallel communication not hidden, per step (without a pipeline)
+    ends: float  # the data-parallel communication around a pipeline's step
+
+
+def _rank_times(
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    load: RankLoad,
+    efficiency: float,
+) -> _RankTimes:
+    rate = compute_peak(device, work.precision) * efficiency
+    e = compute_bytes(work)
+    m, ds, dr, tp = layout.microbatches, layout.dp_shard, layout.dp_replicate, layout.tp
+    n = microbatch_tokens(layout, work)
+    p = rank_params(model, layout, load)
+    attention = attention_flops_per_token(model, work.seq_len) / tp
+    forward = n * (2 * p.block_matmul + attention) / rate
+    recompute = {"none": 0.0, "selective": n * attention / rate, "full": forward}[layout.ac]
+    t_tp = 0.0
+    if tp > 1:
+        t_tp = _seconds(tp_bytes_per_block(model, layout, work), "tp", layout, device, 4)
+    passes = 2 if layout.ac != "none" else 1
+    fwd, bwd = forward + t_tp, 2 * forward + recompute + passes * t_tp
+    head = n * 2 * model.vocab * model.d_model / tp / rate if load.head else 0.0
+    ends = int(load.embedding) + int(load.head)
+    head_f, head_b = head + ends * t_tp / 4, 2 * head + ends * t_tp / 4
+    compute = m * (load.layers * (3 * forward + recompute) + 3 * head)
+
+    def dp(nbytes: float, dim: str, op: str, group: int) -> float:
+        return _seconds(nbytes * ring(op, group), dim, layout, device, 1) if group > 1 else 0.0
+
+    def reduce(elems: float) -> float:  # reduce-scatter, then HSDP's / replicate's all-reduce
+        rs = dp(elems * 4, "dp_shard", "reduce_scatter", ds)
+        return rs + dp(elems / ds * 4, "dp_replicate", "all_reduce", dr)
+
+    if layout.pp > 1:
+        gather = dp(p.total * e, "dp_shard", "all_gather", ds)
+        return _RankTimes(fwd, bwd, head_f, head_b, compute, 0.0, gather + reduce(p.total))
+    gather_block = dp(p.block * e, "dp_shard", "all_gather", ds)
+    gather_root = dp(p.root * e, "dp_shard", "all_gather", ds)
+    bwd_gather = gather_block if layout.reshard_after_forward else 0.0
+    uncovered = max(0.0, gather_block - fwd) * max(p.blocks - 1, 0)  # prefetch longer than compute
+    exposed = m * (gather_root + gather_block + uncovered)
+    exposed += (m - 1) * p.blocks * max(0.0, bwd_gather - bwd)  # microbatches without sync
+    exposed += p.blocks * max(0.0, bwd_gather + reduce(p.block) - bwd) + reduce(p.root)
+    return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0)
+
+
+def predict_time(
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    shape: PipelineShape,
+    efficiency: float = EFFICIENCY,
+) -> Timing:
+    """The step time of ``layout`` (module docstring) from its pipeline ``shape``."""
+    times = {
+        load: _rank_times(model, layout, work, device, load, efficiency) for load in shape.ranks
+    }
+    m = layout.microbatches
+    if layout.pp == 1:
+        ((load, t),) = times.items()
+        per_mb = load.layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd
+        step, compute, exposed = m * per_mb + t.exposed, t.compute, t.exposed
+    else:
+        unit = max(
+            r.stage_layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd
+            for r, t in times.items()
+        )
+        hop = _microbatch_hop(model, layout, work, device)
+        hops = 2 * (layout.pp * layout.stages_per_rank - 1)
+        exposed = max(t.ends for t in times.values()) + hops * hop
+        step = shape.makespan * unit + exposed
+        compute = max(t.compute for t in times.values())
+    tokens = work.global_batch * work.seq_len / step / layout.world
+    peak = compute_peak(device, work.precision)
+    busiest = max(shape.ranks, key=lambda r: (r.layers, r.head))
+    return Timing(
+        step_time=step,
+        compute=compute,
+        exposed_comm=exposed,
+        bubble=shape.bubble,
+        tokens_per_s_per_device=tokens,
+        mfu=flops_per_token(model, work.seq_len) * tokens / peak,
+        collectives=tuple(communication(model, layout, work, device, busiest)),
+    )
+
+
+def _microbatch_hop(model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec) -> float:
+    """Seconds to send one microbatch's activation to the next pipeline stage."""
+    sp = layout.tp if layout.sequence_parallel else 1
+    n = microbatch_tokens(layout, work)
+    e = compute_bytes(work)
+    return _seconds(n * model.d_model / sp * e, "pp", layout, device, 1)

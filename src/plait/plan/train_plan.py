@@ -1,0 +1,81 @@
+"""The plan of one ``plait train`` configuration: what ``plait train --plan`` prints before
+it starts workers (memory per rank, bubble, predicted tokens/s, and whether it fits)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plait.plan.devices import device as device_preset
+from plait.plan.models import gpt
+from plait.plan.report import size
+from plait.plan.search import Candidate, describe, evaluate
+from plait.plan.spec import DeviceSpec, Layout, Workload
+
+if TYPE_CHECKING:
+    from plait.train.config import TrainConfig
+
+__all__ = ["local_device", "plan_of_config", "plan_summary"]
+
+
+def local_device(kind: str) -> DeviceSpec:
+    """The preset of this machine's devices: ``cpu``, or the GPU preset whose name appears
+    in CUDA's device name (H100, H200, A100, B200; H100 when none matches)."""
+    if kind != "cuda":
+        return device_preset("cpu")
+    import torch
+
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+    for preset in ("h200", "h100", "a100", "b200"):
+        if preset in name:
+            return device_preset(preset)
+    return device_preset("h100")
+
+
+def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candidate:
+    """Predict a resolved configuration (:func:`plait.train.layout.resolve`) on ``device``
+    (default: :func:`local_device`). ValueError for ``--ac offload`` (not modelled)."""
+    model = gpt(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len)
+    layout = Layout(
+        dp_replicate=cfg.dp_replicate,
+        dp_shard=cfg.dp_shard,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        schedule=cfg.schedule,
+        microbatches=cfg.microbatches,
+        ac=cfg.ac,
+        sequence_parallel=cfg.sequence_parallel,
+        reshard_after_forward=cfg.reshard_after_forward,
+        stages_per_rank=cfg.stages_per_rank,
+    )
+    if cfg.ac not in ("none", "selective", "full"):
+        raise ValueError(f"--plan: --ac {cfg.ac} is not modelled (none, selective, full are)")
+    work = Workload(cfg.seq_len, cfg.batch_size, cfg.mp)
+    return evaluate(model, layout, work, device or local_device(cfg.device))
+
+
+def plan_summary(cfg: TrainConfig, device: DeviceSpec | None = None) -> str:
+    """A few lines on ``cfg``'s plan, ending in a warning when it will not fit."""
+    dev = device or local_device(cfg.device)
+    c = plan_of_config(cfg, dev)
+    m, t = c.memory, c.timing
+    parts = {
+        "params": m.params,
+        "grads": m.grads,
+        "optimizer": m.optimizer,
+        "unsharded": m.unsharded,
+        "activations": m.activations,
+        "buffers": m.buffers,
+        **m.extra,
+    }
+    lines = [
+        f"plan ({describe(c.layout)} on {dev.name}): peak memory per rank {size(m.total)} "
+        f"({', '.join(f'{k} {size(v)}' for k, v in parts.items() if v)})",
+        f"  bubble {t.bubble:.1%}, step {t.step_time:.3g} s, "
+        f"{t.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {t.mfu:.1%}",
+    ]
+    if not c.fits:
+        lines.append(
+            f"  warning: {size(m.total)} per rank will not fit in {dev.name}'s "
+            f"{size(dev.memory)} (planner's usable share: 90%)"
+        )
+    return "\n".join(lines)
