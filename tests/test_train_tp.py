@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,15 +182,23 @@ def test_tp_checkpoint_resumes_exactly_and_loads_anywhere(tmp_path: Path) -> Non
     assert model.blocks[0].attn.q.weight.shape == (TINY.d_model, TINY.d_model)  # type: ignore[union-attr]
 
 
-def test_fsdp_tp_checkpoint_continues_as_pipeline_of_tp_stages(tmp_path: Path) -> None:
-    cfg = TP_TINY.replace(steps=4, keep=5)
+def test_fsdp_tp_checkpoint_continues_at_other_layouts(tmp_path: Path) -> None:
+    cfg = TP_TINY.replace(steps=4, keep=5, n_head=4)  # 4 heads: --tp 4 divides them
     expected = run_train(cfg, 1, tmp_path / "one").losses
     saved = cfg.replace(dp_shard=2, tp=2, stop_after=2)  # parameters: (_StridedShard, Shard)
     run_on_ranks(4, _train_on_rank, saved, str(tmp_path / "run"))
-    resumed = cfg.replace(pp=2, tp=2, resume=True)  # each rank loads its stage's TP shards
-    for result in run_on_ranks(4, _train_on_rank, resumed, str(tmp_path / "run")):
-        assert result.start_step == 2
-        _assert_close(result.losses, expected[2:])
+    # The same checkpoint continued at three other layouts (each from its own copy).
+    layouts = {
+        "pp2_tp2": cfg.replace(pp=2, tp=2),  # each rank loads its stage's TP shards
+        "tp4": cfg.replace(tp=4),
+        "dp4": cfg.replace(dp_shard=4),
+    }
+    for name, layout in layouts.items():
+        shutil.copytree(tmp_path / "run", tmp_path / name)
+        resumed = layout.replace(resume=True)
+        for result in run_on_ranks(4, _train_on_rank, resumed, str(tmp_path / name)):
+            assert result.start_step == 2, name
+            _assert_close(result.losses, expected[2:])
 
 
 # ----------------------------------------------------------------------------------------
