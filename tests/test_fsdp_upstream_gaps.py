@@ -6,20 +6,25 @@
 * ``test_fully_shard_mixed_precision.py::test_reduce_dtype_after_frozen_first_forward``: a
   unit whose parameters are all frozen in its first forward (under ``no_grad``), with a
   non-float parameter beside them, still reduces in the policy's fp32 once they are
-  unfrozen: its gradients are fp32 and equal a bf16 copy's (torch 2.13 fails it on CPU).
+  unfrozen: its gradients are fp32 and equal a bf16 copy's (torch 2.13 fails it on CPU);
+* ``test_fully_shard_mixed_precision.py::test_grad_acc_with_reduce_dtype``: gradients
+  accumulated over microbatches without sync are kept in fp32, not bf16.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.fsdp import MixedPrecisionPolicy, fully_shard
 
 from harness import run_on_ranks
+from models import MLP
 
 
 def _cached_state_dict_body() -> list[str]:
@@ -98,3 +103,59 @@ def test_reduce_dtype_after_a_frozen_first_forward() -> None:
         assert ours.keys() == theirs.keys() and len(ours) == 4, ours.keys()
         for name in ours:
             torch.testing.assert_close(ours[name], theirs[name], atol=0, rtol=0, msg=name)
+
+
+def _grad_acc_body(reshard_after_forward: bool) -> list[str]:
+    """torch's test_grad_acc_with_reduce_dtype: microbatches without gradient sync, bf16
+    compute, fp32 reduction. The reference keeps a bf16 compute copy, accumulates its
+    gradients in fp32 and averages them over ranks at the last microbatch; losses must be
+    equal and parameters equal after every step."""
+    world = dist.get_world_size()
+    torch.manual_seed(42)
+    model = nn.Sequential(*[MLP(16, 16) for _ in range(3)])
+    reference = copy.deepcopy(model)
+    compute = copy.deepcopy(reference).to(torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for mlp in model:
+        fully_shard(mlp, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    torch.manual_seed(43 + dist.get_rank())
+    inputs = torch.randn(8, 16, dtype=torch.bfloat16)
+    problems = []
+    for step in range(4):
+        for i, micro in enumerate(inputs.chunk(4)):
+            last = i == 3
+            model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            model.set_reshard_after_backward(last or reshard_after_forward)  # type: ignore[operator]
+            ours, theirs = model(micro).sum(), compute(micro).sum()
+            ours.backward()
+            theirs.backward()
+            if not torch.equal(ours, theirs):
+                problems.append(f"step {step} microbatch {i}: loss {ours} != {theirs}")
+            for p, c in zip(reference.parameters(), compute.parameters(), strict=True):
+                assert c.grad is not None
+                p.grad = c.grad.float() if p.grad is None else p.grad + c.grad
+                c.grad = None
+        for p in reference.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for p, c in zip(reference.parameters(), compute.parameters(), strict=True):
+                c.copy_(p)
+        for (name, p), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+            if not torch.allclose(p.full_tensor(), want, atol=1e-5, rtol=1.3e-6):  # type: ignore[attr-defined]
+                problems.append(f"step {step}: parameter {name} differs")
+    return problems
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_gradient_accumulation_in_the_reduce_dtype(reshard_after_forward: bool) -> None:
+    for problems in run_on_ranks(2, _grad_acc_body, reshard_after_forward):
+        assert not problems, problems
