@@ -8,7 +8,13 @@
   non-float parameter beside them, still reduces in the policy's fp32 once they are
   unfrozen: its gradients are fp32 and equal a bf16 copy's (torch 2.13 fails it on CPU);
 * ``test_fully_shard_mixed_precision.py::test_grad_acc_with_reduce_dtype``: gradients
-  accumulated over microbatches without sync are kept in fp32, not bf16.
+  accumulated over microbatches without sync are kept in fp32, not bf16;
+* ``test_float16_on_one_submodule`` (subtests 1 and 3; subtest 2 relies on torch's helper
+  model casting inside its own forward, which says nothing about fully_shard) and
+  ``test_submodules_with_external_inputs``: which inputs each unit's policy casts;
+* ``test_fully_shard_state_dict.py::test_dp_state_dict_cpu_offload``: an offloaded meta
+  model loads one parameter at a time with ``assign=True`` (the GPU-only "parameters on a
+  non-CPU device" error has no CPU counterpart).
 """
 
 from __future__ import annotations
@@ -159,3 +165,102 @@ def _grad_acc_body(reshard_after_forward: bool) -> list[str]:
 def test_gradient_accumulation_in_the_reduce_dtype(reshard_after_forward: bool) -> None:
     for problems in run_on_ranks(2, _grad_acc_body, reshard_after_forward):
         assert not problems, problems
+
+
+class _Recording(nn.Module):
+    """A linear layer that records the dtype of the input its forward receives (after any
+    cast fully_shard applies: the record is inside ``forward``)."""
+
+    def __init__(self, seen: dict[str, torch.dtype], name: str) -> None:
+        super().__init__()
+        self.seen, self.name = seen, name
+        self.linear = nn.Linear(100, 100)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        self.seen[self.name] = x.dtype
+        if extra is not None:
+            self.seen[self.name + " extra"] = extra.dtype
+        return self.linear(x)
+
+
+class _TwoChildren(nn.Module):
+    def __init__(self, seen: dict[str, torch.dtype], external: bool = False) -> None:
+        super().__init__()
+        self.seen, self.external = seen, external
+        self.c1, self.c2 = _Recording(seen, "c1"), _Recording(seen, "c2")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen["model"] = x.dtype
+        # ``external``: c2 also gets a tensor made here, not derived from the model input
+        extra = torch.ones(2, 100) if self.external else None
+        return self.c2(self.c1(x), extra)
+
+
+def _casts_body() -> list[dict[str, torch.dtype]]:
+    fp16 = torch.float16
+    results = []
+    # torch's test_float16_on_one_submodule, subtests 1 and 3
+    for child, policy in (
+        ("c2", MixedPrecisionPolicy(param_dtype=fp16)),
+        ("c1", MixedPrecisionPolicy(param_dtype=fp16, output_dtype=torch.float32)),
+    ):
+        seen: dict[str, torch.dtype] = {}
+        model = _TwoChildren(seen)
+        fully_shard(getattr(model, child), mp_policy=policy)
+        fully_shard(model)
+        model(torch.zeros(2, 100)).float().sum().backward()
+        results.append(seen)
+    # torch's test_submodules_with_external_inputs, with and without the submodule's cast
+    for cast in (False, True):
+        seen = {}
+        model = _TwoChildren(seen, external=True)
+        fully_shard(model.c2, mp_policy=MixedPrecisionPolicy(fp16, cast_forward_inputs=cast))
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=fp16))
+        model(torch.zeros(2, 100)).float().sum().backward()
+        results.append(seen)
+    return results
+
+
+def test_forward_input_casts_per_submodule() -> None:
+    f16, f32 = torch.float16, torch.float32
+    fp16_c2, fp16_c1_fp32_out, external_kept, external_cast = run_on_ranks(2, _casts_body)[0]
+    assert fp16_c2 == {"model": f32, "c1": f32, "c2": f16}
+    assert fp16_c1_fp32_out == {"model": f32, "c1": f16, "c2": f32}
+    # the root casts its own input; c2 casts the tensor made inside the model only if asked
+    assert external_kept == {"model": f16, "c1": f16, "c2": f16, "c2 extra": f32}
+    assert external_cast == {"model": f16, "c1": f16, "c2": f16, "c2 extra": f16}
+
+
+def _offload_assign_body() -> float:
+    """torch's test_dp_state_dict_cpu_offload: a meta-device model with CPU offload loads
+    its shards one parameter at a time (``assign=True, strict=False``, the others still on
+    meta), then runs, and its state dict is on the CPU holding exactly what was loaded."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from plait.fsdp import CPUOffloadPolicy
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    offload = CPUOffloadPolicy(pin_memory=False)
+    for layer in model:
+        fully_shard(layer, offload_policy=offload)
+    fully_shard(model, offload_policy=offload)
+    torch.manual_seed(42)  # the same full tensors on every rank
+    full = {name: torch.randn(p.shape) for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor)
+        piece = distribute_tensor(full[name], p.device_mesh, p.placements)
+        model.load_state_dict({name: piece}, assign=True, strict=False)
+    x = torch.rand(4, 4)
+    model(x).sum().backward()
+    want = x @ full["0.weight"].T @ full["1.weight"].T
+    diff = (model(x) - want).abs().max().item()
+    for name, value in model.state_dict().items():
+        assert value.device.type == "cpu", name
+        assert torch.equal(value.full_tensor(), full[name]), name
+    return diff
+
+
+def test_offloaded_meta_model_loads_one_parameter_at_a_time() -> None:
+    for diff in run_on_ranks(2, _offload_assign_body):
+        assert diff < 1e-6, diff
