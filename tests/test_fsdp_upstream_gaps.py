@@ -264,3 +264,36 @@ def _offload_assign_body() -> float:
 def test_offloaded_meta_model_loads_one_parameter_at_a_time() -> None:
     for diff in run_on_ranks(2, _offload_assign_body):
         assert diff < 1e-6, diff
+
+
+def _assign_shards_body(on_meta: bool) -> tuple[float, bool]:
+    """What transformers' ``from_pretrained(distributed_config=...)`` does: ``fully_shard``
+    a model (built on meta, or not), then before its first forward assign each parameter a
+    DTensor in the unit's layout holding this rank's real shard (``setattr`` of a new
+    ``nn.Parameter``). plait takes them in: on meta their storage becomes the shard;
+    otherwise their values go into the existing shards, which an optimizer may hold."""
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))  # 3 rows: uneven over 2 ranks
+    with torch.device("meta" if on_meta else "cpu"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    held = list(model.parameters())
+    for (name, p), want in zip(model.named_parameters(), full.parameters(), strict=True):
+        module_name, _, leaf = name.rpartition(".")
+        local = want.detach().chunk(2)[dist.get_rank()].clone()
+        shard = DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )  # type: ignore[attr-defined]
+        setattr(model.get_submodule(module_name), leaf, nn.Parameter(shard))
+    x = torch.randn(5, 4)
+    diff = (model(x) - full(x)).abs().max().item()
+    return diff, all(a is b for a, b in zip(held, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("on_meta", [True, False], ids=["meta", "materialised"])
+def test_shards_assigned_in_the_units_layout_are_taken_in(on_meta: bool) -> None:
+    for diff, same_objects in run_on_ranks(2, _assign_shards_body, on_meta):
+        assert diff < 1e-6, diff
+        assert same_objects or on_meta  # on meta the new storage is the shard

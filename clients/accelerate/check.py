@@ -3,6 +3,7 @@
     check.py [--only NAME ...] [--list] [--timeout S]
 
 Each run is ``torchrun --standalone --nproc_per_node 2 driver.py IMPL CONFIG DIR`` on CPU
+(4 processes for ``transformers-tp2-fsdp2``)
 (gloo); scratch and logs go to ``clients/accelerate/.work/<config>/<impl>/``. Exits
 non-zero when a configuration torch runs fails on plait or differs from torch.
 """
@@ -19,8 +20,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORK = HERE / ".work"
-CONFIGS = ("fsdp2", "fsdp2-ac", "fsdp2-cpu-offload", "fsdp2-no-reshard", "fsdp2-state-dict")
+CONFIGS = (
+    "fsdp2",
+    "fsdp2-ac",
+    "fsdp2-cpu-offload",
+    "fsdp2-no-reshard",
+    "fsdp2-state-dict",
+    "transformers-fsdp2",
+    "transformers-tp2-fsdp2",
+)
 NPROC = 2
+# transformers' own TP x FSDP: tp 2 x fsdp 2
+NPROC_OF = {"transformers-tp2-fsdp2": 4}
 # Where torch's own run fails, plait is compared with torch's nearest configuration that
 # runs: torch 2.13's CPU offload pins host memory, which needs an accelerator.
 NEAREST = {"fsdp2-cpu-offload": "fsdp2"}
@@ -29,11 +40,12 @@ NEAREST = {"fsdp2-cpu-offload": "fsdp2"}
 def run_one(impl: str, config: str, timeout: float) -> tuple[bool, list[dict[str, object]], str]:
     """Run one (implementation, configuration); return (ran, per-rank results, log tail)."""
     out = WORK / config / impl
+    nproc = NPROC_OF.get(config, NPROC)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={NPROC}", str(HERE / "driver.py"), impl, config, str(out),
+        f"--nproc_per_node={nproc}", str(HERE / "driver.py"), impl, config, str(out),
     ]  # fmt: skip
     env_log = out / "log.txt"
     try:
@@ -44,9 +56,9 @@ def run_one(impl: str, config: str, timeout: float) -> tuple[bool, list[dict[str
     except subprocess.TimeoutExpired as expired:
         log, ok = f"{expired.output or ''}\nTIMEOUT after {timeout}s", False
     env_log.write_text(log)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(NPROC)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)
              if (out / f"rank{r}.json").exists()]  # fmt: skip
-    return ok and len(ranks) == NPROC, ranks, log
+    return ok and len(ranks) == nproc, ranks, log
 
 
 def first_error(log: str) -> str:

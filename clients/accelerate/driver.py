@@ -1,4 +1,5 @@
-"""Train a tiny transformers Llama with accelerate's FSDP2 plugin; one rank of one run.
+"""Train a tiny transformers Llama with accelerate's FSDP2 plugin, or with transformers' own
+FSDP2 / TP x FSDP2 (``from_pretrained(distributed_config=...)``); one rank of one run.
 
     torchrun --standalone --nproc_per_node 2 driver.py {torch|plait} CONFIG OUT_DIR
 
@@ -38,7 +39,64 @@ CONFIGS: dict[str, dict[str, object]] = {
     "fsdp2-no-reshard": {"reshard_after_forward": False},
     "fsdp2-state-dict": {"state_dict_type": "SHARDED_STATE_DICT"},
 }
+# transformers' own entry point: DistributedConfig keyword arguments (no accelerate).
+NATIVE: dict[str, dict[str, int]] = {
+    "transformers-fsdp2": {"fsdp_size": 2},
+    "transformers-tp2-fsdp2": {"fsdp_size": 2, "tp_size": 2},
+}
 STEPS = 3
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
+def native() -> None:
+    """transformers shards the model itself while loading it: every rank saves the same
+    seeded model, then loads it with ``distributed_config`` (its FSDP plan, and its TP plan
+    with ``tp_size``). Every rank trains the same batches (the data-parallel split is not
+    what is compared here: the sharded model is)."""
+    from transformers.distributed import DistributedConfig
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    pretrained = out_dir / f"pretrained{rank}"
+    LlamaForCausalLM(tiny_config()).save_pretrained(pretrained)
+    model = LlamaForCausalLM.from_pretrained(
+        pretrained, distributed_config=DistributedConfig(**NATIVE[config_name]), dtype=torch.float32
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(100)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 128, (2, 32), generator=generator)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weight = next(model.parameters())
+    result: dict[str, object] = {
+        "model_class": [c.__module__ + "." + c.__name__ for c in type(model).__mro__[:2]],
+        "param_type": type(weight).__name__,
+        "placements": str(getattr(weight, "placements", None)),
+        "losses": losses,
+    }
+    if impl == "plait":
+        import redirect
+
+        result["redirects"] = redirect.RESOLVED
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:
@@ -51,17 +109,7 @@ def main() -> None:
     )
     accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="no", cpu=True)
     cpu_shims.enable_fsdp_on_cpu(accelerator, plugin)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(tiny_config()).to(torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
 
@@ -104,4 +152,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.makedirs(out_dir, exist_ok=True)
-    main()
+    native() if config_name in NATIVE else main()

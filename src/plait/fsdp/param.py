@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
@@ -260,15 +261,34 @@ class FSDPParam:
         for loc in self.locations:
             loc.module._parameters[loc.name] = value
 
-    def adopt_replacement(self) -> None:
+    def adopt_replacement(self) -> bool:
         """Take in a parameter the user assigned after ``fully_shard`` (before first use).
 
-        The new value must be a full (unsharded) tensor of the original shape; this rank
-        keeps its chunk of it, and the module gets the sharded parameter back.
+        The new value is a full (unsharded) tensor of the original shape, of which this rank
+        keeps its chunk, or a DTensor laid out as the sharded parameter (what loaders that
+        write parameters shard by shard assign, e.g. transformers' ``from_pretrained``),
+        whose local tensor is taken in. Either way the module gets the sharded parameter
+        back: an optimizer may already hold it. Returns True when the shard's storage was
+        replaced instead (a real shard assigned while the unit is still on the meta device,
+        where no optimizer can hold it yet): the unit must lay itself out again.
         """
         for loc in self.locations:
             current = loc.module._parameters.get(loc.name)
             if current is self.sharded:
+                continue
+            if self.same_layout(current) and self.padded.is_meta:
+                if current._local_tensor.is_meta:
+                    self.set_on_modules(self.sharded)
+                    continue
+                # on every location, then it becomes the shard (a DTensor nn.Parameter)
+                self.set_on_modules(cast(nn.Parameter, current))
+                self.reset_sharded()
+                return True
+            if self.same_layout(current):
+                with torch.no_grad():
+                    self._local(self.padded).copy_(current._local_tensor)
+                self.sharded.requires_grad_(current.requires_grad)
+                self.set_on_modules(self.sharded)
                 continue
             if not isinstance(current, torch.Tensor) or isinstance(current, DTensor):
                 raise RuntimeError(
@@ -290,6 +310,17 @@ class FSDPParam:
                 self._local(self.padded).copy_(self._own_rows(current))
             self.sharded.requires_grad_(current.requires_grad)
             self.set_on_modules(self.sharded)
+        return False
+
+    def same_layout(self, value: object) -> TypeGuard[DTensor]:
+        """``value`` is a DTensor with the sharded parameter's mesh, placements and shape."""
+        return (
+            isinstance(value, DTensor)
+            and value.device_mesh == self.spec.mesh
+            and tuple(value.placements) == tuple(self.spec.placements)
+            and value.shape == self.global_shape
+            and value._local_tensor.shape == self.local_shape
+        )
 
     def reset_sharded(self) -> None:
         """Re-point the sharded parameter at a padded chunk after ``module._apply``.

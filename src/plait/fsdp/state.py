@@ -183,14 +183,22 @@ class FSDPState(APIState):
     def adopt_materialised_replacements(self) -> None:
         """Meta init: take in real full tensors the user assigned in place of parameters
         that are still on the meta device (e.g. a root parameter computed from its
-        children's weights after their ``to_empty``); each rank keeps its own shard."""
+        children's weights after their ``to_empty``), of which each rank keeps its own
+        shard, and real shards in the unit's layout (a loader that assigns DTensors)."""
         assert self.unit is not None
         changed = False
         for p in self.unit.params:
             loc = p.locations[0]
             current = loc.module._parameters.get(loc.name)
-            if not p.padded.is_meta or isinstance(current, DTensor) or current is None:
+            if not p.padded.is_meta or current is None or current is p.sharded:
                 continue
+            if p.same_layout(current):  # a loader assigned this rank's shard itself
+                if not current._local_tensor.is_meta:
+                    p.reset_sharded()
+                    changed = True
+                continue
+            if isinstance(current, DTensor):
+                continue  # another layout: adopt_replacement reports it
             if current.is_meta or current.shape != p.global_shape:
                 continue  # still meta, or a mistake adopt_replacement reports
             layout = p.sharded
@@ -208,8 +216,9 @@ class FSDPState(APIState):
         """Take in parameters the user replaced on the modules while the unit is sharded."""
         unit = self.unit
         if unit is not None and unit.sharded_state is ShardedState.SHARDED and not unit.busy:
-            for p in unit.params:
-                p.adopt_replacement()
+            relaid = [p.adopt_replacement() for p in unit.params]
+            if any(relaid):
+                unit.lay_out()
 
     # --- forward ---------------------------------------------------------------------------
 
