@@ -8,11 +8,17 @@ from typing import Any
 
 from plait.plan.models import flops_per_token, param_counts
 from plait.plan.search import Candidate, describe
-from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
+from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
 
-__all__ = ["format_plan", "size", "to_json", "torchrun_command", "train_command"]
+__all__ = ["format_plan", "memory_parts", "size", "to_json", "torchrun_command", "train_command"]
 
 _GIB = 2.0**30
+
+
+def memory_parts(mem: MemoryBreakdown) -> dict[str, float]:
+    """A rank's memory by part, in bytes (without ``extra``), in a fixed order."""
+    parts = ("params", "grads", "optimizer", "unsharded", "activations", "buffers")
+    return {name: getattr(mem, name) for name in parts}
 
 
 def size(nbytes: float) -> str:
@@ -83,12 +89,7 @@ def to_json(c: Candidate, model: ModelSpec, work: Workload, device: DeviceSpec) 
         "summary": describe(c.layout),
         "fits": c.fits,
         "memory": {
-            "params": mem.params,
-            "grads": mem.grads,
-            "optimizer": mem.optimizer,
-            "unsharded": mem.unsharded,
-            "activations": mem.activations,
-            "buffers": mem.buffers,
+            **memory_parts(mem),
             "extra": dict(mem.extra),
             "total": mem.total,
             "device": device.memory,
@@ -141,15 +142,7 @@ def format_plan(
         lines.append(row[0].rjust(widths[0]) + "  " + "  ".join(cells))
     best = candidates[0]
     mem = best.memory
-    parts = {
-        "params": mem.params,
-        "grads": mem.grads,
-        "optimizer": mem.optimizer,
-        "unsharded": mem.unsharded,
-        "activations": mem.activations,
-        "buffers": mem.buffers,
-        **mem.extra,
-    }
+    parts = {**memory_parts(mem), **mem.extra}
     lines += [
         "",
         "best, per rank: " + ", ".join(f"{k} {size(v)}" for k, v in parts.items()),
