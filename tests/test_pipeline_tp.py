@@ -84,7 +84,7 @@ def stage_plan(kept: list[str], *, sequence_parallel: bool, dtensor_out: bool) -
     return plan
 
 
-def _schedule_step(schedules: dict[int, Any]) -> Any:
+def _schedule_step(schedules: dict[int, Any], autocast: bool = False) -> Any:
     """check_parity's step: the pipeline schedule for a parallel copy, plain for the
     reference. Ranks without the last stage report 0 (the loss is summed over pp)."""
 
@@ -92,7 +92,8 @@ def _schedule_step(schedules: dict[int, Any]) -> Any:
         if id(model) not in schedules:
             return default_step(model, x, y, loss_fn)
         losses: list[torch.Tensor] = []
-        schedules[id(model)].step(x, target=y, losses=losses)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # bf16 compute
+            schedules[id(model)].step(x, target=y, losses=losses)
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
     return step
@@ -149,7 +150,8 @@ def _pp_tp_body(
 ) -> list[str]:
     """Parity of one PP x (DP x) TP layout; returns what the stages of this rank received.
 
-    ``bf16`` (with ``dp``: fully_shard's bf16 compute, fp32 reductions) is compared with
+    ``bf16`` (with ``dp``: fully_shard's bf16 compute, fp32 reductions; without, autocast
+    around the schedule's step) is compared with
     the fp32 reference at bf16's tolerance: TP sums partial products in bf16 across ranks,
     so no single-process run does the same casts (test_fsdp_tp.py compares bf16 FSDP x TP
     with torch's, which does)."""
@@ -198,7 +200,7 @@ def _pp_tp_body(
         parallelize,
         token_batches(STEPS, BATCH),
         loss_fn=lm_loss,
-        step=_schedule_step(schedules),
+        step=_schedule_step(schedules, autocast=bf16 and dp == 1),
         data_rank=dp_rank,
         data_world=dp,
         loss_group=same_tp[dist.get_rank() % 2],
@@ -229,6 +231,12 @@ def test_dtensor_activations_cross_stage_boundaries(schedule: str) -> None:
     placement) and splits the backward into I and W."""
     results = run_on_ranks(4, _pp_tp_body, schedule, sequence_parallel=True, dtensor_out=True)
     assert results[2] == results[3] == [f"DTensor {HALF}"]
+
+
+def test_pp_tp_in_bf16() -> None:
+    """bf16 compute (autocast; no fully_shard to cast) over tensor-parallel stages."""
+    results = run_on_ranks(4, _pp_tp_body, "1F1B", sequence_parallel=True, bf16=True)
+    assert results[2] == [f"Tensor {HALF}"]
 
 
 def test_pp_tp_with_activation_checkpointing() -> None:
