@@ -36,24 +36,19 @@ from torch._C._autograd import _make_saved_tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-# The one name plait takes from torch's checkpoint module (which ``import torch`` loads
-# anyway): the exception class, so ``except CheckpointError`` written for torch catches
-# plait's. tests/test_import_guard.py allows exactly this import.
-from torch.utils.checkpoint import CheckpointError as _TorchCheckpointError
-
 from plait.hooks import backward_pass_id, traced
 
 __all__ = ["CheckpointError", "RecomputeOptions", "Region", "Replay"]
 
 
-class CheckpointError(_TorchCheckpointError):
+class CheckpointError(RuntimeError):
     """The recompute of a checkpointed module did not reproduce what its forward saved.
 
     Raised during backward when the re-run forward saves a different number of tensors, or
     tensors of a different shape, dtype or device, than the original forward did (usually
-    data-dependent control flow, or state changed between forward and backward). A subclass
-    of ``torch.utils.checkpoint.CheckpointError`` (itself a ``RuntimeError``), so handlers
-    written for torch's checkpoint catch it.
+    data-dependent control flow, or state changed between forward and backward). A
+    ``RuntimeError``, as torch's ``torch.utils.checkpoint.CheckpointError`` is; not a
+    subclass of torch's, since plait imports nothing from torch's checkpoint module.
     """
 
 
