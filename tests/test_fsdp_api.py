@@ -44,9 +44,9 @@ _ALLOWED = {
     "policies": set(),
     "collectives": set(),
     "cast": set(),
-    "tp": set(),  # (imports plait.mesh, outside the package)
+    "tp": set(),
     "param": {"collectives", "tp"},
-    "extensions": {"collectives", "param", "policies", "tp"},
+    "extensions": {"collectives", "param", "policies"},
     "group": {"collectives", "param", "extensions", "policies"},
     "state": {"collectives", "param", "group", "policies", "cast", "extensions"},
     "state_dict": {"collectives", "param", "group", "policies", "state"},

@@ -1,4 +1,5 @@
-"""Device meshes for plait's APIs: defaults and validation.
+"""Device meshes for plait's APIs: defaults and validation, and the small DTensor helpers
+the packages share (building a DTensor from a known spec, a gradient's local part).
 
 Meshes are always passed explicitly; when an API is given none it builds a 1-D mesh over
 the whole world on the module's device type. Named dimensions follow torchtitan's
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 
 
@@ -166,3 +168,23 @@ def local_in_layout(
     if tuple(grad.placements) != tuple(placements):
         grad = grad.redistribute(mesh, placements)
     return grad._local_tensor
+
+
+def contiguous_strides(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a zero-size dim counts as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
+    """A DTensor around ``local`` with a precomputed spec: no communication, no checks.
+
+    Built directly rather than through ``DTensor.from_local`` because gradients are
+    wrapped for every parameter at every step, and the public path costs far more.
+    """
+    # ``__new__`` alone: DTensor's ``__init__`` does nothing but sits behind a dynamo guard
+    # that costs more than building the tensor.
+    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)

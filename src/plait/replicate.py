@@ -73,7 +73,13 @@ from torch.utils._pytree import tree_map_only
 from plait import spmd
 from plait.contract import APIState, contract, get_registry, with_mixin
 from plait.hooks import in_backward, outside_graphs, queue_end_of_backward, traced
-from plait.mesh import check_mesh_device, default_mesh, local_in_layout, one_dim_group
+from plait.mesh import (
+    check_mesh_device,
+    default_mesh,
+    local_in_layout,
+    make_dtensor,
+    one_dim_group,
+)
 
 __all__ = ["ReplicateModule", "replicate"]
 
@@ -98,14 +104,7 @@ def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     DTensor with ``param``'s mesh, placements, shape and stride when ``param`` is one."""
     if not isinstance(param, DTensor):
         return local
-    return DTensor.from_local(
-        local,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    return make_dtensor(local, param._spec)  # every step: the spec is the parameter's
 
 
 class _Bucket:

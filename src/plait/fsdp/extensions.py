@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.fsdp.param import FSDPParam
 from plait.fsdp.policies import MixedPrecisionPolicy
-from plait.fsdp.tp import contiguous_strides
+from plait.mesh import contiguous_strides
 
 
 def has_extension(param: FSDPParam) -> bool:

@@ -37,11 +37,11 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from plait.fsdp.tp import (
     combined_mesh,
-    contiguous_strides,
     local_grad,
     sharded_tp_spec,
     unsharded_tp_spec,
 )
+from plait.mesh import contiguous_strides, make_dtensor
 
 
 @dataclass(frozen=True)
@@ -63,17 +63,6 @@ def shard_spec(
     meta = TensorMeta(shape, contiguous_strides(shape), dtype)
     placements = (*([Replicate()] * (mesh.ndim - 1)), Shard(dim))
     return DTensorSpec(mesh, placements, tensor_meta=meta)
-
-
-def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False) -> DTensor:
-    """A DTensor around ``local`` with a precomputed spec: no communication, no checks.
-
-    Built directly rather than through ``DTensor.from_local`` because gradients are
-    wrapped for every parameter at every step, and the public path costs far more.
-    """
-    # ``__new__`` alone: DTensor's ``__init__`` does nothing but sits behind a dynamo guard
-    # that costs more than building the tensor.
-    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
 
 
 class ShardPlacementError(ValueError, AssertionError):

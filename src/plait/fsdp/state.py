@@ -193,9 +193,7 @@ class FSDPState(APIState):
             if not p.padded.is_meta or current is None or current is p.sharded:
                 continue
             if p.same_layout(current):  # a loader assigned this rank's shard itself
-                if not current._local_tensor.is_meta:
-                    p.reset_sharded()
-                    changed = True
+                changed |= p.adopt_replacement()
                 continue
             if isinstance(current, DTensor):
                 continue  # another layout: adopt_replacement reports it

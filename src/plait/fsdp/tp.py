@@ -28,24 +28,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from plait.mesh import local_in_layout
+from plait.mesh import contiguous_strides, local_in_layout
 
 __all__ = [
     "combined_mesh",
-    "contiguous_strides",
     "local_grad",
     "sharded_tp_spec",
     "unsharded_tp_spec",
 ]
-
-
-def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:

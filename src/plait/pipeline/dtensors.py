@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from plait.mesh import contiguous_strides
+
 __all__ = ["DTensorLayout", "MeshResolver", "decode_layout", "encode_layout", "to_local"]
 
 MeshKey = tuple[tuple[str, ...], tuple[int, ...]]  # (mesh_dim_names, mesh shape)
@@ -198,16 +200,7 @@ class MeshResolver:
                     layout.placements,
                     run_check=False,
                     shape=torch.Size(layout.shape),
-                    stride=_contiguous_stride(layout.shape),
+                    stride=contiguous_strides(layout.shape),  # received: contiguous
                 )
             )
         return out
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A received local tensor is contiguous, so the global tensor is described as one."""
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
