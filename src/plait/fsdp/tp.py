@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._python_dispatch import _disable_current_modes
 
 from plait.mesh import contiguous_strides, local_in_layout
 
@@ -39,8 +40,13 @@ __all__ = [
 
 
 def combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``(*dp_mesh dims, *tp_mesh dims)`` the sharded parameters live on."""
-    return DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    """The mesh ``(*dp_mesh dims, *tp_mesh dims)`` the sharded parameters live on.
+
+    Computed outside any active tensor mode: the mesh's rank table is bookkeeping, not the
+    model's computation, and a fake-tensor mode (``plait.plan``'s dry runs) cannot run it.
+    """
+    with _disable_current_modes():
+        return DeviceMesh._concatenate([dp_mesh, tp_mesh])
 
 
 def sharded_tp_spec(

@@ -22,7 +22,12 @@ rank (``global_batch / dp / microbatches * seq_len``):
   microbatch in flight, plus the compute-dtype logits and their fp32 copy at the loss);
   ``accumulated_grads`` (``fully_shard`` without gradient sync, i.e. gradient accumulation
   or a pipeline: unsharded fp32 gradients of everything the rank holds); ``recompute``
-  (checkpointing: one block's activations rebuilt during its backward).
+  (checkpointing: one block's activations rebuilt during its backward); ``not_at_peak``
+  (negative): backward frees activations while it makes gradients, so not every part is
+  alive at once. The peak is the largest of backward's start (activations and logits),
+  a block's backward (the activations below it, its own or their recomputation, and the
+  gradient staging of ``buffers``) and backward's end (gradients and staging); this part
+  takes away what the others count beyond it.
 
 Saved activations per token of one block (``d`` width, ``k`` the width of k and of v,
 ``f`` the MLP width; ``/tp`` where tensor parallelism splits heads or the MLP; norm inputs
@@ -97,7 +102,11 @@ def rank_memory(
     per_token = activation_elems_per_token(model, layout)
     norm_part = model.d_model / (tp if sp else 1) * (1 if layout.ac != "none" else 2)
     block_bytes = (per_token - norm_part) * e + norm_part * e_res
-    activations = n * block_bytes * load.stage_layers * load.in_flight
+    per_microbatch = n * block_bytes * load.stage_layers  # one stage, one microbatch
+    if pipelined and not load.head:
+        # A stage's output is the root its backward starts from: kept until then.
+        per_microbatch += n * model.d_model / (tp if sp else 1) * e_res
+    activations = per_microbatch * load.in_flight
 
     extra: dict[str, float] = {}
     if load.head:
@@ -107,15 +116,47 @@ def rank_memory(
     if layout.ac != "none":
         full = activation_elems_per_token(model, layout, "none")
         extra["recompute"] = n * full * e
-    if ds > 1 and (pipelined or layout.microbatches > 1):
+    accumulating = pipelined or layout.microbatches > 1
+    if ds > 1 and accumulating:
         extra["accumulated_grads"] = p.total * 4
 
     buffers = p.block * (e + 4) if ds > 1 else 0.0
-    if pipelined:
+    grads = 4 * sharded
+    # Backward frees activations as it makes gradients, so not everything peaks together.
+    # Gradients are dropped after each step (``zero_grad(set_to_none=True)``) and exist
+    # from the step's first backward on (accumulated: unsharded under fully_shard, the
+    # gradients themselves otherwise). The peak is the largest of: the first backward's
+    # start (the most microbatches in flight, the logits' saved values); a later moment
+    # with the accumulated gradients (the most in flight from then on); a block's
+    # backward (the activations below it, its own or their recomputation, the gradients
+    # flowing through it, and the previous block's fp32 reduce-scatter input, still in
+    # flight: not under a pipeline, which reduces after its last backward; the block's own
+    # unsharded gradients appear as its activations go); the end (gradients, staging).
+    held = extra.get("accumulated_grads", grads if accumulating else 0.0)
+    logits = extra.get("logits", 0.0)
+    one_block = n * block_bytes  # one block's saved activations, one microbatch
+    # Inside a block's backward, gradients of activations: the output's (whole sequence
+    # once tensor parallelism gathered it) and the MLP's hidden one.
+    flowing = n * (model.d_model + model.ffn_hidden / tp) * e
+    after = per_microbatch * load.in_flight_after_backward
+    moments = (
+        activations + logits,
+        after + logits + held,
+        per_microbatch * max(load.in_flight_after_backward, 1)
+        - one_block
+        + extra.get("recompute", one_block)
+        + flowing
+        + held
+        + (0.0 if pipelined or ds == 1 else p.block * 4),
+        grads + buffers + held,
+    )
+    counted = activations + logits + extra.get("recompute", 0.0) + grads + buffers + held
+    extra["not_at_peak"] = max(moments) - counted
+    if pipelined:  # send / receive buffers live through the whole step
         buffers += 2 * n * model.d_model / (tp if sp else 1) * e
     return MemoryBreakdown(
         params=4 * sharded,
-        grads=4 * sharded,
+        grads=grads,
         optimizer=8 * sharded,
         unsharded=unsharded,
         activations=activations,

@@ -1,6 +1,7 @@
 """What plait's pipeline schedule does to each rank: layers held, microbatches in flight,
 and the bubble, read from plait's own schedule generator and simulator
-(:mod:`plait.pipeline.schedules`, :mod:`plait.pipeline.simulate`), not from a formula.
+(:mod:`plait.pipeline.schedules`, :mod:`plait.pipeline.simulate`), or from the simulator's
+closed form where one is exact (below), not from a textbook formula.
 
 Stages get blocks as :func:`plait.pipeline.stage_layers` gives them (contiguous runs,
 earlier stages one more when they do not divide); the embeddings go with the first stage,
@@ -9,8 +10,16 @@ the final norm and head with the last. The simulation is compute-only with unifo
 of one stage's forward plus backward for one microbatch, so a step lasts ``makespan x
 (F + B)`` of the slowest stage. Checkpointing makes backward longer than twice the forward;
 the makespan is scaled, not re-simulated, which is exact for GPipe and 1F1B and close for
-the others. Results are cached: a search simulates each (schedule, ranks, stages,
-microbatches) once.
+the others.
+
+Speed (a search over 10,000 devices meets hundreds of pipeline shapes, some with a
+hundred thousand actions): the makespan under these costs has a closed form for every
+schedule but InterleavedZeroBubble with fewer microbatches than ranks
+(:func:`closed_form_makespan`, checked against the simulator), so only those are
+simulated; peaks of live activations have closed forms for GPipe, 1F1B and LoopedBFS
+and are read from the generated action order for the others.
+Results are cached by what they depend on: the schedule's figures by (schedule, ranks,
+stages, microbatches), whatever the number of blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +32,13 @@ from plait.pipeline.schedules import generate, schedule_spec
 from plait.pipeline.simulate import simulate
 from plait.plan.spec import Layout, ModelSpec
 
-__all__ = ["PipelineShape", "RankLoad", "layout_shape", "pipeline_shape"]
+__all__ = [
+    "PipelineShape",
+    "RankLoad",
+    "closed_form_makespan",
+    "layout_shape",
+    "pipeline_shape",
+]
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,7 @@ class RankLoad:
     head: bool  # holds the last stage (final norm, head, loss)
     in_flight: int  # (stage, microbatch) activations held at once, at most
     head_in_flight: int  # of those, microbatches of the last stage (logits saved)
+    in_flight_after_backward: int = 0  # at most, once the rank's first backward ended
 
 
 @dataclass(frozen=True)
@@ -56,26 +72,149 @@ def _split(layers: int, n_stages: int) -> list[int]:
     return [size + (1 if s < extra else 0) for s in range(n_stages)]
 
 
-def _peak_live(actions: list[Action], stage: int) -> int:
-    """Most microbatch activations of ``stage`` alive at once among ``actions``."""
+def _peak_live(
+    actions: list[Action], stage: int | None = None, after_backward: bool = False
+) -> int:
+    """Most microbatch activations alive at once among ``actions`` (of ``stage`` only, or
+    of every stage for None): a forward adds one, a full backward or a weight gradient
+    frees one, as :func:`plait.pipeline.simulate.simulate` counts them. With
+    ``after_backward``, only from the end of the first backward on (when the step's
+    gradients exist): 0 when nothing is alive by then."""
+    forward, frees = ActionKind.FORWARD, (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT)
     live = peak = 0
-    for a in actions:
-        if a.stage != stage:
+    counting = not after_backward
+    for a in actions:  # hot: a search reads a few million actions
+        if stage is not None and a.stage != stage:
             continue
         kind = a.kind
-        if kind is ActionKind.FORWARD:
+        if kind is forward:
             live += 1
-            peak = max(peak, live)
-        elif kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            if counting and live > peak:
+                peak = live
+        elif kind in frees:
             live -= 1
+            if not counting:
+                counting, peak = True, live
     return peak
+
+
+_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def closed_form_makespan(
+    schedule: str, pp: int, stages_per_rank: int, microbatches: int
+) -> float | None:
+    """The makespan :func:`plait.pipeline.simulate.simulate` finds for ``schedule`` (``F =
+    1``, ``B = 2``, ``I = W = 1``, no communication, uniform stages) on ``pp`` ranks of
+    ``stages_per_rank`` stages over ``microbatches``, without simulating; None for the
+    shapes that have none here (InterleavedZeroBubble with fewer microbatches than ranks).
+
+    With ``p`` ranks, ``v`` stages per rank and ``m`` microbatches, every rank computes
+    ``3 v m`` (each (stage, microbatch) costs F + B = F + I + W = 3), and:
+
+    * GPipe, 1F1B, Interleaved1F1B, LoopedBFS: ``3 (v max(m, p) + min(m, p) - 1)``. With
+      ``m >= p`` a rank idles ``p - 1`` forward slots while the first microbatch fills the
+      pipeline and ``p - 1`` backward slots while the last one drains (``3 (p - 1)``); with
+      ``m < p`` a looped schedule's microbatches come back to the first rank after ``p``
+      slots, not ``m``, so each of the ``v`` rounds takes ``p`` slots.
+    * InterleavedZeroBubble (``m >= p``), ZBVZeroBubble (``m >= 3p / 2``) and DualPipeV:
+      ``3 v m + p - 1``, the lower bound (the last pipeline rank gets its first input
+      after ``p - 1`` forwards, then has ``3 v m`` to do), which their deferred weight
+      gradients reach. ZBVZeroBubble below ``3p / 2`` microbatches: ``4 m + 4 p - 2``,
+      the V's round trip (``2 p`` forwards and ``2 p`` input gradients) plus 4 per
+      further microbatch and the first rank's two trailing weight gradients.
+
+    Each formula equals the simulator (makespan and idle fraction, to the bit) on every
+    shape up to 16 ranks, 4 stages per rank and 4 microbatches per rank, and at 24 and 32
+    ranks on spot checks up to 8 microbatches per rank; ``tests/test_plan_scale.py``
+    repeats the check up to 8 ranks.
+    """
+    name = schedule_spec(schedule).name
+    v, m, p = stages_per_rank, microbatches, pp
+    if name in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"):
+        return 3.0 * (v * max(m, p) + min(m, p) - 1)
+    if name == "InterleavedZeroBubble":
+        return 3.0 * v * m + p - 1 if m >= p else None
+    if name == "ZBVZeroBubble":
+        return 3.0 * v * m + max(p - 1, 4 * p - 2 - 2 * m)
+    if name == "DualPipeV":
+        return 3.0 * v * m + p - 1
+    return None
+
+
+@dataclass(frozen=True)
+class _Figures:
+    """What a schedule does, whatever the blocks: per rank, the peak of live activations
+    and of the last stage's; the makespan (F = 1, B = 2) and the idle fraction."""
+
+    in_flight: tuple[int, ...]
+    head_in_flight: tuple[int, ...]  # 0 on ranks without the last stage
+    after_backward: tuple[int, ...]  # per rank, once its first backward has ended
+    makespan: float
+    bubble: float
+
+
+def _closed_form_peaks(
+    name: str, pp: int, v: int, m: int
+) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+    """Per rank, the peak of live activations, the last stage's peak on its rank, and per
+    rank the peak once its first backward has ended, for the schedules whose action order
+    makes them plain (None for the others): GPipe runs every forward before any backward
+    (``m``, then ``m - 1``); 1F1B's rank ``r`` warms up with ``w = min(p - r, m)`` forwards,
+    then alternates (``w``; the last rank ``1``; after the first backward ``w`` again while
+    microbatches remain to start, else ``w - 1``); LoopedBFS runs every forward of every
+    local stage first (``v m``, then ``v m - 1``; the last stage ``m``)."""
+    if name == "GPipe":
+        return (m,) * pp, m, (m - 1,) * pp
+    if name == "1F1B":
+        warm = [min(pp - r, m) for r in range(pp)]
+        after = tuple(w if m > w else w - 1 for w in warm)
+        return tuple(warm), 1, after
+    if name == "LoopedBFS":
+        return (v * m,) * pp, m, (v * m - 1,) * pp
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _figures(name: str, pp: int, n_stages: int, microbatches: int) -> _Figures:
+    """The figures of ``name`` (canonical) for one shape. The makespan is closed-form
+    where known, else simulated; the peaks are closed-form where plain, else read from
+    the generated action order. ValueError (from the generator) for refused shapes."""
+    v = n_stages // pp
+    makespan = closed_form_makespan(name, pp, v, microbatches)
+    peaks = _closed_form_peaks(name, pp, v, microbatches)
+    if microbatches < 1 or peaks is None or makespan is None:
+        plan: Schedule = generate(name, pp, n_stages, microbatches)
+    else:
+        # Only the generator's checks of ranks and stages, on a cheap one-microbatch
+        # schedule: these schedules take any number of microbatches from one.
+        plan = generate(name, pp, n_stages, 1)
+    owner = stage_to_rank(n_stages - 1, pp, schedule_spec(name).style)
+    if peaks is None:
+        in_flight = tuple(_peak_live(plan[rank]) for rank in range(pp))
+        head = _peak_live(plan[owner], n_stages - 1)
+        after = tuple(_peak_live(plan[rank], after_backward=True) for rank in range(pp))
+    else:
+        in_flight, head, after = peaks
+    heads = tuple(head if rank == owner else 0 for rank in range(pp))
+    if makespan is not None:
+        # Busy time is 3 per (stage, microbatch) (F + B or F + I + W), computed as
+        # simulate computes its idle fraction, so the two agree to the bit.
+        total = pp * makespan
+        busy = 3.0 * n_stages * microbatches
+        bubble = (total - busy) / total
+    else:
+        sim = simulate(plan, _COSTS)
+        makespan, bubble = sim.makespan, sim.bubble_fraction
+    return _Figures(in_flight, heads, after, makespan, bubble)
 
 
 def _pareto(loads: list[RankLoad]) -> tuple[RankLoad, ...]:
     """The loads not dominated by another (memory grows with every field)."""
 
-    def key(r: RankLoad) -> tuple[int, int, int, int, int, int]:
-        return (r.layers, r.stage_layers, r.embedding, r.head, r.in_flight, r.head_in_flight)
+    def key(r: RankLoad) -> tuple[int, ...]:
+        fields = (r.layers, r.stage_layers, r.embedding, r.head, r.in_flight, r.head_in_flight)
+        return (*fields, r.in_flight_after_backward)
 
     keys = {key(r): r for r in loads}  # one rank per distinct load
     out = [
@@ -101,7 +240,7 @@ def pipeline_shape(
     generator) for shapes plait's schedules refuse.
     """
     if pp == 1:
-        return PipelineShape((RankLoad(0, layers, layers, True, True, 1, 1),), 1.0, 0.0)
+        return PipelineShape((RankLoad(0, layers, layers, True, True, 1, 1, 1),), 1.0, 0.0)
     spec = schedule_spec(schedule)
     n_stages = pp * stages_per_rank
     if n_stages > layers:
@@ -109,8 +248,7 @@ def pipeline_shape(
             f"{pp} x {stages_per_rank} = {n_stages} pipeline stages but only {layers} blocks: "
             "every stage needs at least one"
         )
-    plan: Schedule = generate(spec.name, pp, n_stages, microbatches)
-    sim = simulate(plan, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0})
+    figures = _figures(spec.name, pp, n_stages, microbatches)
     sizes = _split(layers, n_stages)
     loads = []
     for rank in range(pp):
@@ -122,11 +260,12 @@ def pipeline_shape(
                 stage_layers=max(sizes[s] for s in mine),
                 embedding=0 in mine,
                 head=n_stages - 1 in mine,
-                in_flight=sim.peak_activations[rank],
-                head_in_flight=_peak_live(plan[rank], n_stages - 1) if n_stages - 1 in mine else 0,
+                in_flight=figures.in_flight[rank],
+                head_in_flight=figures.head_in_flight[rank] if n_stages - 1 in mine else 0,
+                in_flight_after_backward=figures.after_backward[rank],
             )
         )
-    return PipelineShape(_pareto(loads), sim.makespan / 3, sim.bubble_fraction)
+    return PipelineShape(_pareto(loads), figures.makespan / 3, figures.bubble)
 
 
 def layout_shape(model: ModelSpec, layout: Layout) -> PipelineShape:
