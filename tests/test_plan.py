@@ -300,3 +300,22 @@ def test_block_activations_match_what_plait_keeps(ac: str) -> None:
     predicted = activation_elems_per_token(spec, Layout(ac=ac)) * batch * seq * 4
     # full checkpointing keeps a few KiB of bookkeeping (RNG states, frames) per block.
     assert measured == pytest.approx(predicted, rel=0.05 if ac == "full" else 0.02)
+
+
+def test_plait_train_plan_prints_the_plan_before_launching(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import plait.train.cli as train_cli
+
+    launched = []
+    monkeypatch.setattr(train_cli, "launch", launched.append)
+    flags = ["--nproc", "2", "--device", "cpu", "--run-dir", str(tmp_path / "run")]
+    assert train_cli.main(["train", "--plan", "--n-layer", "2", *flags]) == 0
+    err = capsys.readouterr().err
+    assert "plan (dp_shard=2 ac=none on cpu): peak memory per rank" in err
+    assert "tokens/s per device" in err and len(launched) == 1
+    # Without --plan, no prediction; a layout the planner does not model says so.
+    assert train_cli.main(["train", "--n-layer", "2", *flags]) == 0
+    assert "peak memory per rank" not in capsys.readouterr().err
+    assert train_cli.main(["train", "--plan", "--ac", "offload", *flags]) == 0
+    assert "--plan: no prediction: --plan: --ac offload is not modelled" in capsys.readouterr().err

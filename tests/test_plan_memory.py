@@ -123,3 +123,14 @@ def test_live_tensors_sees_fake_tensors_and_watched_ones() -> None:
         assert live.current == 2**32 + 1000
         del big
     assert live.peak == 2**32 + 1000
+
+
+def test_plan_command_dry_runs_the_best_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.plan.cli import main
+
+    gpt = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "32"]
+    assert main([*gpt, "--gpus", "64", "--device", "cpu", "--top", "1", "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("dry run of ") and "(rank 0 of 64" in line and "predicted" in line
+    assert main(["--preset", "llama3-8b", "--gpus", "8", "--dry-run"]) == 2
+    assert "--dry-run runs plait's GPT" in capsys.readouterr().err

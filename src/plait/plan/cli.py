@@ -18,8 +18,8 @@ from typing import Any
 
 from plait.plan.devices import DEVICES, device, override
 from plait.plan.models import PRESETS, from_hf_config, gpt, preset
-from plait.plan.report import format_plan, to_json
-from plait.plan.search import AC_SEARCHED, PlanError, plan
+from plait.plan.report import format_plan, size, to_json
+from plait.plan.search import AC_SEARCHED, Candidate, PlanError, describe, plan
 from plait.plan.spec import ModelSpec, Workload
 from plait.plan.timing import EFFICIENCY
 from plait.train.config import DEFAULTS, PRECISIONS
@@ -38,6 +38,7 @@ examples:
   plait plan --preset llama3-70b --gpus 256 --tp 8 --ac full --json
   plait plan --hf-config config.json --gpus 64 --device h200
   plait plan --n-layer 4 --d-model 128 --gpus 4 --device cpu
+  plait plan --n-layer 32 --n-head 32 --d-model 4096 --seq-len 4096 --gpus 1024 --dry-run
 """
 
 
@@ -109,6 +110,13 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="layouts shown (0: all that fit)")
     out.add_argument("--json", action="store_true", help="a JSON list instead of the table")
+    out.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="plait's GPT only: also run plait's real training step for one rank of the "
+        "best layout without a pipeline (fake process group and tensors) and compare its "
+        "measured peak memory with the prediction",
+    )
     return p
 
 
@@ -168,6 +176,47 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([to_json(c, model, work, dev) for c in shown], indent=1))
     else:
         print(format_plan(shown, model, work, dev, args.gpus))
+    if args.dry_run:
+        return _dry_run(args, ranked, work)
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, ranked: list[Candidate], work: Workload) -> int:
+    """``--dry-run``: measure the best layout without a pipeline (the dry run has none)."""
+    if args.preset or args.hf_config:
+        print("plait plan: error: --dry-run runs plait's GPT (--n-layer, ...)", file=sys.stderr)
+        return 2
+    candidates = [c for c in ranked if c.layout.pp == 1]
+    if not candidates:
+        print("plait plan: error: --dry-run: no layout without a pipeline fits", file=sys.stderr)
+        return 2
+    from plait.plan.dryrun import dry_run
+    from plait.train.config import TrainConfig
+
+    best = candidates[0]
+    lay = best.layout
+    cfg = TrainConfig(
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        seq_len=work.seq_len,
+        batch_size=work.global_batch,
+        dp_replicate=lay.dp_replicate,
+        dp_shard=lay.dp_shard,
+        tp=lay.tp,
+        microbatches=lay.microbatches,
+        ac=lay.ac,
+        mp=work.precision,
+        reshard_after_forward=lay.reshard_after_forward,
+        sequence_parallel=lay.sequence_parallel,
+    )
+    measured = dry_run(cfg, args.gpus)
+    predicted = best.memory.total
+    print(
+        f"dry run of {describe(lay)} (rank 0 of {args.gpus}, {measured.seconds:.1f} s): "
+        f"peak live tensors {size(measured.peak)}, predicted {size(predicted)} "
+        f"({predicted / measured.peak - 1:+.1%})"
+    )
     return 0
 
 

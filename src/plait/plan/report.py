@@ -22,10 +22,11 @@ def memory_parts(mem: MemoryBreakdown) -> dict[str, float]:
 
 
 def size(nbytes: float) -> str:
-    """``nbytes`` in GiB, or MiB / KiB when smaller: ``61.6 GiB``, ``3.2 MiB``."""
+    """``nbytes`` in GiB, or MiB / KiB when smaller: ``61.6 GiB``, ``-3.2 MiB``."""
+    sign = "-" if nbytes < 0 else ""
     for unit, scale in (("GiB", _GIB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
+        if abs(nbytes) >= scale:
+            return f"{sign}{abs(nbytes) / scale:.1f} {unit}"
     return f"{nbytes:.0f} B"
 
 

@@ -137,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", help="a flat TOML file of these settings (flags win)")
+    train.add_argument(
+        "--plan",
+        action="store_true",
+        help="first print the planner's prediction for this layout (memory per rank, "
+        "bubble, tokens/s; `plait plan`), warning when it will not fit",
+    )
     for title, flags in _FLAGS.items():
         group = train.add_argument_group(title)
         for name, text in flags:
@@ -194,6 +200,8 @@ def _check_paths(cfg: TrainConfig) -> None:
 
 
 def _train(flags: dict[str, Any]) -> None:
+    flags = dict(flags)
+    show_plan = flags.pop("plan", False)
     cfg = build_config(flags)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
     cfg = resolve(cfg, world)
@@ -202,10 +210,22 @@ def _train(flags: dict[str, Any]) -> None:
     _check_paths(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(_describe(cfg), file=sys.stderr, flush=True)
+        if show_plan:
+            print(_plan(cfg), file=sys.stderr, flush=True)
     try:
         launch(cfg)
     except WorkerFailed as err:
         raise WorkerFailed(f"{err}{_resume_hint(cfg)}") from None
+
+
+def _plan(cfg: TrainConfig) -> str:
+    """``--plan``: the planner's summary of ``cfg``, or why there is none."""
+    from plait.plan.train_plan import plan_summary
+
+    try:
+        return plan_summary(cfg)
+    except ValueError as err:
+        return f"plait train: --plan: no prediction: {err}"
 
 
 def _resume_hint(cfg: TrainConfig) -> str:
