@@ -8,7 +8,8 @@ the slowest rank's. Modes marked ``single_process`` (the ``single`` baseline: on
 the local batch) run on rank 0 while the other ranks wait.
 
 Peak live tensor memory is measured separately, per mode, on fresh models run for two
-untimed steps under ``LiveTensorBytes`` (it slows ops down, so it never overlaps timing).
+untimed steps under ``plait.plan.live.LiveTensors`` (it slows ops down, so it never
+overlaps timing).
 
 The report gives, per mode: median step time, min-max, tokens/s, ratio to ``single``, ratio
 to the torch counterpart, peak live MiB on the busiest rank, and the MiB all-gathered
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.comm_bytes import count_comm_bytes
-from benchmarks.memory import LiveTensorBytes
+from plait.plan.live import LiveTensors
 from plait.train.model import GPTConfig
 
 Step = Callable[[], None]
@@ -150,7 +151,7 @@ def _peak_bytes(cfg: BenchConfig, mode: Mode) -> int:
     peak = torch.zeros(1, dtype=torch.int64)
     dist.barrier()
     if _runs_here(mode):
-        with LiveTensorBytes() as tracker:
+        with LiveTensors() as tracker:
             step = mode.build(cfg)
             step()
             step()

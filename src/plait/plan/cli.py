@@ -191,25 +191,11 @@ def _dry_run(args: argparse.Namespace, ranked: list[Candidate], work: Workload) 
         print("plait plan: error: --dry-run: no layout without a pipeline fits", file=sys.stderr)
         return 2
     from plait.plan.dryrun import dry_run
-    from plait.train.config import TrainConfig
+    from plait.plan.train_plan import config_of_layout
 
     best = candidates[0]
     lay = best.layout
-    cfg = TrainConfig(
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        d_model=args.d_model,
-        seq_len=work.seq_len,
-        batch_size=work.global_batch,
-        dp_replicate=lay.dp_replicate,
-        dp_shard=lay.dp_shard,
-        tp=lay.tp,
-        microbatches=lay.microbatches,
-        ac=lay.ac,
-        mp=work.precision,
-        reshard_after_forward=lay.reshard_after_forward,
-        sequence_parallel=lay.sequence_parallel,
-    )
+    cfg = config_of_layout(gpt(args.n_layer, args.n_head, args.d_model, work.seq_len), lay, work)
     measured = dry_run(cfg, args.gpus)
     predicted = best.memory.total
     print(
