@@ -134,3 +134,14 @@ def test_plan_command_dry_runs_the_best_layout(capsys: pytest.CaptureFixture[str
     assert line.startswith("dry run of ") and "(rank 0 of 64" in line and "predicted" in line
     assert main(["--preset", "llama3-8b", "--gpus", "8", "--dry-run"]) == 2
     assert "--dry-run runs plait's GPT" in capsys.readouterr().err
+
+
+def test_plan_command_measures_this_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.plan.cli import main
+
+    gpt = ["--n-layer", "2", "--n-head", "2", "--d-model", "64", "--seq-len", "32"]
+    assert main([*gpt, "--gpus", "2", "--device", "cpu", "--measure-cpu", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 x cpu (measured, 2 workers" in out and "--device cpu" in out
+    assert main([*gpt, "--gpus", "2", "--device", "h100", "--measure-cpu"]) == 2
+    assert "use --device cpu, not h100" in capsys.readouterr().err

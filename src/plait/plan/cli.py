@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from plait.plan.devices import DEVICES, device, override
-from plait.plan.models import PRESETS, from_hf_config, gpt, preset
+from plait.plan.models import PRESETS, from_hf_config, gpt, param_counts, preset
 from plait.plan.report import format_plan, size, to_json
 from plait.plan.search import AC_SEARCHED, Candidate, PlanError, describe, plan
-from plait.plan.spec import ModelSpec, Workload
+from plait.plan.spec import DeviceSpec, ModelSpec, Workload
 from plait.plan.timing import EFFICIENCY
 from plait.train.config import DEFAULTS, PRECISIONS
 
@@ -83,6 +83,13 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
     machine.add_argument("--gpus", type=int, required=True, help="devices in all")
     machine.add_argument("--gpus-per-node", type=int, help="devices per node (default: 8)")
     machine.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
+    machine.add_argument(
+        "--measure-cpu",
+        action="store_true",
+        help="--device cpu: measure this machine first (FLOP/s of plait's GPT block, gloo "
+        "bandwidth and latency, optimizer and fully_shard host costs, with --gpus local "
+        "workers; about a minute) instead of the preset's measure-free defaults",
+    )
     machine.add_argument("--memory-gib", type=float, help="override: memory per device, GiB")
     machine.add_argument("--tflops", type=float, help="override: dense bf16 peak, TFLOP/s")
     machine.add_argument("--tflops-fp32", type=float, help="override: dense fp32 peak, TFLOP/s")
@@ -128,6 +135,23 @@ def _model(args: argparse.Namespace, seq_len: int) -> ModelSpec:
     return gpt(args.n_layer, args.n_head, args.d_model, seq_len)
 
 
+def _measured_cpu(gpus: int, model: ModelSpec, work: Workload, dev: DeviceSpec) -> DeviceSpec:
+    """``--measure-cpu``: this machine's figures, at ``model``'s shapes with the local
+    batch of pure data parallelism."""
+    if dev.name != "cpu":
+        raise PlanError(f"--measure-cpu measures this CPU: use --device cpu, not {dev.name}")
+    from plait.plan.measure import Shapes, measure_cpu
+
+    shapes = Shapes(
+        tokens=work.seq_len * max(1, work.global_batch // gpus),
+        d_model=model.d_model,
+        params=param_counts(model).total(model.layers) // gpus,
+        heads=model.heads,
+        seq_len=work.seq_len,
+    )
+    return measure_cpu(gpus, shapes)
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan from parsed ``args``; prints the table or JSON. Returns the exit status."""
     try:
@@ -150,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             raise PlanError("--seq-len and --global-batch must be at least 1")
         if not 0 < args.efficiency <= 1 or not 0 < args.memory_fraction <= 1:
             raise PlanError("--efficiency and --memory-fraction must be in (0, 1]")
+        if args.measure_cpu:
+            dev = _measured_cpu(args.gpus, model, work, dev)
         ranked = plan(
             model,
             work,

@@ -61,7 +61,7 @@ def _layout_flags(layout: Layout, model: ModelSpec, work: Workload, device: Devi
         flags.append("--no-sequence-parallel")
     flags += [f"--batch-size {work.global_batch}", f"--seq-len {work.seq_len}"]
     flags += _model_flags(model)
-    flags.append("--device cpu" if device.name == "cpu" else "--device cuda")
+    flags.append("--device cpu" if device.name.startswith("cpu") else "--device cuda")
     return " ".join(flags)
 
 

@@ -7,7 +7,8 @@ Checkpointing adds its recomputation: ``selective`` recomputes attention (plait 
 matmul outputs), ``full`` the whole block forward.
 
 **Communication** (bytes from :mod:`plait.plan.comm`, time = bytes / link bandwidth +
-``LATENCY`` per call), overlapped as plait overlaps it:
+a latency per call: ``LATENCY``, or a measured device's ``latency``), overlapped as plait
+overlaps it:
 
 * ``fully_shard`` prefetches: the next block's all-gather runs during the current block's
   compute (forward and backward), its reduce-scatter (and HSDP's all-reduce) during the
@@ -20,18 +21,37 @@ matmul outputs), ``full`` the whole block forward.
   times the slowest stage's forward plus backward; the stage's all-gather at the start of
   the step and its reductions at the end are exposed (plait gathers a stage once per
   step); each of the ``2 (stages - 1)`` hops of the pipeline's fill and drain exposes one
-  send.
+  send. Where workers outnumber the cores (a measured CPU's ``oversubscription`` above 1,
+  its FLOP/s measured with every worker busy), a rank idle in the bubble gives its share of
+  the cores to the others: the pipeline then takes the longer of its busiest rank's work
+  without a bubble and the makespan run up to ``oversubscription`` times faster.
+
+On a device whose communication shares the compute's cores (a measured CPU,
+:class:`plait.plan.devices.MeasuredDevice` with ``overlap=False``: gloo's threads run on
+the cores that compute), nothing is hidden: every collective's time adds to the compute,
+and in a pipeline every send a rank makes (not only the fill and drain's).
+
+**Optimizer step and host work** (measured devices): the rank's parameter elements after
+``fully_shard``'s sharding over the measured ``update_rate`` of clipping plus AdamW (a
+memory-bound pass over parameters, gradients and both moments), plus the step's two scalar
+all-reduces (gradient norm, loss); under ``fully_shard``, the measured ``unit_overhead``
+per unit and microbatch (hooks, DTensor parameters, buffer copies: host time that a tiny
+model shows when compute and bytes are nothing). Datasheet presets have no such figures:
+there they are not modelled (small beside the compute of the runs they are meant for).
 
 **Calibration.** ``EFFICIENCY`` is the one fitted constant, from one published run only:
 torchtitan's Llama 3.1 8B on 8 H100s, FSDP 8, selective checkpointing, local batch 2,
 sequence 8192, 5,762 tokens/s per GPU (``shared/reference/published_runs.md``, table 1; see
 :mod:`plait.plan.calibration`, which recomputes it). Every other prediction uses it
-unchanged.
+unchanged. A :class:`~plait.plan.devices.MeasuredDevice`'s FLOP/s are already achieved
+rates (:mod:`plait.plan.measure` times a block of the model at its shapes on the
+machine), so its compute uses them directly: efficiency 1, the calibration does not apply.
 
 Not modelled: kernel efficiency varying with shape (small matrices, short sequences), the
 causal mask's saving in attention, communication slowing compute down when overlapped,
-collective latency growing with group size, the optimizer step, data loading, host
-overheads (kernel launches, Python), ``torch.compile``, Float8.
+collective latency growing with group size, the optimizer step on datasheet presets, data
+loading, host overheads (kernel launches, Python) other than ``fully_shard``'s measured
+per-unit work, ``torch.compile``, Float8.
 """
 
 from __future__ import annotations
@@ -39,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.plan.comm import Collective, communication, link_bandwidth, ring, tp_bytes_per_block
-from plait.plan.devices import compute_peak
+from plait.plan.devices import MeasuredDevice, compute_peak
 from plait.plan.models import attention_flops_per_token, flops_per_token
 from plait.plan.schedule import PipelineShape, RankLoad
 from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params
@@ -65,10 +85,29 @@ class Timing:
     tokens_per_s_per_device: float
     mfu: float
     collectives: tuple[Collective, ...]  # the busiest rank's, per step
+    host: float = 0.0  # optimizer step and fully_shard's host work (measured devices only)
+
+
+def _latency(device: DeviceSpec) -> float:
+    return device.latency if isinstance(device, MeasuredDevice) else LATENCY
+
+
+def _overlaps(device: DeviceSpec) -> bool:
+    return device.overlap if isinstance(device, MeasuredDevice) else True
 
 
 def _seconds(nbytes: float, dim: str, layout: Layout, device: DeviceSpec, calls: int) -> float:
-    return nbytes / link_bandwidth(dim, layout, device) + calls * LATENCY
+    return nbytes / link_bandwidth(dim, layout, device) + calls * _latency(device)
+
+
+def _update_seconds(layout: Layout, device: DeviceSpec, elements: float) -> float:
+    """The optimizer step (clipping, AdamW) over ``elements`` parameters before sharding,
+    and the step's two scalar all-reduces (the gradient norm, the loss); 0 when the device
+    has no measured update rate."""
+    if not isinstance(device, MeasuredDevice) or not device.update_rate:
+        return 0.0
+    scalars = 2 * device.latency if layout.world > 1 else 0.0
+    return elements / layout.dp_shard / device.update_rate + scalars
 
 
 @dataclass(frozen=True)
@@ -80,6 +119,7 @@ class _RankTimes:
     compute: float  # per step, pure compute
     exposed: float  # data-parallel communication not hidden, per step (without a pipeline)
     ends: float  # the data-parallel communication around a pipeline's step
+    host: float  # the optimizer step and fully_shard's host work, per step
 
 
 def _rank_times(
@@ -90,6 +130,8 @@ def _rank_times(
     load: RankLoad,
     efficiency: float,
 ) -> _RankTimes:
+    if isinstance(device, MeasuredDevice):
+        efficiency = 1.0  # measured figures are achieved rates, not datasheet peaks
     rate = compute_peak(device, work.precision) * efficiency
     e = compute_bytes(work)
     m, ds, dr, tp = layout.microbatches, layout.dp_shard, layout.dp_replicate, layout.tp
@@ -115,17 +157,24 @@ def _rank_times(
         rs = dp(elems * 4, "dp_shard", "reduce_scatter", ds)
         return rs + dp(elems / ds * 4, "dp_replicate", "all_reduce", dr)
 
+    host = _update_seconds(layout, device, p.total)
+    if ds > 1 and isinstance(device, MeasuredDevice):  # fully_shard's host work per unit
+        host += m * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
     if layout.pp > 1:
         gather = dp(p.total * e, "dp_shard", "all_gather", ds)
-        return _RankTimes(fwd, bwd, head_f, head_b, compute, 0.0, gather + reduce(p.total))
+        return _RankTimes(fwd, bwd, head_f, head_b, compute, 0.0, gather + reduce(p.total), host)
     gather_block = dp(p.block * e, "dp_shard", "all_gather", ds)
     gather_root = dp(p.root * e, "dp_shard", "all_gather", ds)
     bwd_gather = gather_block if layout.reshard_after_forward else 0.0
+    if not _overlaps(device):  # communication shares the cores: every second of it adds
+        gathers = m * (gather_root + p.blocks * (gather_block + bwd_gather))
+        exposed = gathers + p.blocks * reduce(p.block) + reduce(p.root)
+        return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, host)
     uncovered = max(0.0, gather_block - fwd) * max(p.blocks - 1, 0)  # prefetch longer than compute
     exposed = m * (gather_root + gather_block + uncovered)
     exposed += (m - 1) * p.blocks * max(0.0, bwd_gather - bwd)  # microbatches without sync
     exposed += p.blocks * max(0.0, bwd_gather + reduce(p.block) - bwd) + reduce(p.root)
-    return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0)
+    return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, host)
 
 
 def predict_time(
@@ -144,7 +193,8 @@ def predict_time(
     if layout.pp == 1:
         ((load, t),) = times.items()
         per_mb = load.layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd
-        step, compute, exposed = m * per_mb + t.exposed, t.compute, t.exposed
+        compute, exposed, host = t.compute, t.exposed, t.host
+        step = m * per_mb + exposed + host
     else:
         unit = max(
             r.stage_layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd
@@ -152,8 +202,19 @@ def predict_time(
         )
         hop = _microbatch_hop(model, layout, work, device)
         hops = 2 * (layout.pp * layout.stages_per_rank - 1)
+        if not _overlaps(device):  # every send a rank makes takes its cores' time
+            hops = max(hops, 2 * m * layout.stages_per_rank)
         exposed = max(t.ends for t in times.values()) + hops * hop
-        step = shape.makespan * unit + exposed
+        pipeline = shape.makespan * unit
+        share = device.oversubscription if isinstance(device, MeasuredDevice) else 1.0
+        if share > 1:  # ranks sharing cores fill each other's bubbles (see the docstring)
+            busy = max(
+                m * (r.layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd)
+                for r, t in times.items()
+            )
+            pipeline = max(busy, pipeline / share)
+        host = max(t.host for t in times.values())
+        step = pipeline + exposed + host
         compute = max(t.compute for t in times.values())
     tokens = work.global_batch * work.seq_len / step / layout.world
     peak = compute_peak(device, work.precision)
@@ -166,6 +227,7 @@ def predict_time(
         tokens_per_s_per_device=tokens,
         mfu=flops_per_token(model, work.seq_len) * tokens / peak,
         collectives=tuple(communication(model, layout, work, device, busiest)),
+        host=host,
     )
 
 
