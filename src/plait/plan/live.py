@@ -1,20 +1,27 @@
 """Peak live tensor memory, measured: what the planner's memory model is checked against.
 
 :class:`LiveTensors` is a dispatch mode that watches every tensor an operator returns and
-counts the bytes of the distinct storages still alive. It samples after every operator,
-so its peak is the largest sum of live storage bytes seen at an operator boundary; the
-bytes are re-read at each sample, so a storage that ``fully_shard`` frees with
-``resize_(0)`` (or regrows) counts at its current size. Views share their base's storage
-and count once. It works the same on real CPU tensors, on ``meta`` tensors and on fake
-tensors (which have sizes but no data), so one measure serves real runs and dry runs.
+keeps the bytes of the distinct storages still alive. Views share their base's storage and
+count once. The count is kept exactly and cheaply:
 
-Tensors created before the mode was entered are invisible unless :meth:`LiveTensors.watch`
-is given them (a model built earlier, say). Storages are held weakly: the mode never keeps
-memory alive.
+* a storage leaves the count when it is freed (torch keeps one Python object per storage
+  for as long as the storage lives, so a weak reference to it says when it goes);
+* a storage that changes size outside any operator (``fully_shard`` frees an unsharded
+  parameter with ``UntypedStorage.resize_(0)`` and regrows it to gather into it) is
+  followed through ``resize_``, which the mode wraps while it is active.
+
+The peak is the largest count after an operator that allocated, or a ``resize_`` that grew
+a storage. It works the same on real CPU tensors and on fake tensors (sizes, no data), so
+one measure serves real runs and dry runs. Tensors created before the mode began are
+invisible unless :meth:`LiveTensors.watch` is given them. The mode never keeps memory
+alive. Garbage held in reference cycles counts until Python's collector frees it, as it
+does for the allocator.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,45 +35,60 @@ __all__ = ["LiveTensors"]
 class LiveTensors(TorchDispatchMode):
     """Counts live tensor storages on ``device_type`` (``None``: every device).
 
-    ``peak`` is the largest total seen; ``current`` the total now; ``mark(label)`` records
-    the current total under ``label`` (``marks``), and ``reset_peak()`` starts a new peak
-    from the current total. Use as a context manager around the code to measure.
+    ``current``: the bytes alive now; ``peak``: the largest seen; ``reset_peak()`` starts a
+    new peak from ``current``. Use as a context manager around the code to measure.
     """
 
     def __init__(self, device_type: str | None = None) -> None:
         super().__init__()
         self.device_type = device_type
-        # storage key -> a weak handle that can rebuild the storage while it is alive
-        self._live: dict[int, Any] = {}
+        self.current = 0
         self.peak = 0
-        self.marks: dict[str, int] = {}
+        # id(storage) -> (a weak reference to it, the bytes counted for it)
+        self._counted: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self._resize: Callable[..., Any] | None = None
 
     def watch(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count ``tensors``' storages from now on (tensors made before the mode began)."""
         for t in tensors:
             self._add(t)
-        self._sample()
-
-    def mark(self, label: str) -> int:
-        """Record and return the live bytes now."""
-        self.marks[label] = self.current
-        return self.marks[label]
+        self.peak = max(self.peak, self.current)
 
     def reset_peak(self) -> None:
         self.peak = self.current
 
-    @property
-    def current(self) -> int:
-        total = 0
-        dead = []
-        for key, weak in self._live.items():
-            if torch.UntypedStorage._expired(weak):
-                dead.append(key)
-                continue
-            total += torch.UntypedStorage._new_with_weak_ptr(weak).nbytes()
-        for key in dead:
-            torch.UntypedStorage._free_weak_ref(self._live.pop(key))
-        return total
+    def __enter__(self) -> LiveTensors:
+        super().__enter__()
+        original = self._resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            before = storage.nbytes()
+            out = original(storage, size)
+            tracker._resized(storage, before)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[assignment,method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[assignment,method-assign]
+        super().__exit__(*exc)
+
+    def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        entry = self._counted.get(id(storage))
+        if entry is None or entry[0]() is not storage:
+            return  # not one of ours
+        now = storage.nbytes()
+        self._counted[id(storage)] = (entry[0], now)
+        self.current += now - before
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        entry = self._counted.get(key)
+        if entry is not None and entry[0] is ref:  # not a newer storage at the same address
+            del self._counted[key]
+            self.current -= entry[1]
 
     def _add(self, t: object) -> bool:
         """Count ``t``'s storage; whether it is new (an allocation)."""
@@ -79,17 +101,16 @@ class LiveTensors(TorchDispatchMode):
             names, _ = t.__tensor_flatten__()
             return any([self._add(getattr(t, name)) for name in names])
         storage = t.untyped_storage()
-        key = storage._cdata
-        old = self._live.get(key)
-        if old is not None and not torch.UntypedStorage._expired(old):
+        key = id(storage)
+        entry = self._counted.get(key)
+        if entry is not None and entry[0]() is storage:
             return False  # already counted (a view, or the same tensor again)
-        if old is not None:  # a dead storage's address, reused
-            torch.UntypedStorage._free_weak_ref(old)
-        self._live[key] = storage._weak_ref()
+        if entry is not None:  # a dead storage whose callback has not run yet
+            self._freed(key, entry[0])
+        nbytes = storage.nbytes()
+        self._counted[key] = (weakref.ref(storage, functools.partial(self._freed, key)), nbytes)
+        self.current += nbytes
         return True
-
-    def _sample(self) -> None:
-        self.peak = max(self.peak, self.current)
 
     def __torch_dispatch__(
         self,
@@ -99,9 +120,6 @@ class LiveTensors(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        # Memory only grows by allocation: sample after operators that made a storage.
-        # (A storage regrown by ``resize_`` is counted at the next one, while it is still
-        # in use: fully_shard regrows a unit's storage to gather into it and compute.)
         if any([self._add(t) for t in tree_leaves(out)]):
-            self._sample()
+            self.peak = max(self.peak, self.current)
         return out
