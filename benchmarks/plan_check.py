@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.plan.devices import MeasuredDevice
 from plait.plan.measure import Shapes, measure_cpu, threads_per_worker
 from plait.plan.models import gpt, param_counts
+from plait.plan.spec import DeviceSpec
 from plait.plan.train_plan import plan_of_config
 from plait.train.cli import build_config
 from plait.train.layout import resolve
@@ -144,7 +144,7 @@ def _shapes(nproc: int) -> Shapes:
     )
 
 
-def _median_device(measured: list[MeasuredDevice]) -> MeasuredDevice:
+def _median_device(measured: list[DeviceSpec]) -> DeviceSpec:
     """Field by field, the median of the measurements of one world size."""
     first = measured[0]
     values: dict[str, Any] = {}
@@ -153,10 +153,10 @@ def _median_device(measured: list[MeasuredDevice]) -> MeasuredDevice:
             values[name] = statistics.median(getattr(m, name) for m in measured)
         else:
             values[name] = value
-    return MeasuredDevice(**values)
+    return DeviceSpec(**values)
 
 
-def _row(case: Case, measured: list[float], device: MeasuredDevice) -> dict[str, Any]:
+def _row(case: Case, measured: list[float], device: DeviceSpec) -> dict[str, Any]:
     timing = plan_of_config(_config(case), device).timing
     median = statistics.median(measured) if measured else float("nan")
     ratio = timing.step_time / median if measured else float("nan")
@@ -175,7 +175,7 @@ def _row(case: Case, measured: list[float], device: MeasuredDevice) -> dict[str,
     }
 
 
-def _device_row(nproc: int, d: MeasuredDevice) -> dict[str, Any]:
+def _device_row(nproc: int, d: DeviceSpec) -> dict[str, Any]:
     return {
         "ranks": nproc,
         "threads_per_worker": threads_per_worker(nproc),
@@ -187,7 +187,7 @@ def _device_row(nproc: int, d: MeasuredDevice) -> dict[str, Any]:
     }
 
 
-def _table(devices: dict[int, MeasuredDevice], rows: list[dict[str, Any]]) -> str:
+def _table(devices: dict[int, DeviceSpec], rows: list[dict[str, Any]]) -> str:
     lines = [
         "machine (per worker, all workers running at once; medians over rounds):",
         "| ranks | threads | fp32 GFLOP/s | bf16 GFLOP/s | gloo MB/s per rank | "
@@ -241,11 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     sizes = sorted({c.nproc for c in cases})
     measured: dict[Case, list[float]] = {c: [] for c in cases}
-    machines: dict[int, list[MeasuredDevice]] = {n: [] for n in sizes}
+    machines: dict[int, list[DeviceSpec]] = {n: [] for n in sizes}
     loads: list[float] = []
     if args.machine:
         saved = json.loads(Path(args.machine).read_text())["devices"]
-        machines = {int(n): [MeasuredDevice(**d)] for n, d in saved.items()}
+        machines = {int(n): [DeviceSpec(**{"measured": True, **d})] for n, d in saved.items()}
     if args.runs_from:
         saved_rows = json.loads(Path(args.runs_from).read_text())["rows"]
         runs = {(r["layout"], r["ranks"]): r["runs_s"] for r in saved_rows}

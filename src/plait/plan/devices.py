@@ -15,46 +15,13 @@ with figures measured on your machine.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 from plait.plan.spec import DeviceSpec
 
-__all__ = ["DEVICES", "MeasuredDevice", "compute_peak", "device", "override"]
+__all__ = ["DEVICES", "compute_peak", "device", "override"]
 
 _GIB = 2.0**30
-
-
-@dataclass(frozen=True)
-class MeasuredDevice(DeviceSpec):
-    """A device whose figures were measured on the machine (:mod:`plait.plan.measure`),
-    not read from a datasheet.
-
-    ``flops`` / ``flops_fp32`` are *achieved* rates at the workload's shapes, so the cost
-    model uses them as they are (no efficiency: :data:`plait.plan.timing.EFFICIENCY` is
-    the achievable fraction of a datasheet peak). Beyond :class:`DeviceSpec`:
-
-    * ``latency``: seconds of one collective call whatever its size (a one-element
-      all-reduce);
-    * ``update_rate``: parameter elements per second through the optimizer step
-      (gradient clipping and AdamW), a memory-bound pass over parameters, gradients and
-      the two moments; 0: not modelled;
-    * ``overlap``: whether communication runs beside compute. False on a CPU, where gloo's
-      threads and the compute share the same cores: communication adds to compute;
-    * ``unit_overhead``: host seconds ``fully_shard`` adds per unit and microbatch (hooks,
-      DTensor parameters in the optimizer, buffer copies), collective latency excluded;
-      0: not modelled;
-    * ``oversubscription``: workers per core (workers x threads / cores, at least 1). The
-      FLOP/s are measured with every worker busy; above 1, a worker idle in a pipeline's
-      bubble leaves its share of the cores to the others, which then run up to this many
-      times faster.
-    """
-
-    latency: float = 10e-6
-    update_rate: float = 0.0
-    overlap: bool = True
-    oversubscription: float = 1.0
-    unit_overhead: float = 0.0
 
 
 DEVICES: dict[str, DeviceSpec] = {

@@ -25,7 +25,7 @@ timing does not decide it:
   ``plait train`` runs it (gradient-norm clipping, then AdamW with its foreach kernels, then
   ``zero_grad``), over tensors shaped like the model's.
 
-The result is a :class:`plait.plan.devices.MeasuredDevice`: achieved rates (the cost
+The result is a ``measured`` :class:`~plait.plan.spec.DeviceSpec`: achieved rates (the cost
 model applies no efficiency to them) and ``overlap=False`` (on a CPU, gloo's threads and the
 compute share the same cores, so communication does not hide behind compute).
 """
@@ -44,8 +44,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from plait.plan.devices import MeasuredDevice, device
+from plait.plan.devices import device
 from plait.plan.models import attention_flops_per_token, gpt, param_counts
+from plait.plan.spec import DeviceSpec
 
 __all__ = ["Shapes", "measure_cpu", "threads_per_worker"]
 
@@ -243,7 +244,7 @@ def measure_cpu(
     repeats: int = 7,
     scratch: str | None = None,
     timeout: float = 300.0,
-) -> MeasuredDevice:
+) -> DeviceSpec:
     """Measure this machine with ``nproc`` local gloo workers (module docstring); the ``cpu``
     preset with the measured figures (its memory kept). Takes seconds to a minute.
     ``scratch``: a path prefix for the workers' result files (default: in ``/tmp``);
@@ -283,7 +284,8 @@ def measure_cpu(
     oversubscription = max(1.0, nproc * threads_per_worker(nproc) / (cores or 1))
     preset = device("cpu")
     bandwidth = median("bandwidth", preset.intra_node_bw)
-    return MeasuredDevice(
+    return DeviceSpec(
+        measured=True,
         name=f"cpu (measured, {nproc} workers x {threads_per_worker(nproc)} threads)",
         memory=preset.memory,
         flops=median("flops", preset.flops),

@@ -49,7 +49,24 @@ class Workload:
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator and its links, per device: bytes, FLOP/s and bytes/s."""
+    """One accelerator and its links, per device: bytes, FLOP/s and bytes/s.
+
+    ``measured``: the figures were measured on the machine (:mod:`plait.plan.measure`),
+    not read from a datasheet: ``flops`` / ``flops_fp32`` are then *achieved* rates at the
+    workload's shapes, used as they are (no efficiency factor). The fields after it are
+    what a measurement adds; datasheet presets keep their defaults:
+
+    * ``latency``: seconds of one collective call whatever its size;
+    * ``update_rate``: parameter elements per second through the optimizer step (gradient
+      clipping and AdamW: a memory-bound pass); 0: not modelled;
+    * ``overlap``: whether communication runs beside compute. False on a CPU, where gloo's
+      threads share the compute's cores: communication adds to compute;
+    * ``unit_overhead``: host seconds ``fully_shard`` adds per unit and microbatch (hooks,
+      DTensor parameters, buffer copies), collective latency excluded; 0: not modelled;
+    * ``oversubscription``: workers per core (at least 1). Rates are measured with every
+      worker busy; above 1, a worker idle in a pipeline's bubble leaves its share of the
+      cores to the others, which then run up to this many times faster.
+    """
 
     name: str
     memory: float
@@ -58,6 +75,12 @@ class DeviceSpec:
     inter_node_bw: float  # per device, one direction (RDMA NIC)
     gpus_per_node: int = 8
     flops_fp32: float = 0.0  # dense fp32 peak (no TF32) for fp32 workloads; 0: flops / 2
+    measured: bool = False
+    latency: float = 10e-6
+    update_rate: float = 0.0
+    overlap: bool = True
+    unit_overhead: float = 0.0
+    oversubscription: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Checkpointing adds its recomputation: ``selective`` recomputes attention (plait 
 matmul outputs), ``full`` the whole block forward.
 
 **Communication** (bytes from :mod:`plait.plan.comm`, time = bytes / link bandwidth +
-a latency per call: ``LATENCY``, or a measured device's ``latency``), overlapped as plait
+the device's ``latency`` per call), overlapped as plait
 overlaps it:
 
 * ``fully_shard`` prefetches: the next block's all-gather runs during the current block's
@@ -27,7 +27,7 @@ overlaps it:
   without a bubble and the makespan run up to ``oversubscription`` times faster.
 
 On a device whose communication shares the compute's cores (a measured CPU,
-:class:`plait.plan.devices.MeasuredDevice` with ``overlap=False``: gloo's threads run on
+:class:`~plait.plan.spec.DeviceSpec` with ``overlap=False``: gloo's threads run on
 the cores that compute), nothing is hidden: every collective's time adds to the compute,
 and in a pipeline every send a rank makes (not only the fill and drain's).
 
@@ -43,7 +43,7 @@ there they are not modelled (small beside the compute of the runs they are meant
 torchtitan's Llama 3.1 8B on 8 H100s, FSDP 8, selective checkpointing, local batch 2,
 sequence 8192, 5,762 tokens/s per GPU (``shared/reference/published_runs.md``, table 1; see
 :mod:`plait.plan.calibration`, which recomputes it). Every other prediction uses it
-unchanged. A :class:`~plait.plan.devices.MeasuredDevice`'s FLOP/s are already achieved
+unchanged. A ``measured`` device's FLOP/s are already achieved
 rates (:mod:`plait.plan.measure` times a block of the model at its shapes on the
 machine), so its compute uses them directly: efficiency 1, the calibration does not apply.
 
@@ -59,19 +59,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.plan.comm import Collective, communication, link_bandwidth, ring, tp_bytes_per_block
-from plait.plan.devices import MeasuredDevice, compute_peak
+from plait.plan.devices import compute_peak
 from plait.plan.models import attention_flops_per_token, flops_per_token
 from plait.plan.schedule import PipelineShape, RankLoad
 from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 
-__all__ = ["EFFICIENCY", "LATENCY", "Timing", "predict_time"]
+__all__ = ["EFFICIENCY", "Timing", "predict_time"]
 
 EFFICIENCY = 0.3641
 """Achievable fraction of the dense peak (calibrated: module docstring)."""
-
-LATENCY = 10e-6
-"""Seconds per collective call, whatever its size."""
 
 
 @dataclass(frozen=True)
@@ -88,23 +85,15 @@ class Timing:
     host: float = 0.0  # optimizer step and fully_shard's host work (measured devices only)
 
 
-def _latency(device: DeviceSpec) -> float:
-    return device.latency if isinstance(device, MeasuredDevice) else LATENCY
-
-
-def _overlaps(device: DeviceSpec) -> bool:
-    return device.overlap if isinstance(device, MeasuredDevice) else True
-
-
 def _seconds(nbytes: float, dim: str, layout: Layout, device: DeviceSpec, calls: int) -> float:
-    return nbytes / link_bandwidth(dim, layout, device) + calls * _latency(device)
+    return nbytes / link_bandwidth(dim, layout, device) + calls * device.latency
 
 
 def _update_seconds(layout: Layout, device: DeviceSpec, elements: float) -> float:
     """The optimizer step (clipping, AdamW) over ``elements`` parameters before sharding,
     and the step's two scalar all-reduces (the gradient norm, the loss); 0 when the device
     has no measured update rate."""
-    if not isinstance(device, MeasuredDevice) or not device.update_rate:
+    if not device.update_rate:
         return 0.0
     scalars = 2 * device.latency if layout.world > 1 else 0.0
     return elements / layout.dp_shard / device.update_rate + scalars
@@ -130,7 +119,7 @@ def _rank_times(
     load: RankLoad,
     efficiency: float,
 ) -> _RankTimes:
-    if isinstance(device, MeasuredDevice):
+    if device.measured:
         efficiency = 1.0  # measured figures are achieved rates, not datasheet peaks
     rate = compute_peak(device, work.precision) * efficiency
     e = compute_bytes(work)
@@ -158,7 +147,7 @@ def _rank_times(
         return rs + dp(elems / ds * 4, "dp_replicate", "all_reduce", dr)
 
     host = _update_seconds(layout, device, p.total)
-    if ds > 1 and isinstance(device, MeasuredDevice):  # fully_shard's host work per unit
+    if ds > 1:  # fully_shard's host work per unit (measured devices; else 0)
         host += m * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
     if layout.pp > 1:
         gather = dp(p.total * e, "dp_shard", "all_gather", ds)
@@ -166,7 +155,7 @@ def _rank_times(
     gather_block = dp(p.block * e, "dp_shard", "all_gather", ds)
     gather_root = dp(p.root * e, "dp_shard", "all_gather", ds)
     bwd_gather = gather_block if layout.reshard_after_forward else 0.0
-    if not _overlaps(device):  # communication shares the cores: every second of it adds
+    if not device.overlap:  # communication shares the cores: every second of it adds
         gathers = m * (gather_root + p.blocks * (gather_block + bwd_gather))
         exposed = gathers + p.blocks * reduce(p.block) + reduce(p.root)
         return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, host)
@@ -202,11 +191,11 @@ def predict_time(
         )
         hop = _microbatch_hop(model, layout, work, device)
         hops = 2 * (layout.pp * layout.stages_per_rank - 1)
-        if not _overlaps(device):  # every send a rank makes takes its cores' time
+        if not device.overlap:  # every send a rank makes takes its cores' time
             hops = max(hops, 2 * m * layout.stages_per_rank)
         exposed = max(t.ends for t in times.values()) + hops * hop
         pipeline = shape.makespan * unit
-        share = device.oversubscription if isinstance(device, MeasuredDevice) else 1.0
+        share = device.oversubscription
         if share > 1:  # ranks sharing cores fill each other's bubbles (see the docstring)
             busy = max(
                 m * (r.layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd)
