@@ -15,7 +15,7 @@ import pytest
 
 from plait.pipeline.actions import Schedule, stage_to_rank
 from plait.pipeline.schedules import SCHEDULES, generate, schedule_spec
-from plait.pipeline.simulate import Simulation, simulate
+from plait.pipeline.simulate import Simulation, peak_live, simulate
 from plait.plan import Workload, device, plan, preset
 from plait.plan.cli import main
 from plait.plan.schedule import (
@@ -23,7 +23,6 @@ from plait.plan.schedule import (
     RankLoad,
     _figures,
     _pareto,
-    _peak_live,
     _split,
     closed_form_makespan,
     pipeline_shape,
@@ -57,8 +56,8 @@ def simulated_shape(layers: int, pp: int, name: str, v: int, m: int) -> Pipeline
                 0 in mine,
                 head,
                 sim.peak_activations[rank],
-                _peak_live(sched[rank], n_stages - 1) if head else 0,
-                _peak_live(sched[rank], after_backward=True),
+                peak_live(sched[rank], n_stages - 1) if head else 0,
+                peak_live(sched[rank], after_backward=True),
             )
         )
     return PipelineShape(_pareto(loads), sim.makespan / 3, sim.bubble_fraction)

@@ -29,6 +29,7 @@ __all__ = [
     "Simulation",
     "TimedAction",
     "format_timeline",
+    "peak_live",
     "plot_timeline",
     "simulate",
     "stage_owners",
@@ -94,7 +95,7 @@ def simulate(
         timeline=timeline,
         makespan=makespan,
         bubble_fraction=(total - busy) / total if total else 0.0,
-        peak_activations={rank: _peak_live(actions) for rank, actions in schedule.items()},
+        peak_activations={rank: peak_live(actions) for rank, actions in schedule.items()},
     )
 
 
@@ -174,14 +175,26 @@ def _where(rank: int | None) -> str:
     return " (which no rank runs)" if rank is None else f" on rank {rank}"
 
 
-def _peak_live(actions: list[Action]) -> int:
+def peak_live(actions: list[Action], stage: int | None = None, after_backward: bool = False) -> int:
+    """Most microbatch activations alive at once among ``actions`` (of ``stage`` only, or
+    of every stage for None): a forward adds one, a full backward or a weight gradient
+    frees one. With ``after_backward``, only from the end of the first backward on (when
+    the step's gradients exist): 0 when nothing is alive by then."""
+    forward, frees = ActionKind.FORWARD, (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT)
     live = peak = 0
-    for action in actions:
-        if action.kind is ActionKind.FORWARD:
+    counting = not after_backward
+    for a in actions:  # hot: a planner's search reads a few million actions
+        if stage is not None and a.stage != stage:
+            continue
+        kind = a.kind
+        if kind is forward:
             live += 1
-            peak = max(peak, live)
-        elif action.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            if counting and live > peak:
+                peak = live
+        elif kind in frees:
             live -= 1
+            if not counting:
+                counting, peak = True, live
     return peak
 
 

@@ -1,10 +1,11 @@
 """Dry runs: plait's real training step for one rank of a large world, in one process.
 
-:func:`step_memory` runs ``plait train``'s recipe (the GPT, :func:`~plait.train.parallelize.
-parallelize`: tensor parallelism, checkpointing, ``fully_shard`` / ``replicate``; AdamW,
-gradient clipping, the optimizer step) for a few steps inside whatever process group is
-initialised, and measures the peak live tensor memory of the training steps with
-:class:`~plait.plan.live.LiveTensors`. Real multi-process CPU runs call it on every rank.
+:func:`step_memory` runs ``plait train``'s recipe, with the code training runs (the
+GPT, :class:`plait.train.loop.Trainable`: tensor parallelism, checkpointing,
+``fully_shard`` / ``replicate``; AdamW, gradient clipping, the optimizer step), for a few
+steps inside whatever process group is initialised, and measures the peak live tensor
+memory of the training steps with :class:`~plait.plan.live.LiveTensors`. Real
+multi-process CPU runs call it on every rank.
 
 :func:`dry_run` calls it for one rank of a world of any size without devices or peers: a
 fake process group (torch's ``fake`` backend: collectives return at once and move no data)
@@ -30,11 +31,9 @@ import torch.distributed as dist
 from plait.plan.live import LiveTensors
 from plait.train.config import TrainConfig
 from plait.train.layout import resolve
-from plait.train.loop import model_config
+from plait.train.loop import Trainable, model_config
 from plait.train.model import GPT
-from plait.train.optimizer import build_optimizer, clip_grad_norm, finish_partial_grads
-from plait.train.parallelize import build_mesh, parallelize
-from plait.train.step import make_stepper
+from plait.train.parallelize import build_mesh
 
 __all__ = ["MeasuredMemory", "dry_run", "step_memory"]
 
@@ -72,25 +71,17 @@ def step_memory(
         torch.manual_seed(seed)
         with torch.device(cfg.device):  # built in place: fake tensors cannot be moved
             model = GPT(model_config(cfg))
-        stages = parallelize(model, cfg, mesh)
+        parts = Trainable(model, cfg, mesh)
         del model  # a pipeline rank keeps only its stages
-        modules = [s.module for s in stages]
-        params = [p for m in modules for p in m.parameters()]
-        optimizer = build_optimizer(modules, cfg)
-        stepper = make_stepper(stages, cfg, mesh)
-        pipeline = mesh["pp"].get_group() if mesh is not None and cfg.pp > 1 else None
         local = (cfg.local_batch, cfg.seq_len)
         setup = live.current
-        _create_optimizer_state(optimizer)
+        _create_optimizer_state(parts.optimizer)
         live.reset_peak()  # building the whole model before sharding it is not training
         for _ in range(steps):
             x = torch.randint(0, 256, local, device=cfg.device)
             y = torch.randint(0, 256, local, device=cfg.device)
-            stepper.train(x, y)
-            finish_partial_grads(params)
-            clip_grad_norm(params, cfg, pipeline)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            parts.stepper.train(x, y)
+            parts.update()
             del x, y
     return MeasuredMemory(live.peak, setup, time.perf_counter() - start)
 

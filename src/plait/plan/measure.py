@@ -47,8 +47,9 @@ import torch.distributed as dist
 from plait.plan.devices import device
 from plait.plan.models import attention_flops_per_token, gpt, param_counts
 from plait.plan.spec import DeviceSpec
+from plait.train.worker import threads_per_worker, usable_cores
 
-__all__ = ["Shapes", "measure_cpu", "threads_per_worker"]
+__all__ = ["Shapes", "measure_cpu"]
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,6 @@ class Shapes:
     bf16_tokens: int = 0
     heads: int = 4
     seq_len: int = 128
-
-
-def threads_per_worker(nproc: int) -> int:
-    """The threads ``plait train`` gives each of ``nproc`` local CPU workers: the cores this
-    process may run on, divided among them, at least one (as :mod:`plait.train.worker`)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // nproc)
 
 
 def _median_seconds(
@@ -280,8 +274,7 @@ def measure_cpu(
         values = [r[key] for r in ranks if key in r]
         return statistics.median(values) if values else default
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    oversubscription = max(1.0, nproc * threads_per_worker(nproc) / (cores or 1))
+    oversubscription = max(1.0, nproc * threads_per_worker(nproc) / usable_cores())
     preset = device("cpu")
     bandwidth = median("bandwidth", preset.intra_node_bw)
     return DeviceSpec(

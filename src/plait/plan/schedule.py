@@ -27,9 +27,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from plait.pipeline.actions import Action, ActionKind, Schedule, stage_to_rank
+from plait.pipeline.actions import Schedule, stage_to_rank
 from plait.pipeline.schedules import generate, schedule_spec
-from plait.pipeline.simulate import simulate
+from plait.pipeline.simulate import DEFAULT_COSTS, peak_live, simulate
 from plait.plan.spec import Layout, ModelSpec
 
 __all__ = [
@@ -70,35 +70,6 @@ class PipelineShape:
 def _split(layers: int, n_stages: int) -> list[int]:
     size, extra = divmod(layers, n_stages)
     return [size + (1 if s < extra else 0) for s in range(n_stages)]
-
-
-def _peak_live(
-    actions: list[Action], stage: int | None = None, after_backward: bool = False
-) -> int:
-    """Most microbatch activations alive at once among ``actions`` (of ``stage`` only, or
-    of every stage for None): a forward adds one, a full backward or a weight gradient
-    frees one, as :func:`plait.pipeline.simulate.simulate` counts them. With
-    ``after_backward``, only from the end of the first backward on (when the step's
-    gradients exist): 0 when nothing is alive by then."""
-    forward, frees = ActionKind.FORWARD, (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT)
-    live = peak = 0
-    counting = not after_backward
-    for a in actions:  # hot: a search reads a few million actions
-        if stage is not None and a.stage != stage:
-            continue
-        kind = a.kind
-        if kind is forward:
-            live += 1
-            if counting and live > peak:
-                peak = live
-        elif kind in frees:
-            live -= 1
-            if not counting:
-                counting, peak = True, live
-    return peak
-
-
-_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 def closed_form_makespan(
@@ -191,9 +162,9 @@ def _figures(name: str, pp: int, n_stages: int, microbatches: int) -> _Figures:
         plan = generate(name, pp, n_stages, 1)
     owner = stage_to_rank(n_stages - 1, pp, schedule_spec(name).style)
     if peaks is None:
-        in_flight = tuple(_peak_live(plan[rank]) for rank in range(pp))
-        head = _peak_live(plan[owner], n_stages - 1)
-        after = tuple(_peak_live(plan[rank], after_backward=True) for rank in range(pp))
+        in_flight = tuple(peak_live(plan[rank]) for rank in range(pp))
+        head = peak_live(plan[owner], n_stages - 1)
+        after = tuple(peak_live(plan[rank], after_backward=True) for rank in range(pp))
     else:
         in_flight, head, after = peaks
     heads = tuple(head if rank == owner else 0 for rank in range(pp))
@@ -204,7 +175,7 @@ def _figures(name: str, pp: int, n_stages: int, microbatches: int) -> _Figures:
         busy = 3.0 * n_stages * microbatches
         bubble = (total - busy) / total
     else:
-        sim = simulate(plan, _COSTS)
+        sim = simulate(plan, DEFAULT_COSTS)
         makespan, bubble = sim.makespan, sim.bubble_fraction
     return _Figures(in_flight, heads, after, makespan, bubble)
 

@@ -110,6 +110,10 @@ class _RankTimes:
     ends: float  # the data-parallel communication around a pipeline's step
     host: float  # the optimizer step and fully_shard's host work, per step
 
+    def per_microbatch(self, blocks: int) -> float:
+        """Forward and backward of ``blocks`` blocks and the rank's head, one microbatch."""
+        return blocks * (self.block_fwd + self.block_bwd) + self.head_fwd + self.head_bwd
+
 
 def _rank_times(
     model: ModelSpec,
@@ -181,14 +185,10 @@ def predict_time(
     m = layout.microbatches
     if layout.pp == 1:
         ((load, t),) = times.items()
-        per_mb = load.layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd
         compute, exposed, host = t.compute, t.exposed, t.host
-        step = m * per_mb + exposed + host
+        step = m * t.per_microbatch(load.layers) + exposed + host
     else:
-        unit = max(
-            r.stage_layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd
-            for r, t in times.items()
-        )
+        unit = max(t.per_microbatch(r.stage_layers) for r, t in times.items())
         hop = _microbatch_hop(model, layout, work, device)
         hops = 2 * (layout.pp * layout.stages_per_rank - 1)
         if not device.overlap:  # every send a rank makes takes its cores' time
@@ -197,10 +197,7 @@ def predict_time(
         pipeline = shape.makespan * unit
         share = device.oversubscription
         if share > 1:  # ranks sharing cores fill each other's bubbles (see the docstring)
-            busy = max(
-                m * (r.layers * (t.block_fwd + t.block_bwd) + t.head_fwd + t.head_bwd)
-                for r, t in times.items()
-            )
+            busy = max(m * t.per_microbatch(r.layers) for r, t in times.items())
             pipeline = max(busy, pipeline / share)
         host = max(t.host for t in times.values())
         step = pipeline + exposed + host

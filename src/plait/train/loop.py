@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from plait import spmd
 from plait.train.checkpointing import (
@@ -43,7 +44,7 @@ from plait.train.progress import Progress
 from plait.train.report import plot_loss_curve, summary_table
 from plait.train.step import Stepper, global_mean, make_stepper
 
-__all__ = ["TrainResult", "model_settings", "train"]
+__all__ = ["TrainResult", "Trainable", "model_settings", "train"]
 
 CONFIG_FILE = "config.json"
 #: The settings a checkpoint's weights depend on: a checkpoint loads only into a run with
@@ -80,6 +81,31 @@ def _warn(text: str) -> None:
         print(f"plait train: warning: {text}", file=sys.stderr, flush=True)
 
 
+class Trainable:
+    """``plait train``'s recipe applied to ``model`` on this rank: its stages after
+    :func:`~plait.train.parallelize.parallelize`, their parameters, AdamW, the stepper and
+    the pipeline group. Shared by training and by the planner's dry runs
+    (:mod:`plait.plan.dryrun`), so both run the same code."""
+
+    def __init__(self, model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None) -> None:
+        self.cfg = cfg
+        self.stages: list[Stage] = parallelize(model, cfg, mesh)
+        self.modules = [s.module for s in self.stages]
+        self.params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = build_optimizer(self.modules, cfg)
+        self.stepper: Stepper = make_stepper(self.stages, cfg, mesh)
+        self.pipeline_group = mesh["pp"].get_group() if mesh and cfg.pp > 1 else None
+
+    def update(self) -> torch.Tensor:
+        """After a step's backward: complete pending gradient sums, clip, update, drop the
+        gradients. Returns the gradient norm before clipping (a 0-d tensor)."""
+        finish_partial_grads(self.params)
+        norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
 class _Session:
     """The pieces one training session works with, built in the recipe's order."""
 
@@ -90,12 +116,9 @@ class _Session:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = GPT(model_config(cfg)).to(cfg.device)
         self.mesh = build_mesh(cfg)
-        self.stages: list[Stage] = parallelize(model, cfg, self.mesh)
-        self.modules = [s.module for s in self.stages]
-        self.params = [p for m in self.modules for p in m.parameters()]
-        self.optimizer = build_optimizer(self.modules, cfg)
-        self.stepper: Stepper = make_stepper(self.stages, cfg, self.mesh)
-        self.pipeline_group = self.mesh["pp"].get_group() if self.mesh and cfg.pp > 1 else None
+        self.parts = Trainable(model, cfg, self.mesh)
+        self.stages, self.modules = self.parts.stages, self.parts.modules
+        self.optimizer, self.stepper = self.parts.optimizer, self.parts.stepper
         dp_shard = mesh_coordinate(self.mesh, "dp_shard")
         self.dp_rank = mesh_coordinate(self.mesh, "dp_replicate") * cfg.dp_shard + dp_shard
         self.checkpoint_group = checkpoint_group(cfg.fault_timeout)
@@ -121,10 +144,7 @@ class _Session:
         self.faults.step = step + 1
         local = self.stepper.train(*self.batch("train", step))
         self.faults.step = 0
-        finish_partial_grads(self.params)
-        norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm = self.parts.update()
         spmd.check("end of a training step")  # free unless divergence checking is on
         # Read back only now, the step queued: one wait for the device per step.
         return global_mean(local, self.cfg), float(norm)

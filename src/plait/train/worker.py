@@ -30,7 +30,7 @@ from plait.mesh import collective_device
 from plait.train.config import TrainConfig
 from plait.train.loop import TrainResult, train
 
-__all__ = ["LAUNCHER_PID", "default_run_dir", "worker_main"]
+__all__ = ["LAUNCHER_PID", "default_run_dir", "threads_per_worker", "usable_cores", "worker_main"]
 
 #: Set by plait's local launcher for its workers: its own process id.
 LAUNCHER_PID = "PLAIT_LAUNCHER_PID"
@@ -42,11 +42,16 @@ def default_run_dir() -> str:
     return time.strftime("runs/%Y%m%d-%H%M%S")
 
 
-def _threads_per_worker() -> int:
-    """CPU cores per local worker, so that workers do not oversubscribe the machine."""
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (cores or 1) // local_world)
+    return cores or 1
+
+
+def threads_per_worker(local_world: int) -> int:
+    """CPU threads each of ``local_world`` workers on this machine gets, so that workers do
+    not oversubscribe it: the usable cores divided among them, at least one."""
+    return max(1, usable_cores() // local_world)
 
 
 def _die_with_the_launcher() -> None:
@@ -66,7 +71,7 @@ def _join_process_group(cfg: TrainConfig) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", timeout=timeout)
     else:
-        torch.set_num_threads(_threads_per_worker())
+        torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         dist.init_process_group("gloo", timeout=timeout)
 
 
