@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def module_device_type(module: nn.Module) -> str:
@@ -188,3 +189,47 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool 
     # ``__new__`` alone: DTensor's ``__init__`` does nothing but sits behind a dynamo guard
     # that costs more than building the tensor.
     return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+
+
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view``'s memory as the whole of a storage object of its own (no copy).
+
+    ``fully_shard`` keeps a unit's shards (and its reduced gradients) as views into one flat
+    buffer. A DTensor around a view at a non-zero storage offset cannot be pickled: torch's
+    serialization takes the wrapper's pointer (the offset, not 0) for real data and fails
+    on its empty storage, so ``torch.save(model.state_dict())``, ``pickle`` and
+    ``copy.deepcopy`` of the state dict would fail; and a view at offset 0 would save the
+    whole buffer, every other parameter's bytes included. A storage slice aliases exactly
+    the view's bytes (and keeps the buffer alive), so the fast path of one buffer per unit
+    stays.
+
+    Tensors without real data (meta, fake) and tensor subclasses are returned as they are.
+    """
+    nbytes = view.numel() * view.element_size()
+    if type(view) is not torch.Tensor or view.is_meta:
+        return view
+    if view.storage_offset() == 0 and view.untyped_storage().nbytes() == nbytes:
+        return view
+    if not view.is_contiguous():
+        raise ValueError(f"own_storage: expected a contiguous view, got strides {view.stride()}")
+    start = view.storage_offset() * view.element_size()
+    buffer = view.untyped_storage()
+    piece = buffer[start : start + nbytes]
+    piece._plait_buffer = buffer  # see buffer_of
+    if torch._C._len_torch_dispatch_stack() == 0:  # the common case, and twice as fast
+        return _on_storage(piece, view)
+    # Outside any dispatch mode: a live-memory tracker must not count the alias as new bytes.
+    with _disable_current_modes():
+        return _on_storage(piece, view)
+
+
+def _on_storage(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s shape and dtype over the whole of ``storage``."""
+    out = torch.empty(0, dtype=like.dtype, device=like.device)
+    return out.set_(storage, 0, like.shape, like.stride())
+
+
+def buffer_of(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """The storage whose memory ``storage`` is: the whole buffer for a piece that
+    :func:`own_storage` made, else ``storage`` itself. Memory accounting counts buffers."""
+    return getattr(storage, "_plait_buffer", storage)

@@ -41,7 +41,7 @@ from plait.fsdp.tp import (
     sharded_tp_spec,
     unsharded_tp_spec,
 )
-from plait.mesh import contiguous_strides, make_dtensor
+from plait.mesh import contiguous_strides, make_dtensor, own_storage
 
 
 @dataclass(frozen=True)
@@ -342,7 +342,7 @@ class FSDPParam:
         """Move the padded chunk into ``dest`` (same shape); the sharded parameter follows."""
         with torch.no_grad():
             dest.copy_(self.padded)
-        self.padded = dest
+        self.padded = dest = own_storage(dest)  # a piece of the unit's buffer, picklable
         self.sharded._local_tensor = self._local(dest)  # type: ignore[attr-defined]
 
     # --- unsharded storage ---------------------------------------------------------------
@@ -419,9 +419,8 @@ class FSDPParam:
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""
-        if self.local_numel != self.padded_numel:
-            reduced = reduced[: self.local_numel]
-        local = reduced.view(self.local_shape)
+        # A piece of the reduce-scatter output; with a storage of its own, it pickles.
+        local = own_storage(reduced[: self.local_numel]).view(self.local_shape)
         # ``reduced`` is on the compute device: only offloaded shards live elsewhere.
         if self.policy.offload or local.dtype != self.dtype:
             local = local.to(self.padded.device, self.dtype, non_blocking=True)

@@ -29,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from plait.mesh import buffer_of
+
 __all__ = ["LiveTensors"]
 
 
@@ -100,7 +102,7 @@ class LiveTensors(TorchDispatchMode):
             # A tensor subclass (DTensor): its storage is the inner tensors'.
             names, _ = t.__tensor_flatten__()
             return any([self._add(getattr(t, name)) for name in names])
-        storage = t.untyped_storage()
+        storage = buffer_of(t.untyped_storage())  # a shard's piece counts as its buffer
         key = id(storage)
         entry = self._counted.get(key)
         if entry is not None and entry[0]() is storage:
