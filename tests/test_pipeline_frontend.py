@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.nn import functional as F
+from torch.utils._pytree import tree_leaves, tree_map
 
 from plait.pipeline import (
     Pipe,
@@ -25,6 +26,7 @@ from plait.pipeline import (
     SplitPoint,
     TensorChunkSpec,
     build_stage,
+    merge_chunks,
     pipe_split,
     pipeline,
     split_args_kwargs_into_chunks,
@@ -180,6 +182,88 @@ def test_chunk_spec_then_trace_on_one_microbatch() -> None:
     torch.testing.assert_close(pipe(x, constant)[0], model(x, constant)["out"])
 
 
+class _Outputs(nn.Module):
+    """torch's ModelWithKwargs, ``n_splits`` split points, output of any ``kind``:
+
+    * ``"tensor"``: one tensor, and every stage hands one tensor to the next;
+    * ``"tuple"`` / ``"dict"``: two tensors, and a skip connection over every boundary, so
+      every stage but the last hands a tuple to the next.
+    """
+
+    def __init__(self, n_splits: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.mm_param0 = nn.Parameter(torch.randn(D, D))
+        self.lins = nn.ModuleList(nn.Linear(D, D) for _ in range(n_splits + 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> object:
+        x = torch.mm(x, self.mm_param0)
+        if y is not None:
+            x = x + y
+        skip = x
+        for i, lin in enumerate(self.lins):
+            if i:
+                pipe_split()
+            x = torch.relu(lin(x))
+        if self.kind == "tensor":
+            return x
+        if self.kind == "tuple":
+            return x + skip, x
+        return {"out": x + skip, "hidden": x}
+
+
+def _run_stages(pipe: Pipe, args: tuple[torch.Tensor, ...], kwargs: dict[str, object]) -> object:
+    """Every stage module in turn, as a pipeline does: the last returns the model's output."""
+    out = pipe.get_stage_module(0)(*args, **kwargs)
+    for i in range(1, pipe.num_stages):
+        out = pipe.get_stage_module(i)(*(out if isinstance(out, tuple) else (out,)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict"])
+@pytest.mark.parametrize("n_splits", [0, 1, 3])
+def test_split_and_merge_microbatches_through_the_traced_pipe(n_splits: int, kind: str) -> None:
+    """torch's test_microbatch.py pattern: split a batch into microbatches, run each through
+    the pipe traced on microbatch 0 (the split module, and its stages one by one), merge,
+    and get the unsplit model's output. Without split points the pipe has one stage, both
+    first and last, whose output structure was once lost (``tree_unflatten(..., None)``)."""
+    model = _Outputs(n_splits, kind)
+    x, y = torch.randn(16, D), torch.randn(16, D)
+    args, kwargs = split_args_kwargs_into_chunks((x,), {"y": y}, 4)
+    pipe = pipeline(model, mb_args=args[0], mb_kwargs=kwargs[0])
+    assert pipe.num_stages == n_splits + 1
+    expected = model(x, y=y)
+    by_stage = merge_chunks([_run_stages(pipe, a, k) for a, k in zip(args, kwargs, strict=True)])
+    torch.testing.assert_close(by_stage, expected, atol=0, rtol=0)
+    flat = merge_chunks([pipe(*a, **k) for a, k in zip(args, kwargs, strict=True)])
+    assert isinstance(flat, tuple)  # the pipe returns the flat tuple of the output's leaves
+    torch.testing.assert_close(list(flat), tree_leaves(expected), atol=0, rtol=0)
+
+
+def test_split_policy_may_build_a_graph_without_output_structure() -> None:
+    """A split_policy returning a new graph module, whose graph returns one node (no pytree
+    output spec): the last stage returns that value as it is."""
+    seq = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
+
+    def rebuild(gm: fx.GraphModule) -> fx.GraphModule:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                graph.output(env[node.args[0][0]])  # the single tensor, not a tuple
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+                if node.op == "call_function" and node.target is torch.ops.aten.relu.default:
+                    graph.call_function(pipe_split_op)
+        return fx.GraphModule(gm, graph)
+
+    x = torch.randn(2, D)
+    pipe = pipeline(seq, (x,), split_policy=rebuild)
+    assert pipe.num_stages == 2
+    torch.testing.assert_close(_run_stages(pipe, (x,), {}), seq(x), atol=0, rtol=0)
+    torch.testing.assert_close(pipe(x)[0], seq(x), atol=0, rtol=0)
+
+
 def test_frontend_errors_name_the_fix() -> None:
     seq = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D))
     x = torch.randn(2, D)
@@ -271,3 +355,71 @@ def test_traced_pipeline_trains_like_one_process(world: int) -> None:
 
 def test_traced_pipeline_with_keyword_inputs_and_build_stage() -> None:
     run_on_ranks(2, _traced_parity_body, "GPipe", True, True)
+
+
+def _output_kinds_body(kind: str) -> None:
+    """A traced pipeline, one stage per rank (one rank: a single stage, first and last),
+    whose last stage returns ``kind``: a schedule step trains it as the whole model."""
+    world, rank, m = dist.get_world_size(), dist.get_rank(), 4
+    model = _Outputs(world - 1, kind)
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    x, y, target = (torch.randn(8, D, generator=gen) for _ in range(3))
+    args, kwargs = split_args_kwargs_into_chunks((x,), {"y": y}, m)
+    pipe = pipeline(model, args[0], kwargs[0])
+    assert pipe.num_stages == world
+    stage_module = pipe.get_stage_module(rank)
+    schedule = ScheduleGPipe(pipe.build_stage(rank, "cpu"), m, loss_fn=_loss_of_leaves)
+    losses: list[torch.Tensor] = []
+    last = rank == world - 1
+    step_args = (x,) if rank == 0 else ()
+    step_kwargs: dict[str, object] = {"y": y} if rank == 0 else {}
+    if last:
+        step_kwargs.update(target=target, losses=losses)
+    out = schedule.step(*step_args, **step_kwargs)
+    ref_out = reference(x, y=y)
+    ref_loss = _loss_of_leaves(ref_out, target)
+    ref_loss.backward()
+    if last:
+        torch.testing.assert_close(out, tree_map(torch.Tensor.detach, ref_out))
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach())
+    ref_params = dict(reference.named_parameters())
+    for name, p in stage_module.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref_params[name].grad)
+
+
+def _loss_of_leaves(output: object, target: torch.Tensor) -> torch.Tensor:
+    losses = [F.mse_loss(t, target) for t in tree_leaves(output)]
+    return torch.stack(losses).sum()
+
+
+@pytest.mark.parametrize(
+    ("kind", "world"), [("tensor", 1), ("tensor", 2), ("tuple", 2), ("dict", 2)]
+)
+def test_traced_output_structures_through_a_schedule_step(kind: str, world: int) -> None:
+    run_on_ranks(world, _output_kinds_body, kind)
+
+
+class _TorchMarked(nn.Module):
+    """A model file written for torch: it calls torch's own ``pipe_split``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.pipelining import pipe_split as torch_pipe_split
+
+        x = torch.relu(self.first(x))
+        torch_pipe_split()
+        return self.second(x)
+
+
+def test_torchs_pipe_split_marker_splits_too() -> None:
+    """Only the driver's imports moved to plait: the model's torch markers still cut."""
+    model = _TorchMarked()
+    x = torch.randn(4, D)
+    pipe = pipeline(model, mb_args=(x,))
+    assert pipe.num_stages == 2
+    torch.testing.assert_close(_run_stages(pipe, (x,), {}), model(x), atol=0, rtol=0)

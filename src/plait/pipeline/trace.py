@@ -74,7 +74,11 @@ pipe_split_op = torch.ops.plait.pipe_split.default
 fx.node.has_side_effect(pipe_split_op)
 
 _GUARDS = "_guards_fn"  # ep.module()'s input-guard submodule: not part of any stage
-_OUT_SPEC = "_out_spec"  # attribute of the last stage: the structure of the model's output
+# Attribute of the last stage: the structure of the model's output. Not ``_out_spec``: that
+# name belongs to fx.GraphModule, whose recompile() overwrites it with its codegen's output
+# spec (None for stage 0, which takes the model's inputs but not its output structure), and
+# a one-stage pipe's only stage is both stage 0 and the last.
+_OUT_SPEC = "_pipe_out_spec"
 
 
 def pipe_split() -> None:
@@ -206,6 +210,17 @@ def _submod(i: int) -> str:
     return f"submod_{i}"
 
 
+# torch's own marker (``torch.distributed.pipelining.pipe_split``), recognised by name so
+# that a model file still calling it splits the same (plait imports nothing from there).
+_TORCH_SPLIT_MARKER = "pippy::_pipe_split"
+
+
+def _is_split_marker(target: object) -> bool:
+    if target is pipe_split_op:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.name() == _TORCH_SPLIT_MARKER
+
+
 class _Cut:
     """The traced graph's nodes, by stage, and the values live across each boundary."""
 
@@ -215,7 +230,7 @@ class _Cut:
         self.stage_of: dict[fx.Node, int] = {}
         stage = 0
         for node in self.nodes:
-            if node.op == "call_function" and node.target is pipe_split_op:
+            if node.op == "call_function" and _is_split_marker(node.target):
                 stage += 1
             elif node.op in ("call_function", "call_method", "call_module") and not (
                 node.op == "call_module" and node.target == _GUARDS
@@ -266,7 +281,7 @@ def _split(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """Cut ``gm`` (``ExportedProgram.module()``) at its split markers: the graph module
     calling the stage modules in order (``submod_i``), and the number of stages."""
     cut = _Cut(gm)
-    setattr(gm, _OUT_SPEC, _out_spec(gm))  # read by the last stage (its get_attr)
+    setattr(gm, _OUT_SPEC, _output_structure(gm)[1])  # read by the last stage (its get_attr)
     stages = [_stage_module(gm, cut, s) for s in range(cut.n_stages)]
     root = nn.Module()
     for i, stage in enumerate(stages):
@@ -309,9 +324,9 @@ def _stage_module(gm: fx.GraphModule, cut: _Cut, stage: int) -> fx.GraphModule:
         elif cut.stage_of.get(node) == stage:
             env[node] = graph.node_copy(node, lambda n: env[n])
     if last:
-        flat = fx.map_arg(cut.output.args[0], lambda n: env[n])
+        flat = [fx.map_arg(leaf, lambda n: env[n]) for leaf in _output_structure(gm)[0]]
         spec = graph.get_attr(_OUT_SPEC)
-        graph.output(graph.call_function(pytree.tree_unflatten, (list(flat), spec)))
+        graph.output(graph.call_function(pytree.tree_unflatten, (flat, spec)))
     else:
         outs = [env[n] for n in cut.live[stage]]
         graph.output(outs[0] if len(outs) == 1 else tuple(outs))
@@ -339,10 +354,15 @@ def _copy_in_spec(gm: fx.GraphModule, module: fx.GraphModule) -> None:
     module.recompile()
 
 
-def _out_spec(gm: fx.GraphModule) -> pytree.TreeSpec:
+def _output_structure(gm: fx.GraphModule) -> tuple[list[Any], pytree.TreeSpec]:
+    """The leaves the graph returns (its nodes and constants) and the structure that the
+    model's output gives them."""
+    returned = gm.graph.output_node().args[0]
     info = getattr(gm.graph._codegen, "pytree_info", None)
     spec = getattr(info, "out_spec", None)
-    if spec is None:  # a graph without output structure: a flat tuple
-        n = len(gm.graph.output_node().args[0])  # type: ignore[arg-type]
-        spec = pytree.tree_structure(tuple(range(n)))
-    return spec
+    if spec is not None:  # export's graphs return the flat leaves; the spec rebuilds them
+        assert isinstance(returned, (tuple, list)), returned
+        return list(returned), spec
+    # A graph without output structure (one a split_policy built anew) returns what it
+    # returns: a single value, or a container of them, as written in the graph.
+    return pytree.tree_flatten(returned)
