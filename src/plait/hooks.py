@@ -7,21 +7,66 @@ naming them once makes the APIs read alike.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 
-def queue_end_of_backward(callback: Callable[[], None]) -> None:
+def queue_end_of_backward(callback: Callable[[], None], api: str) -> None:
     """Run ``callback`` once the current backward pass has finished all its work.
 
     Must be called from inside a backward pass (a tensor or parameter hook). The callback
     runs on the autograd thread after every gradient of this backward has been accumulated,
     before ``loss.backward()`` returns: the place to wait for outstanding gradient
     reductions.
+
+    Raises ``RuntimeError`` (naming ``api``) under compiled autograd: see
+    ``refuse_compiled_autograd``.
     """
+    refuse_compiled_autograd(api)
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def in_compiled_autograd() -> bool:
+    """True while compiled autograd runs a captured backward graph (whose eager hooks, such
+    as plait's, are called from inside it)."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported here
+    return compiled_autograd is not None and bool(compiled_autograd.in_compiled_autograd_region)
+
+
+def refuse_compiled_autograd(api: str) -> None:
+    """Raise if this backward runs under compiled autograd, which plait cannot support.
+
+    Compiled autograd (``torch._dynamo.config.compiled_autograd = True``, or
+    ``torch._dynamo.compiled_autograd._enable``) captures the whole backward as one graph
+    and runs it through ``torch.compile``. plait's backward hooks run eagerly in that graph
+    (graph breaks), but callbacks they queue on the autograd engine are silently dropped:
+    the end of backward, where gradients are reduced and parameters resharded, would never
+    run. (With ``fullgraph=True`` the hooks cannot be captured at all.) torch's own
+    ``fully_shard`` runs on in that case and trains wrong; plait stops at the first
+    backward, before any collective of it, with the fix.
+
+    Why not support it: only callbacks queued from *traced* code survive in a compiled
+    autograd graph, and only with ``fullgraph=True``; that would need hooks dynamo can
+    trace whole (functional collectives, no storage swaps), a different design. Compiled
+    autograd left on around a forward whose backward runs outside it is not refused: plain
+    autograd runs that backward.
+    """
+    if in_compiled_autograd():
+        raise RuntimeError(
+            f"{api}: this backward runs under compiled autograd "
+            "(torch._dynamo.config.compiled_autograd = True, or inside "
+            "torch._dynamo.compiled_autograd._enable(...)), which plait does not support: "
+            "it drops the end-of-backward callbacks that reduce gradients and reshard "
+            "parameters, and replays checkpoint recomputation inside its graph, so training "
+            "would silently go wrong. Turn compiled autograd "
+            "off for models that plait parallelizes: set "
+            "torch._dynamo.config.compiled_autograd = False before calling torch.compile "
+            "(or call loss.backward() outside the compiled autograd context). "
+            "torch.compile still compiles the model's forward and backward graphs."
+        )
 
 
 def backward_pass_id() -> int | None:
@@ -57,7 +102,14 @@ def traced(label: str) -> contextlib.AbstractContextManager[object]:
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
 
-def outside_graphs(hook: _Hook) -> _Hook:
+_EAGER = "plait hooks run eagerly, outside compiled graphs"
+_EAGER_IN_BACKWARD = (
+    f"{_EAGER}; compiled autograd cannot capture plait's backward hooks: set "
+    "torch._dynamo.config.compiled_autograd = False for models that plait parallelizes"
+)
+
+
+def outside_graphs(hook: _Hook, *, backward: bool = False) -> _Hook:
     """``hook`` as it must be registered: never traced by ``torch.compile``, always eager.
 
     The APIs' hooks swap parameters, resize storage and talk to peers; dynamo must not
@@ -66,8 +118,14 @@ def outside_graphs(hook: _Hook) -> _Hook:
     ``torch.compile(module, fullgraph=True)`` wraps, it is a frame of its own that dynamo
     skips, so the module's forward still compiles as one graph. Applied when a hook is
     registered rather than when plait is imported: importing dynamo costs about a second.
+
+    ``backward``: a hook that autograd calls (tensor, post-accumulate-grad, or a custom
+    ``Function``'s backward). Autograd calls it eagerly, except under compiled autograd,
+    which hands it to dynamo: there it must not be traced either (it is a graph break that
+    runs eagerly and then refuses compiled autograd, see ``refuse_compiled_autograd``; with
+    ``fullgraph=True`` dynamo refuses it with this reason, which names the fix).
     """
     disabled: _Hook = torch.compiler.disable(
-        hook, recursive=True, reason="plait hooks run eagerly, outside compiled graphs"
+        hook, recursive=True, reason=_EAGER_IN_BACKWARD if backward else _EAGER
     )
     return disabled

@@ -192,8 +192,8 @@ class ReplicateState(APIState):
         if not self.requires_gradient_sync:
             return
         if not self.in_backward:
+            queue_end_of_backward(self.finish_backward, "replicate")
             self.in_backward = True
-            queue_end_of_backward(self.finish_backward)
         self.bucket_of[param].ready += 1  # type: ignore[index]
         self.launch_ready_buckets(force=False)
 
@@ -478,10 +478,12 @@ def replicate(
     for i, bucket in enumerate(state.buckets):
         first = names.get(bucket.params[0], "?")
         bucket.owner = f"replicate bucket {i} ({first!r}...) of {type(module).__name__}"
+    # Kept out of compiled graphs, as every plait hook (compiled autograd would trace it).
+    on_grad_ready = outside_graphs(state.on_grad_ready, backward=True)
     for bucket in state.buckets:
         for p in bucket.params:
             state.bucket_of[p] = bucket
-            p.register_post_accumulate_grad_hook(state.on_grad_ready)
+            p.register_post_accumulate_grad_hook(on_grad_ready)
 
     def reset_after_aborted_backward(*_: Any) -> None:
         # A backward that raised never ran its end-of-backward callback; start clean.

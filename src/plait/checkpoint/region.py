@@ -36,7 +36,7 @@ from torch._C._autograd import _make_saved_tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from plait.hooks import backward_pass_id, traced
+from plait.hooks import backward_pass_id, refuse_compiled_autograd, traced
 
 __all__ = ["CheckpointError", "RecomputeOptions", "Region", "Replay"]
 
@@ -324,6 +324,9 @@ class Region:
         return tensor
 
     def _recompute(self, backward_id: int) -> None:
+        # Compiled autograd replays this hook inside a captured graph, where recomputation
+        # does not reproduce the saved tensors: say so instead of a misleading mismatch.
+        refuse_compiled_autograd("checkpoint")
         args, kwargs = self._inputs.restore()
         replay = Replay(self, backward_id)
         with ExitStack() as stack:

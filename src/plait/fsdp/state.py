@@ -48,7 +48,13 @@ from plait.contract import APIState, get_registry
 from plait.fsdp.cast import cast_floating, tensors_in
 from plait.fsdp.group import FSDPParamGroup, ShardedState
 from plait.fsdp.policies import MixedPrecisionPolicy
-from plait.hooks import in_backward, queue_end_of_backward, traced
+from plait.hooks import (
+    in_backward,
+    in_compiled_autograd,
+    outside_graphs,
+    queue_end_of_backward,
+    traced,
+)
 
 _API_NAME = "fully_shard"  # the name ``contract`` registers the API under
 
@@ -116,6 +122,10 @@ class FSDPState(APIState):
         self.max_input_buffers = 1  # set_reduce_scatter_max_input_buffers
         self.max_reductions_in_flight = 1  # root: the largest of its units'
         self.reducing: list[FSDPParamGroup] = []  # units whose reduction is in flight
+        # What autograd calls: kept out of compiled graphs, as the forward hooks are (under
+        # compiled autograd dynamo would trace them; see ``hooks.outside_graphs``).
+        self.pre_backward_hook = outside_graphs(self.pre_backward, backward=True)
+        self.post_backward_hook = outside_graphs(self.post_backward, backward=True)
 
     @property
     def module(self) -> nn.Module | None:
@@ -351,7 +361,7 @@ class FSDPState(APIState):
         leaves = [output] if isinstance(output, torch.Tensor) else tensors_in(output)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(self.pre_backward)
+                leaf.register_hook(self.pre_backward_hook)
         return output
 
     def prefetch_targets(self, forward: bool) -> list[FSDPState]:
@@ -377,8 +387,8 @@ class FSDPState(APIState):
     def pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return grad
+        self.queue_finish()  # first: it refuses compiled autograd before any change
         self.training_state = TrainingState.PRE_BACKWARD
-        self.queue_finish()
         if self.unit is not None and self.unshard_in_backward:
             with traced("plait.fsdp.pre_backward"):
                 self.unit.wait_for_unshard()  # a conditional unit is still unsharded
@@ -391,12 +401,14 @@ class FSDPState(APIState):
         root = self.root
         assert root is not None
         if not root.callback_queued:
+            if in_compiled_autograd():  # refused just below: forget the step's forward
+                root.reset_iter_state()
+            queue_end_of_backward(root.finish_backward, "fully_shard")
             root.callback_queued = True
-            queue_end_of_backward(root.finish_backward)
 
     def post_backward(self) -> None:
-        self.training_state = TrainingState.POST_BACKWARD
         self.queue_finish()  # a module of a unit run alone registered no pre_backward
+        self.training_state = TrainingState.POST_BACKWARD
         if self.unit is None or self.backwards_owed == 0 or self.conditional:
             return  # a conditional unit reduces in finish_backward, on every rank
         self.backwards_owed -= 1
@@ -475,7 +487,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
+        ctx.state.post_backward_hook()
         return (None, *grads)
 
     @staticmethod
