@@ -149,22 +149,30 @@ def abort_step(
 ) -> None:
     """Tell each neighbour waiting for one of ``remaining`` (this rank's actions not yet
     posted, in order) that this rank's step failed with ``error``: an abort replaces the
-    first send to each peer (see :mod:`plait.pipeline.p2p`). Never raises: the caller
-    raises ``error``."""
+    sends to each peer (see :mod:`plait.pipeline.p2p`). Never raises: the caller raises
+    ``error``.
+
+    Which sends: on a backend that matches messages by tag (gloo) every remaining one,
+    since the peer posts receives ahead and may be waiting for any of them (which one
+    depends on timing); on one that matches in order (NCCL) the first to each peer, which
+    is the receive the peer waits for next.
+    """
     any_stage = next(iter(stages.values()))
     try:
         if isinstance(error, PipelineAbort):  # pass on the same reason
-            key, told = error.key, {error.source}
+            key, skip = error.key, {error.source}
         else:
             where = f"pipeline rank {any_stage.group_rank} (global rank {dist.get_rank()})"
-            key, told = publish_abort(f"{where} failed: {type(error).__name__}: {error}"), set()
+            key, skip = publish_abort(f"{where} failed: {type(error).__name__}: {error}"), set()
+        in_order = dist.get_backend(any_stage.group) == "nccl"
+        told: set[int] = set()
         batch = P2PBatch(any_stage.group, any_stage.device)
         for action in remaining:
             if action.kind not in (K.SEND_F, K.SEND_B):
                 continue
             stage, forward = stages[action.stage], action.kind is K.SEND_F
             peer = stage.next_peer if forward else stage.prev_peer
-            if peer is None or peer in told:
+            if peer is None or peer in skip or (in_order and peer in told):
                 continue
             told.add(peer)
             assert action.microbatch is not None
