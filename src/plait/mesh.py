@@ -188,20 +188,40 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool 
     """
     # ``__new__`` alone: DTensor's ``__init__`` does nothing but sits behind a dynamo guard
     # that costs more than building the tensor.
-    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+    if local.storage_offset() == 0:
+        return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+    # ``__new__`` gives the wrapper the local tensor's storage offset, and torch's pickling
+    # then takes the wrapper (which has no storage) for a tensor with data, and fails: a
+    # wrapper at offset 0 pickles (a gradient that is a piece of its unit's reduce-scatter
+    # output saves with that buffer, as any view does).
+    meta = spec.tensor_meta
+    assert meta is not None
+    wrapper = torch.Tensor._make_wrapper_subclass(
+        DTensor,
+        meta.shape,
+        strides=meta.stride,
+        dtype=local.dtype,
+        device=local.device,
+        layout=local.layout,
+        requires_grad=requires_grad,
+    )
+    wrapper._spec = spec
+    wrapper._local_tensor = local
+    return wrapper
 
 
 def own_storage(view: torch.Tensor) -> torch.Tensor:
     """``view``'s memory as the whole of a storage object of its own (no copy).
 
-    ``fully_shard`` keeps a unit's shards (and its reduced gradients) as views into one flat
-    buffer. A DTensor around a view at a non-zero storage offset cannot be pickled: torch's
-    serialization takes the wrapper's pointer (the offset, not 0) for real data and fails
-    on its empty storage, so ``torch.save(model.state_dict())``, ``pickle`` and
-    ``copy.deepcopy`` of the state dict would fail; and a view at offset 0 would save the
-    whole buffer, every other parameter's bytes included. A storage slice aliases exactly
-    the view's bytes (and keeps the buffer alive), so the fast path of one buffer per unit
-    stays.
+    ``fully_shard`` keeps a unit's shards as views into one flat buffer. The state dict's
+    DTensors are made by DTensor's own operators (``detach``), which give the wrapper the
+    local tensor's storage offset; torch's pickling then takes a wrapper at a non-zero
+    offset (which has no storage) for a tensor with data, and fails, so
+    ``torch.save(model.state_dict())``, ``pickle`` and ``copy.deepcopy`` of the state dict
+    would fail; and a view at offset 0 would save the whole buffer, every other
+    parameter's bytes included. A storage slice aliases exactly the view's bytes (and
+    keeps the buffer alive), so the fast path of one buffer per unit stays. Made once per
+    shard (at ``fully_shard`` and after ``module._apply``), not per step.
 
     Tensors without real data (meta, fake) and tensor subclasses are returned as they are.
     """

@@ -419,8 +419,7 @@ class FSDPParam:
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""
-        # A piece of the reduce-scatter output; with a storage of its own, it pickles.
-        local = own_storage(reduced[: self.local_numel]).view(self.local_shape)
+        local = reduced[: self.local_numel].view(self.local_shape)  # a piece of the output
         # ``reduced`` is on the compute device: only offloaded shards live elsewhere.
         if self.policy.offload or local.dtype != self.dtype:
             local = local.to(self.padded.device, self.dtype, non_blocking=True)
