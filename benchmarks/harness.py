@@ -93,6 +93,10 @@ def _rank_main(rank: int, cfg: BenchConfig, modes: list[Mode], store: str, out: 
             report = _report(cfg, modes, times, cpu, peaks, comm)
             with open(out, "w") as f:
                 json.dump(report, f)
+        # Every rank done with its collectives before any tears gloo down: a rank that
+        # destroyed the group while its peer still used it made the peer abort
+        # ("terminate called without an active exception") about one run in two.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
