@@ -22,14 +22,18 @@ def queue_end_of_backward(callback: Callable[[], None], api: str) -> None:
     before ``loss.backward()`` returns: the place to wait for outstanding gradient
     reductions.
 
-    Raises ``RuntimeError`` (naming ``api``) under compiled autograd: see
-    ``refuse_compiled_autograd``.
+    Raises :class:`CompiledAutogradError` (naming ``api``) under compiled autograd, before
+    queueing anything: see ``refuse_compiled_autograd``.
     """
     refuse_compiled_autograd(api)
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def in_compiled_autograd() -> bool:
+class CompiledAutogradError(RuntimeError):
+    """A plait API's backward ran under compiled autograd (see ``refuse_compiled_autograd``)."""
+
+
+def _in_compiled_autograd() -> bool:
     """True while compiled autograd runs a captured backward graph (whose eager hooks, such
     as plait's, are called from inside it)."""
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # not imported here
@@ -54,8 +58,8 @@ def refuse_compiled_autograd(api: str) -> None:
     autograd left on around a forward whose backward runs outside it is not refused: plain
     autograd runs that backward.
     """
-    if in_compiled_autograd():
-        raise RuntimeError(
+    if _in_compiled_autograd():
+        raise CompiledAutogradError(
             f"{api}: this backward runs under compiled autograd "
             "(torch._dynamo.config.compiled_autograd = True, or inside "
             "torch._dynamo.compiled_autograd._enable(...)), which plait does not support: "

@@ -225,15 +225,14 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
 
     Tensors without real data (meta, fake) and tensor subclasses are returned as they are.
     """
-    nbytes = view.numel() * view.element_size()
     if type(view) is not torch.Tensor or view.is_meta:
         return view
-    if view.storage_offset() == 0 and view.untyped_storage().nbytes() == nbytes:
+    buffer, nbytes = view.untyped_storage(), view.numel() * view.element_size()
+    if view.storage_offset() == 0 and buffer.nbytes() == nbytes:
         return view
     if not view.is_contiguous():
         raise ValueError(f"own_storage: expected a contiguous view, got strides {view.stride()}")
     start = view.storage_offset() * view.element_size()
-    buffer = view.untyped_storage()
     piece = buffer[start : start + nbytes]
     piece._plait_buffer = buffer  # see buffer_of
     if torch._C._len_torch_dispatch_stack() == 0:  # the common case, and twice as fast

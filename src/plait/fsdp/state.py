@@ -49,8 +49,8 @@ from plait.fsdp.cast import cast_floating, tensors_in
 from plait.fsdp.group import FSDPParamGroup, ShardedState
 from plait.fsdp.policies import MixedPrecisionPolicy
 from plait.hooks import (
+    CompiledAutogradError,
     in_backward,
-    in_compiled_autograd,
     outside_graphs,
     queue_end_of_backward,
     traced,
@@ -401,9 +401,11 @@ class FSDPState(APIState):
         root = self.root
         assert root is not None
         if not root.callback_queued:
-            if in_compiled_autograd():  # refused just below: forget the step's forward
+            try:
+                queue_end_of_backward(root.finish_backward, "fully_shard")
+            except CompiledAutogradError:  # refused: forget the step's forward, reshard
                 root.reset_iter_state()
-            queue_end_of_backward(root.finish_backward, "fully_shard")
+                raise
             root.callback_queued = True
 
     def post_backward(self) -> None:

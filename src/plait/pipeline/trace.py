@@ -227,6 +227,8 @@ class _Cut:
     def __init__(self, gm: fx.GraphModule) -> None:
         self.nodes = list(gm.graph.nodes)
         self.output = next(n for n in self.nodes if n.op == "output")
+        # What the graph returns, as leaves, and the model output's structure over them.
+        self.returned, self.out_spec = _output_structure(gm)
         self.stage_of: dict[fx.Node, int] = {}
         stage = 0
         for node in self.nodes:
@@ -281,7 +283,7 @@ def _split(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """Cut ``gm`` (``ExportedProgram.module()``) at its split markers: the graph module
     calling the stage modules in order (``submod_i``), and the number of stages."""
     cut = _Cut(gm)
-    setattr(gm, _OUT_SPEC, _output_structure(gm)[1])  # read by the last stage (its get_attr)
+    setattr(gm, _OUT_SPEC, cut.out_spec)  # read by the last stage (its get_attr)
     stages = [_stage_module(gm, cut, s) for s in range(cut.n_stages)]
     root = nn.Module()
     for i, stage in enumerate(stages):
@@ -324,7 +326,7 @@ def _stage_module(gm: fx.GraphModule, cut: _Cut, stage: int) -> fx.GraphModule:
         elif cut.stage_of.get(node) == stage:
             env[node] = graph.node_copy(node, lambda n: env[n])
     if last:
-        flat = [fx.map_arg(leaf, lambda n: env[n]) for leaf in _output_structure(gm)[0]]
+        flat = [fx.map_arg(leaf, lambda n: env[n]) for leaf in cut.returned]
         spec = graph.get_attr(_OUT_SPEC)
         graph.output(graph.call_function(pytree.tree_unflatten, (flat, spec)))
     else:
