@@ -60,6 +60,19 @@ def _replicate(cfg: BenchConfig) -> Step:
     return training_step(replicate(_model(cfg)), cfg)
 
 
+def _replicate_blocks(cfg: BenchConfig, which: str) -> Step:
+    """``replicate`` per block, then the root (torch's FSDP-based replicate is applied so)."""
+    if which == "torch":
+        from torch.distributed._composable.replicate_with_fsdp import replicate as apply
+    else:
+        apply = replicate
+    model = _model(cfg)
+    for block in model.blocks:
+        apply(block)
+    apply(model)
+    return training_step(model, cfg)
+
+
 def _torch_ddp(cfg: BenchConfig) -> Step:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -200,6 +213,12 @@ MODES: dict[str, Mode] = {
         Mode("single", _single, single_process=True),
         Mode("replicate", _replicate, torch_counterpart="torch_ddp"),
         Mode("torch_ddp", _torch_ddp),
+        Mode(
+            "replicate_blocks",
+            partial(_replicate_blocks, which="plait"),
+            torch_counterpart="torch_replicate_fsdp",
+        ),
+        Mode("torch_replicate_fsdp", partial(_replicate_blocks, which="torch")),
         Mode("ac_plait", partial(_checkpointed, which="plait"), torch_counterpart="ac_torch"),
         Mode(
             "ac_plait_selective",
@@ -259,7 +278,7 @@ MODES.update(PIPELINE_MODES)
 MODES.update(TP_MODES)
 
 SUITES: dict[str, list[str]] = {
-    "replicate": ["single", "replicate", "torch_ddp"],
+    "replicate": ["single", "replicate", "torch_ddp", "replicate_blocks", "torch_replicate_fsdp"],
     # run with --nproc 1 --layers 8: checkpointing is a single-process feature
     "checkpoint": ["single", "ac_plait", "ac_torch", "ac_plait_selective"],
     # "_keep" modes: reshard_after_forward=False; tiny64: per-unit CPU overhead
