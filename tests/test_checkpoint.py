@@ -417,6 +417,13 @@ def test_argument_validation() -> None:
     checkpoint(nn.Linear(2, 2), use_reentrant=False)  # torch's spelling of the default
 
 
+def test_use_reentrant_message_contains_torchs_sentence() -> None:
+    """Code (and torch's own test) matching torch's message still matches plait's."""
+    torch_words = "use_reentrant=True is not supported in composable checkpoint"
+    with pytest.raises(NotImplementedError, match=torch_words):
+        checkpoint(nn.Linear(2, 2), use_reentrant=True)
+
+
 def test_context_fn_contexts_wrap_forward_and_recompute() -> None:
     entered: list[str] = []
 

@@ -276,6 +276,33 @@ def test_frontend_errors_name_the_fix() -> None:
     pipe = pipeline(seq, (x,), split_spec={"0": SplitPoint.END})
     with pytest.raises(ValueError, match="stage index 2 is out of range"):
         pipe.get_stage_module(2)
+    with pytest.raises(ValueError, match=r"split_spec\['0'\] must be a SplitPoint"):
+        pipeline(seq, (x,), split_spec={"0": "beginning"})
+
+
+class _Skips(nn.Module):
+    """``unused`` never runs; ``shared`` runs twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.unused, self.last = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.shared(torch.relu(self.shared(x))))
+
+
+def test_a_split_that_would_give_another_stage_count_is_refused_at_pipeline_time() -> None:
+    """Each ``split_spec`` entry must cut exactly once: a submodule the forward never runs
+    (no boundary: silently one stage fewer) or runs twice (one more) is refused when
+    ``pipeline()`` is called, naming the entry; a pipe without any split point warns."""
+    model, x = _Skips(), torch.randn(2, D)
+    with pytest.raises(ValueError, match=r"split_spec\['unused'\].*never called 'unused'"):
+        pipeline(model, (x,), split_spec={"unused": SplitPoint.BEGINNING})
+    with pytest.raises(ValueError, match=r"split_spec\['shared'\]: 'shared' ran 2 times"):
+        pipeline(model, (x,), split_spec={"shared": SplitPoint.END})
+    assert pipeline(model, (x,), split_spec={"last": SplitPoint.BEGINNING}).num_stages == 2
+    with pytest.warns(UserWarning, match="_Skips's forward has no split point"):
+        assert pipeline(model, (x,)).num_stages == 1
 
 
 # --- traced pipelines on ranks: parity with one process ------------------------------------
@@ -297,18 +324,48 @@ class _Stack(nn.Module):
         return self.head(x)
 
 
-def _traced_parity_body(schedule_name: str, use_kwargs: bool, build_from_info: bool) -> None:
+class _TorchMarkedStack(_Stack):
+    """A model file written for torch: torch's own ``pipe_split`` before every layer but
+    the first (a no-op when it runs eagerly, the reference run below)."""
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from torch.distributed.pipelining import pipe_split as torch_pipe_split
+
+        if bias is not None:
+            x = x + bias
+        for i, layer in enumerate(self.layers):
+            if i:
+                torch_pipe_split()
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _split_spec(split_with: str, world: int) -> dict[str, object] | None:
+    """Boundaries before layers 1.. by ``split_with``: plait's SplitPoint, torch's, or none
+    (the model's own torch markers)."""
+    if split_with == "torch_marker":
+        return None
+    if split_with == "torch_spec":
+        from torch.distributed.pipelining import SplitPoint as TorchSplitPoint
+
+        return {f"layers.{i}": TorchSplitPoint.BEGINNING for i in range(1, world)}
+    return {f"layers.{i}": SplitPoint.BEGINNING for i in range(1, world)}
+
+
+def _traced_parity_body(
+    schedule_name: str, use_kwargs: bool, build_from_info: bool, split_with: str = "plait"
+) -> None:
     """Train a traced pipeline (one stage per rank) and the whole model for 2 steps: the
     losses, the output and the parameters must agree; stage state dicts load back."""
     world, rank, m = dist.get_world_size(), dist.get_rank(), 4
-    model = _Stack(world)
+    model = _TorchMarkedStack(world) if split_with == "torch_marker" else _Stack(world)
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, D, generator=gen), torch.randn(8, 3, generator=gen)
     bias = torch.randn(8, D, generator=gen)
     kwargs = {"bias": bias} if use_kwargs else {}
     mb_kwargs = {"bias": bias.chunk(m)[0]} if use_kwargs else None
-    split_spec = {f"layers.{i}": SplitPoint.BEGINNING for i in range(1, world)}
+    split_spec = _split_spec(split_with, world)
     pipe = pipeline(model, (x.chunk(m)[0],), mb_kwargs, split_spec=split_spec)
     assert pipe.num_stages == world
     if build_from_info:
@@ -355,6 +412,14 @@ def test_traced_pipeline_trains_like_one_process(world: int) -> None:
 
 def test_traced_pipeline_with_keyword_inputs_and_build_stage() -> None:
     run_on_ranks(2, _traced_parity_body, "GPipe", True, True)
+
+
+@pytest.mark.parametrize(("split_with", "world"), [("torch_spec", 2), ("torch_marker", 4)])
+def test_torchs_split_points_train_like_one_process(split_with: str, world: int) -> None:
+    """Model files and drivers written for torch: torch's ``SplitPoint`` in ``split_spec``,
+    or torch's ``pipe_split()`` in the model's forward, cut plait's traced pipeline into one
+    stage per rank, and it trains like the whole model in one process."""
+    run_on_ranks(world, _traced_parity_body, "1F1B", False, False, split_with)
 
 
 def _output_kinds_body(kind: str) -> None:

@@ -82,8 +82,10 @@ def _parse_options(
 ) -> _Options:
     if extra.pop("use_reentrant", False):
         raise NotImplementedError(
-            "plait.checkpoint is non-reentrant only: use_reentrant=True is not supported. "
-            "Drop the argument to use the (default) non-reentrant checkpoint."
+            # torch's own sentence first: code written for torch matches on it.
+            "use_reentrant=True is not supported in composable checkpoint. "
+            "plait.checkpoint is non-reentrant only: drop the argument to use the (default) "
+            "non-reentrant checkpoint, or torch.utils.checkpoint.checkpoint for reentrant."
         )
     if extra:
         raise ValueError(f"checkpoint() got unexpected keyword arguments: {', '.join(extra)}")

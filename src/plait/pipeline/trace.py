@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -154,53 +155,109 @@ def pipeline(
     module: nn.Module,
     mb_args: tuple[Any, ...] | Any,
     mb_kwargs: dict[str, Any] | None = None,
-    split_spec: dict[str, SplitPoint] | None = None,
+    split_spec: dict[str, SplitPoint] | dict[str, Any] | None = None,
     split_policy: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
 ) -> Pipe:
     """Trace ``module`` on one microbatch (``mb_args`` / ``mb_kwargs``) and cut it into
     stages at its split points; see the module docstring.
 
-    Raises ValueError for both ``split_spec`` and ``split_policy``, an unknown submodule
-    name in ``split_spec``, a split point that leaves a stage empty, or a non-tensor value
-    crossing a stage boundary.
+    ``split_spec`` takes plait's :class:`SplitPoint` or torch's. Raises ValueError for both
+    ``split_spec`` and ``split_policy``, an unknown submodule name in ``split_spec``, a
+    ``split_spec`` entry whose submodule the forward runs not exactly once (no boundary, or
+    several: the pipe would not have ``len(split_spec) + 1`` stages), a split point that
+    leaves a stage empty, or a non-tensor value crossing a stage boundary. A pipe without
+    any split point (one stage) warns: a model whose markers went unseen must not pass
+    silently.
     """
     if split_spec is not None and split_policy is not None:
         raise ValueError("pipeline(): give split_spec or split_policy, not both")
     if not isinstance(mb_args, tuple):
         mb_args = (mb_args,)
-    handles = _mark_split_points(module, split_spec or {})
+    marks = _SplitMarks(module, split_spec or {})
     try:
         exported = torch.export.export(module, mb_args, mb_kwargs or {}, strict=False)
     finally:
-        for handle in handles:
-            handle.remove()
+        marks.remove()
+    marks.check()
     traced = exported.module()
     assert isinstance(traced, fx.GraphModule)
     if split_policy is not None:
         traced = split_policy(traced)
-    return Pipe(*_split(traced))
+    pipe = Pipe(*_split(traced))
+    if pipe.num_stages == 1:
+        _warn_single_stage(module)
+    return pipe
 
 
-def _mark_split_points(
-    module: nn.Module, split_spec: dict[str, SplitPoint]
-) -> list[torch.utils.hooks.RemovableHandle]:
-    """Hooks that call :func:`pipe_split` around the named submodules while tracing."""
-    handles = []
-    for name, point in split_spec.items():
+def _split_point(name: str, point: object) -> SplitPoint:
+    """``point`` as plait's :class:`SplitPoint`; torch's own enum (``torch.distributed
+    .pipelining.SplitPoint``, which model code and torch's tests pass) is read by member name."""
+    if isinstance(point, SplitPoint):
+        return point
+    if isinstance(point, Enum) and point.name in SplitPoint.__members__:
+        return SplitPoint[point.name]
+    raise ValueError(f"split_spec[{name!r}] must be a SplitPoint (BEGINNING or END), got {point!r}")
+
+
+class _SplitMarks:
+    """Hooks that call :func:`pipe_split` around ``split_spec``'s submodules while tracing,
+    counting how often each one cut: each must cut exactly once, or the pipe would have
+    another number of stages than ``split_spec`` asks for."""
+
+    def __init__(self, module: nn.Module, split_spec: dict[str, Any]) -> None:
+        self.module = module
+        self.cuts = dict.fromkeys(split_spec, 0)
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        for name, point in split_spec.items():
+            self._mark(name, _split_point(name, point))
+
+    def _mark(self, name: str, point: SplitPoint) -> None:
         try:
-            target = module.get_submodule(name)
+            target = self.module.get_submodule(name)
         except AttributeError as err:
             raise ValueError(
                 f"split_spec names {name!r}, which is not a submodule of "
-                f"{type(module).__name__}: {err}"
+                f"{type(self.module).__name__}: {err}"
             ) from None
+
+        def cut(*_: object) -> None:
+            self.cuts[name] += 1
+            pipe_split()
+
         if point is SplitPoint.BEGINNING:
-            handles.append(target.register_forward_pre_hook(lambda *_: pipe_split()))
-        elif point is SplitPoint.END:
-            handles.append(target.register_forward_hook(lambda *_: pipe_split()))
+            self.handles.append(target.register_forward_pre_hook(cut))
         else:
-            raise ValueError(f"split_spec[{name!r}] must be a SplitPoint, got {point!r}")
-    return handles
+            self.handles.append(target.register_forward_hook(cut))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def check(self) -> None:
+        """ValueError naming each split point that did not cut exactly once."""
+        for name, times in self.cuts.items():
+            if times == 0:
+                raise ValueError(
+                    f"split_spec[{name!r}]: {type(self.module).__name__}'s forward never "
+                    f"called {name!r} while tracing on the example microbatch, so no stage "
+                    "boundary was made there: name a submodule the forward runs"
+                )
+            if times > 1:
+                raise ValueError(
+                    f"split_spec[{name!r}]: {name!r} ran {times} times in one forward (a "
+                    f"shared or looped submodule), which would cut {times} boundaries "
+                    "instead of one: name a submodule that runs once per forward"
+                )
+
+
+def _warn_single_stage(module: nn.Module) -> None:
+    warnings.warn(
+        f"pipeline(): {type(module).__name__}'s forward has no split point, so the pipe has "
+        "a single stage. Mark boundaries with split_spec={'layers.4': SplitPoint.BEGINNING}, "
+        "pipe_split() calls in the forward (plait's or torch's), or a split_policy",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 # --- cutting the traced graph -----------------------------------------------------------------
