@@ -38,7 +38,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 # --- the layering of plait/fsdp ------------------------------------------------------------
 
 # Each file may import only the files listed for it (within plait.fsdp): the DAG of
-# DESIGN.md, collectives <- param <- group <- state <- api, with state_dict / clip / memory
+# DESIGN.md, collectives <- param <- (settings) <- group <- state <- module <- init <-
+# fully_shard (the entry points; api re-exports them), with state_dict / clip / memory
 # beside, above state.
 _ALLOWED = {
     "policies": set(),
@@ -46,12 +47,39 @@ _ALLOWED = {
     "cast": set(),
     "tp": set(),
     "param": {"collectives", "tp"},
+    "settings": {"collectives", "policies"},
     "extensions": {"collectives", "param", "policies"},
-    "group": {"collectives", "param", "extensions", "policies"},
-    "state": {"collectives", "param", "group", "policies", "cast", "extensions"},
+    "reduce": {"collectives", "param", "settings"},
+    "group": {"collectives", "param", "extensions", "policies", "settings", "reduce"},
+    "root": {"collectives", "param", "group", "settings"},
+    "backward_hooks": {"cast"},
+    "state": {
+        "collectives",
+        "param",
+        "group",
+        "policies",
+        "cast",
+        "extensions",
+        "settings",
+        "root",
+        "backward_hooks",
+    },
     "state_dict": {"collectives", "param", "group", "policies", "state"},
     "clip": {"collectives", "param", "group", "policies", "state"},
-    "api": {"collectives", "param", "group", "policies", "state", "state_dict", "tp"},
+    "module": {"collectives", "param", "group", "policies", "settings", "root", "state"},
+    "init": {"collectives", "param", "group", "policies", "settings", "state", "tp"},
+    "fully_shard": {
+        "collectives",
+        "param",
+        "group",
+        "policies",
+        "settings",
+        "state",
+        "state_dict",
+        "module",
+        "init",
+    },
+    "api": {"fully_shard", "init", "module", "state"},
     "memory": {"collectives", "param", "group", "policies", "state", "api"},
 }
 

@@ -1,19 +1,25 @@
 """``fully_shard``: sharded data parallelism.
 
-Layers, each importing only those before it: collectives <- param <- group <- state <- api;
-state_dict, clip and memory sit beside them, above state (tests/test_fsdp_api.py checks it).
+Layers, each importing only those before it (tests/test_fsdp_api.py checks it):
+
+* policies, collectives (stateless collectives; ``Groups``), cast, tp: the leaves;
+* param: one parameter's sharded / padded / unsharded forms;
+* settings: ``UnitSettings``, what one unit was asked to do;
+* extensions (all-gather hooks) and reduce (gradient reduction) <- group: a unit's
+  parameters, gathered and freed together (``FSDPParamGroup``, ``ShardedState``);
+* root (the root's bookkeeping of a pass) <- state: per-unit state and the four hooks
+  (``FSDPState``, ``TrainingState``); backward_hooks: where a unit's backward begins and
+  ends in the autograd graph;
+* module (``FSDPModule``) <- init (argument checks, groups, parameters) <- fully_shard
+  (the entry points); api re-exports the old ``plait.fsdp.api`` names;
+* state_dict, clip and memory sit beside them, above state.
 """
 
-from plait.fsdp.api import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
 from plait.fsdp.clip import clip_grad_norm_
+from plait.fsdp.fully_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
 from plait.fsdp.group import ShardedState
 from plait.fsdp.memory import FSDPMemoryReport, memory_report
+from plait.fsdp.module import FSDPModule, UnshardHandle
 from plait.fsdp.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,

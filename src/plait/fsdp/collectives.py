@@ -40,6 +40,24 @@ class Comm(Protocol):
     def __call__(self, *args: Any, **kwargs: Any) -> dist.Work | None: ...
 
 
+@dataclass(frozen=True)
+class Groups:
+    """The process groups a unit communicates over, resolved from its mesh at ``fully_shard``.
+
+    ``shard`` all-gathers and reduce-scatters (``rank`` / ``world`` are this rank's place
+    in it); ``replicate`` all-reduces gradients across shard groups (HSDP), ``None`` for a
+    1-D mesh; ``post_forward`` is the smaller group of ``reshard_after_forward=<int>``.
+    """
+
+    shard: dist.ProcessGroup
+    rank: int
+    world: int
+    replicate: dist.ProcessGroup | None = None
+    replicate_world: int = 1
+    post_forward: dist.ProcessGroup | None = None
+    post_forward_world: int = 1
+
+
 def allocate(
     comm: Comm | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:

@@ -76,12 +76,10 @@ def _alloc(tensor: torch.Tensor) -> None:
 class GatherExtension:
     """One parameter's extension state across gathers: metadata, sizes, output buffers."""
 
-    def __init__(self, param: FSDPParam, world: int, mp_policy: Any) -> None:
+    def __init__(self, param: FSDPParam, world: int, mp_policy: MixedPrecisionPolicy) -> None:
         self.param = param
         self.world = world
-        self.mp_policy = mp_policy or MixedPrecisionPolicy(
-            param.policy.param_dtype, param.policy.reduce_dtype
-        )
+        self.mp_policy = mp_policy  # handed to 5-argument pre-all-gather hooks
         self.metadata: Any = None
         self.sizes: list[torch.Size] = []
         # Flat (world * numel) buffers the gathered inputs land in, kept across gathers so

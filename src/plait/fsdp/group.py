@@ -1,6 +1,4 @@
-"""A unit of ``fully_shard``: the parameters one call manages, communicated together.
-
-The unit owns the state transitions and the gradient reduction:
+"""A unit of ``fully_shard``: the parameters one call manages, gathered and freed together.
 
 * ``unshard`` issues one all-gather of every rank's *segment* (its padded chunks back to
   back; as bytes when the unit mixes dtypes or pads, so any parameters travel together)
@@ -11,89 +9,64 @@ The unit owns the state transitions and the gradient reduction:
   with a post-forward group (``reshard_after_forward=<int>``, ZeRO++ hpZ) resharding after
   forward keeps this rank's block of the gathered rows instead, so that backward's
   all-gather stays inside that smaller group;
-* ``reduce_grads`` issues one reduce-scatter per gradient dtype and ``finish_reduce``
-  all-reduces it across replicas (HSDP), runs the user's all-reduce hook and adds this
-  rank's part to the sharded gradients. The sum is divided into an average (or by the
-  user's ``gradient_divide_factor``) where torch's ``fully_shard`` divides, so low-precision
-  gradients match torch's bit for bit (``collectives.gradient_division``). Each row
-  carries one count per parameter of how many ranks produced a gradient, so a parameter no
-  rank used keeps ``grad=None``, as in one process (every division keeps a count's sign).
+* ``reduce_grads`` / ``finish_reduce`` reduce the gradients (``reduce.GradientReduction``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from plait import spmd
-from plait.fsdp.collectives import (
-    Comm,
-    Division,
-    all_gather_segments,
-    all_reduce,
-    allocate,
-    divide_,
-    gradient_division,
-    reduce_scatter_segments,
-)
+from plait.fsdp.collectives import Groups, all_gather_segments
 from plait.fsdp.extensions import GatherExtension, has_extension
 from plait.fsdp.param import FSDPParam
+from plait.fsdp.reduce import GradientReduction
+from plait.fsdp.settings import UnitSettings
 from plait.hooks import traced
+
+__all__ = ["FSDPParamGroup", "Groups", "ShardedState"]
 
 
 class ShardedState(Enum):
-    SHARDED = auto()
-    SHARDED_POST_FORWARD = auto()  # only a block of the gathered rows kept (int reshard)
-    UNSHARDED = auto()
+    """Which form of its parameters a unit's modules hold.
 
-
-@dataclass(frozen=True)
-class Groups:
-    """The process groups a unit communicates over.
-
-    ``shard`` all-gathers and reduce-scatters (``rank`` / ``world`` are this rank's place
-    in it); ``replicate`` all-reduces gradients across shard groups (HSDP), ``None`` for a
-    1-D mesh; ``post_forward`` is the smaller group of ``reshard_after_forward=<int>``.
+    Only :class:`FSDPParamGroup` changes it: ``wait_for_unshard`` goes to ``UNSHARDED``
+    (``unshard`` only issues the all-gather: the state changes when it is waited on);
+    ``reshard`` goes back to ``SHARDED``, or to ``SHARDED_POST_FORWARD`` when called after
+    forward (``post_forward=True``) on a unit whose last all-gather kept a block for its
+    post-forward group (``prepare_post_forward``); ``discard_inflight`` ends in ``SHARDED``.
     """
 
-    shard: dist.ProcessGroup
-    rank: int
-    world: int
-    replicate: dist.ProcessGroup | None = None
-    replicate_world: int = 1
-    post_forward: dist.ProcessGroup | None = None
-    post_forward_world: int = 1
-
-
-@dataclass
-class _Reduction:
-    """The gradients of the parameters of one reduce dtype, and the state of their reduction."""
-
-    params: list[FSDPParam]
-    sizes: list[int]  # the columns of the matrix: each parameter's padded_numel, then counts
-    columns: int  # sum(sizes)
-    width: int  # the gradient columns (without the counts)
-    dtype: torch.dtype
-    even: bool  # no parameter is padded: the gradients concatenate in one kernel
-    ones: torch.Tensor  # (world, len(params)) of ones: the counts when every grad is there
-    all_used: bool = False  # this rank had a gradient for every parameter (this reduction)
-    partial: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced (HSDP)
-    division: Division | None = None  # of the reduction in flight
-    # (output, work, input): the input stays referenced until the collective has finished
-    inflight: tuple[torch.Tensor, dist.Work | None, torch.Tensor] | None = field(
-        default=None, repr=False
-    )
+    SHARDED = auto()
+    """The modules hold the sharded DTensor parameters; no unsharded storage is alive."""
+    SHARDED_POST_FORWARD = auto()
+    """As ``SHARDED``, but this rank also keeps the block of gathered rows it serves in its
+    post-forward group (``reshard_after_forward=<int>``): the next unshard (backward's)
+    all-gathers inside that smaller group."""
+    UNSHARDED = auto()
+    """The modules hold the full (unsharded) parameters, views of the unit's buffer."""
 
 
 class FSDPParamGroup:
-    def __init__(self, params: list[FSDPParam], groups: Groups) -> None:
+    """The parameters of one ``fully_shard`` unit and their collectives.
+
+    Owns the parameters' swaps between sharded and unsharded forms (its
+    :class:`ShardedState`), the all-gather that produces the unsharded ones, and, through
+    its :class:`~plait.fsdp.reduce.GradientReduction`, the reduction of their gradients.
+    It knows nothing of modules' forward and backward: ``state.FSDPState`` decides when
+    each operation runs. ``settings`` is the unit's :class:`UnitSettings`, shared with its
+    state.
+    """
+
+    def __init__(self, params: list[FSDPParam], groups: Groups, settings: UnitSettings) -> None:
         self.params = params
         self.groups = groups
+        self.settings = settings
         # Where each location of each parameter lives on the modules, for the swaps.
         self._slots = [(loc.module._parameters, loc.name, p) for p in params for loc in p.locations]
         self.flat: torch.Tensor | None = None
@@ -104,30 +77,17 @@ class FSDPParamGroup:
         self._unsharded_buffer: torch.Tensor | None = None
         self._unsharded_data: list[torch.Tensor] = []
         self._copy_outs: list[torch.Tensor] = []
-        self._reductions: dict[tuple[bool, ...], list[_Reduction]] = {}
+        self.reduction = GradientReduction(params, groups, settings)
         # Parameters with all-gather extensions (extensions.py), found at the first unshard
         # (hooks may be patched on after fully_shard); ``None``: not looked for yet.
         self._extensions: dict[FSDPParam, GatherExtension] | None = None
         self._plain_order: list[FSDPParam] = []  # gather_order without them
-        self.mp_policy: Any = None  # handed to 5-argument fsdp_pre_all_gather hooks
         self.lay_out()
         self.sharded_state = ShardedState.SHARDED
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.reshard_after_backward = True
         self._gather: tuple[torch.Tensor, dist.Work | None] | None = None  # (world, segment)
         self._post_forward_rows: torch.Tensor | None = None  # (world / k, segment) bytes
         self._keep_block = False  # the next unshard feeds a post-forward reshard
-        self._reducing: list[_Reduction] = []
         self.owner = "a fully_shard unit"  # named by the root at lazy init (spmd reports)
-        # Set through FSDPModule's methods of the same names (torch's semantics).
-        self.gradient_divide_factor: float | None = None
-        self.force_sum_reduction_for_comms = False
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.all_reduce_hook_stream: Any = None  # a device stream to run the hook on
-        self.all_gather_comm: Comm | None = None
-        self.reduce_scatter_comm: Comm | None = None
-        self._premul_sum: bool | None = None  # the shard group's backend has PREMUL_SUM
 
     @property
     def world(self) -> int:
@@ -136,6 +96,34 @@ class FSDPParamGroup:
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    @property
+    def busy(self) -> bool:
+        """An all-gather is in flight (the modules are about to receive full parameters)."""
+        return self._gather is not None
+
+    # The flags the pipeline's gradient sync turns off for a step and restores after it
+    # (``pipeline/grad_sync.py`` reaches them here): they live in the unit's settings.
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        return self.settings.requires_gradient_sync
+
+    @requires_gradient_sync.setter
+    def requires_gradient_sync(self, value: bool) -> None:
+        self.settings.requires_gradient_sync = value
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        return self.settings.reshard_after_backward
+
+    @reshard_after_backward.setter
+    def reshard_after_backward(self, value: bool) -> None:
+        self.settings.reshard_after_backward = value
+
+    @property
+    def gradient_divide_factor(self) -> float | None:
+        return self.settings.gradient_divide_factor
 
     # --- unshard / reshard ---------------------------------------------------------------
 
@@ -150,7 +138,11 @@ class FSDPParamGroup:
                 self._gather = self._gather_with_extensions()
             else:
                 self._gather = all_gather_segments(
-                    self._segment(), self.groups.shard, self.world, self.owner, self.all_gather_comm
+                    self._segment(),
+                    self.groups.shard,
+                    self.world,
+                    self.owner,
+                    self.settings.all_gather_comm,
                 )
         if not async_op:
             self.wait_for_unshard()
@@ -176,7 +168,7 @@ class FSDPParamGroup:
         self.split_sizes = [p.padded_numel for p in self.gather_order]
         # split_copy units gather in their parameter dtype, others as bytes.
         self.gather_dtype = self.gather_order[0].param_dtype if self.split_copy else torch.uint8
-        self._reductions.clear()  # reduce dtypes may have changed
+        self.reduction.forget_layout()  # reduce dtypes may have changed
         self._unsharded_buffer = None  # rebuilt at the next unshard, in the new dtypes
         self._extensions = None  # local tensors may have been replaced
         self.adopt_flat_storage()
@@ -233,7 +225,7 @@ class FSDPParamGroup:
             self.groups.post_forward,
             self.groups.post_forward_world,
             self.owner,
-            self.all_gather_comm,
+            self.settings.all_gather_comm,
         )
 
     # --- all-gather extensions (extensions.py) ----------------------------------------------
@@ -255,7 +247,9 @@ class FSDPParamGroup:
                         "dim 0 only: return Shard(0) or None for it"
                     )
             self.split_copy = False  # the plain parameters' copy-out goes one by one
-        self._extensions = {p: GatherExtension(p, self.world, self.mp_policy) for p in found}
+        self._extensions = {
+            p: GatherExtension(p, self.world, self.settings.mp_policy) for p in found
+        }
         self._plain_order = [p for p in self.gather_order if p not in self._extensions]
         self._unsharded_buffer = None  # laid out again without the extended parameters
 
@@ -270,7 +264,7 @@ class FSDPParamGroup:
             pieces.extend(extension.inputs())
         row = torch.cat(pieces).view(1, -1)
         return all_gather_segments(
-            row, self.groups.shard, self.world, self.owner, self.all_gather_comm
+            row, self.groups.shard, self.world, self.owner, self.settings.all_gather_comm
         )
 
     def _copy_out_extensions(
@@ -390,127 +384,59 @@ class FSDPParamGroup:
             extension.free()
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD if keep else ShardedState.SHARDED
 
-    # --- gradient reduction -------------------------------------------------------------
+    # --- parameters replaced on the modules ---------------------------------------------------
+
+    def adopt_replacements(self) -> None:
+        """Take in parameters the user replaced on the modules while the unit is sharded."""
+        if self.sharded_state is ShardedState.SHARDED and not self.busy:
+            relaid = [p.adopt_replacement() for p in self.params]  # every one, no short cut
+            if any(relaid):
+                self.lay_out()
+
+    def adopt_materialised(self) -> None:
+        """Meta init: take in real full tensors the user assigned in place of parameters
+        that are still on the meta device (e.g. a root parameter computed from its
+        children's weights after their ``to_empty``), of which each rank keeps its own
+        shard, and real shards in the unit's layout (a loader that assigns DTensors)."""
+        changed = False
+        for p in self.params:
+            loc = p.locations[0]
+            current = loc.module._parameters.get(loc.name)
+            if not p.padded.is_meta or current is None or current is p.sharded:
+                continue
+            if p.same_layout(current):  # a loader assigned this rank's shard itself
+                changed |= p.adopt_replacement()
+                continue
+            if isinstance(current, DTensor):
+                continue  # another layout: adopt_replacement reports it
+            if current.is_meta or current.shape != p.global_shape:
+                continue  # still meta, or a mistake adopt_replacement reports
+            layout = p.sharded
+            assert isinstance(layout, DTensor)
+            shard = distribute_tensor(
+                current.detach(), layout.device_mesh, layout.placements, src_data_rank=None
+            )
+            p.set_on_modules(nn.Parameter(shard, requires_grad=current.requires_grad))
+            p.reset_sharded()
+            changed = True
+        if changed:
+            self.lay_out()
+
+    # --- gradient reduction (reduce.py) ------------------------------------------------------
 
     def stash_grads(self) -> None:
         """Gradient sync is off: keep accumulating unsharded gradients (reduce dtype)."""
-        for p in self.params:
-            p.stash_grad()
-
-    def _reductions_now(self) -> list[_Reduction]:
-        """The reduce layout for the current trainable parameters, one entry per dtype.
-
-        Frozen parameters take no part; the layout depends only on ``requires_grad``,
-        which is the same on every rank, so all ranks issue the same collectives.
-        """
-        key = tuple(p.sharded.requires_grad for p in self.params)
-        if key not in self._reductions:
-            by_dtype: dict[torch.dtype, list[FSDPParam]] = {}
-            for p, trainable in zip(self.params, key, strict=True):
-                if trainable and p.reduce_dtype is not None:
-                    by_dtype.setdefault(p.reduce_dtype, []).append(p)
-            reductions = []
-            for dtype, params in by_dtype.items():
-                sizes = [p.padded_numel for p in params]
-                even = all(p.even for p in params)
-                # One element, expanded: the counts column costs no memory between steps.
-                one = torch.ones((), dtype=dtype, device=self.device)
-                ones = one.expand(self.world, len(params))
-                width = sum(sizes)
-                sizes.append(len(params))
-                reductions.append(
-                    _Reduction(params, sizes, width + len(params), width, dtype, even, ones)
-                )
-            self._reductions[key] = reductions
-        return self._reductions[key]
-
-    def _division(self, dtype: torch.dtype) -> Division:
-        if self._premul_sum is None:  # NCCL has PREMUL_SUM; a mixed group names it too
-            backend = str(dist.get_backend(self.groups.shard))
-            self._premul_sum = "nccl" in backend and self.device.type == "cuda"
-        return gradient_division(
-            self.world,
-            self.groups.replicate_world,
-            dtype,
-            self.gradient_divide_factor,
-            self.force_sum_reduction_for_comms,
-            self._premul_sum,
-        )
+        self.reduction.stash()
 
     def reduce_grads(self) -> None:
-        """Issue the reduce-scatter(s) of the accumulated unsharded gradients.
-
-        The counts are divided along with the gradients: only their sign is read.
-        """
+        """Finish the previous reduction, then issue the reduce-scatter(s) of the
+        accumulated unsharded gradients."""
         self.finish_reduce()
-        comm = self.reduce_scatter_comm
-        for red in self._reductions_now():
-            matrix = allocate(comm, (self.world, red.columns), red.dtype, self.device)
-            grads = [p.take_grad() for p in red.params]
-            used = [g is not None for g in grads]
-            red.all_used = False not in used  # then every count is positive: none is read
-            if red.even and red.all_used:  # one kernel
-                views = [g.view(self.world, -1) for g in grads]  # type: ignore[union-attr]
-                torch.cat([*views, red.ones], dim=1, out=matrix)
-            else:
-                *columns, counts = matrix.split_with_sizes(red.sizes, dim=1)
-                for p, g, column in zip(red.params, grads, columns, strict=True):
-                    p.copy_grad_in(g, column)
-                counts.copy_(torch.tensor(used, dtype=red.dtype))  # broadcast over rows
-            red.division = division = self._division(red.dtype)
-            divide_(matrix, division.pre)
-            if division.scale is not None:
-                matrix.mul_(division.scale)
-            reduced = reduce_scatter_segments(
-                matrix, self.groups.shard, self.owner, division.scatter_op, comm
-            )
-            red.inflight = (*reduced, matrix)
-            self._reducing.append(red)
+        self.reduction.start(self.owner)
 
     def finish_reduce(self) -> None:
         """Wait for issued reductions and accumulate into the sharded gradients."""
-        if not self._reducing:  # the common case: called for every unit at every forward
-            return
-        reducing, self._reducing = self._reducing, []
-        for red in reducing:
-            assert red.inflight is not None
-            out, work, _ = red.inflight
-            red.inflight = None
-            spmd.wait(work, "reduce_scatter", self.owner)
-            division = red.division
-            assert division is not None
-            divide_(out, division.between)
-            if red.partial is not None:
-                out += red.partial
-                red.partial = None
-            if self.groups.replicate is not None:
-                if not self.requires_all_reduce:
-                    red.partial = out  # all-reduced with a later step's gradients
-                    continue
-                all_reduce(out, self.groups.replicate, self.owner, division.all_reduce_op)
-            if self.all_reduce_hook is not None:
-                self._run_all_reduce_hook(out[: red.width])
-            divide_(out, division.post)
-            *chunks, counts_chunk = out.split_with_sizes(red.sizes)
-            counts = [1] * len(red.params) if red.all_used else counts_chunk.tolist()
-            for p, chunk, count in zip(red.params, chunks, counts, strict=True):
-                if count > 0:
-                    p.accumulate_sharded_grad(chunk)
-
-    def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
-        """The user's hook on this rank's reduced gradients (after HSDP's all-reduce),
-        on the stream the user chose, if any; later work waits for it."""
-        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
-        assert hook is not None
-        if stream is None:
-            hook(reduced)
-            return
-        module = torch.get_device_module(reduced.device.type)
-        current = module.current_stream()
-        stream.wait_stream(current)
-        with module.stream(stream):
-            hook(reduced)
-        current.wait_stream(stream)
+        self.reduction.finish(self.owner)
 
     def discard_inflight(self) -> None:
         """Recovery after an exception (``reset_iter_state``): wait for the collectives
@@ -521,20 +447,6 @@ class FSDPParamGroup:
             self._gather = None
             if work is not None:
                 work.wait()
-        for red in self._reducing:
-            if red.inflight is not None and red.inflight[1] is not None:
-                red.inflight[1].wait()
-            red.inflight = None
-        self._reducing = []
-        for reductions in self._reductions.values():
-            for red in reductions:
-                red.partial = None
-        for p in self.params:
-            p.take_grad()  # clears the unsharded gradient and the no-sync accumulator
+        self.reduction.discard()
         self._post_forward_rows = None
         self.reshard()
-
-    @property
-    def busy(self) -> bool:
-        """An all-gather is in flight (the modules are about to receive full parameters)."""
-        return self._gather is not None

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.fsdp.api import fsdp_states_in
+from plait.fsdp.state import fsdp_states_in
 
 __all__ = ["FSDPMemoryReport", "memory_report"]
 

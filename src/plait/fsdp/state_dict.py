@@ -241,7 +241,7 @@ def _make_sharded(state: FSDPState, prefix: str) -> None:
                 f"{state.training_state.name.lower()}; load state dicts between steps"
             )
         unit.reshard()
-    state.adopt_replacements()
+    unit.adopt_replacements()
 
 
 # --- full state dicts ---------------------------------------------------------------------------
