@@ -17,16 +17,27 @@ Running them (torch's names):
 * :mod:`~plait.pipeline.stage`: ``PipelineStage``;
 * :mod:`~plait.pipeline.trace`: the tracing frontend, ``pipeline(module, mb_args,
   split_spec=...)`` returning a ``Pipe``, ``SplitPoint``, ``pipe_split``, ``build_stage``;
-* :mod:`~plait.pipeline.schedule_classes`: ``ScheduleGPipe``, ``Schedule1F1B``, ... whose
-  ``step`` runs the generated action list through :mod:`~plait.pipeline.runtime`;
-  ``SCHEDULE_CLASSES`` maps each name of ``SCHEDULES`` to its class, ``get_schedule_class``
-  finds one by torch's (case-insensitive) name; ``_ScheduleForwardOnly`` runs forwards
-  only; ``_load_csv`` / ``_dump_csv`` read and write a schedule's order as CSV.
+* :mod:`~plait.pipeline.schedule_classes`: ``ScheduleGPipe``, ``Schedule1F1B``, ... (torch's
+  names and positional orders) over :mod:`~plait.pipeline.pipeline_schedule`'s
+  ``PipelineSchedule``, whose ``step`` runs this rank's order through
+  :mod:`~plait.pipeline.runtime`; ``SCHEDULE_CLASSES`` maps each name of ``SCHEDULES`` to its
+  class, ``get_schedule_class`` finds one by torch's (case-insensitive) name;
+  ``_ScheduleForwardOnly`` runs forwards only; ``_load_csv`` / ``_dump_csv`` read and write a
+  schedule's order as CSV; ``register_custom_function`` runs user code in place of an
+  action (:mod:`~plait.pipeline.custom`, DualPipeV's ``OVERLAP_F_B`` pairs included).
+
+Behind them, pure and checkable in one process: :mod:`~plait.pipeline.ordering` (a
+schedule's order, from generated or given to what each rank runs) and
+:mod:`~plait.pipeline.step_inputs` (a step's inputs to this rank's microbatches); with
+processes: :mod:`~plait.pipeline.agreement` (the ranks agree on the schedule at its first
+run) and :mod:`~plait.pipeline.stage` / :mod:`~plait.pipeline.p2p`.
 """
 
 from plait.pipeline.actions import (
+    OVERLAP_F_B,
     Action,
     ActionKind,
+    OverlappedPair,
     Schedule,
     ScheduleError,
     Style,
@@ -55,6 +66,7 @@ from plait.pipeline.schedule_classes import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
+    _PipelineContext,
     _PipelineScheduleRuntime,
     _ScheduleForwardOnly,
     get_schedule_class,
@@ -66,6 +78,7 @@ from plait.pipeline.schedules import (
     add_communication,
     add_fsdp_actions,
     dualpipe_v,
+    dualpipe_v_pairs,
     generate,
     schedule_spec,
 )
@@ -82,10 +95,12 @@ from plait.pipeline.trace import Pipe, PipeInfo, SplitPoint, build_stage, pipe_s
 from plait.pipeline.validate import validate
 
 __all__ = [
+    "OVERLAP_F_B",
     "SCHEDULES",
     "SCHEDULE_CLASSES",
     "Action",
     "ActionKind",
+    "OverlappedPair",
     "Pipe",
     "PipeInfo",
     "PipelineAbort",
@@ -109,12 +124,14 @@ __all__ = [
     "Style",
     "TensorChunkSpec",
     "TimedAction",
+    "_PipelineContext",
     "_PipelineScheduleRuntime",
     "_ScheduleForwardOnly",
     "add_communication",
     "add_fsdp_actions",
     "build_stage",
     "dualpipe_v",
+    "dualpipe_v_pairs",
     "dump_csv",
     "format_csv",
     "format_schedule",

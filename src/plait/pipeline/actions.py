@@ -13,9 +13,16 @@ actions separated by commas; :mod:`~plait.pipeline.schedule_csv` reads and write
 CSV files exactly, empty cells and empty rows included).
 
 There is no kind for torch's ``OVERLAP_F_B`` (DualPipeV's forward of one chunk paired with
-a backward of another): the pair is its F action followed by its B action. torch's runtime
-runs the two one after the other as well, so the arithmetic is the same, and every pass
-(communication, FSDP, validation, simulation) works on pairs unchanged.
+a backward of another): in a schedule the pair is its F action followed by its B action.
+torch's runtime runs the two one after the other as well, so the arithmetic is the same,
+and every pass (communication, FSDP, validation, simulation) works on pairs unchanged.
+Which consecutive F and B form a pair is kept beside the schedule, as
+:class:`OverlappedPair` values, for a custom function registered for ``OVERLAP_F_B``
+(:mod:`~plait.pipeline.custom`) to run the two as one unit.
+
+Actions also answer to torch's ``_Action`` field names (``stage_index``,
+``computation_type``, ``microbatch_index``, ``sub_actions``), so a custom function written
+against torch's actions reads plait's unchanged.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
+from typing import Final, Literal
 
 __all__ = [
+    "OVERLAP_F_B",
     "Action",
     "ActionKind",
+    "OverlappedPair",
     "Schedule",
     "ScheduleError",
     "Style",
@@ -110,6 +119,75 @@ class Action:
     def __str__(self) -> str:
         mb = "" if self.microbatch is None else str(self.microbatch)
         return f"{self.stage}{self.kind.value}{mb}"
+
+    # torch's ``_Action`` field names, read-only.
+    @property
+    def stage_index(self) -> int:
+        return self.stage
+
+    @property
+    def computation_type(self) -> ActionKind:
+        return self.kind
+
+    @property
+    def microbatch_index(self) -> int | None:
+        return self.microbatch
+
+    @property
+    def sub_actions(self) -> None:
+        """torch's: only an overlapped pair has sub-actions."""
+        return None
+
+
+OVERLAP_F_B: Final = "OVERLAP_F_B"
+"""torch's computation type of an overlapped forward / backward pair (its text form too)."""
+
+
+@dataclass(frozen=True)
+class OverlappedPair:
+    """DualPipeV's overlapped pair, torch's ``OVERLAP_F_B`` action: the forward of one
+    stage and the backward (B or I) of another stage of the same rank, independent of each
+    other, which a custom function may run as one unit (e.g. one's compute hiding the
+    other's communication). In a schedule the pair is ``forward`` immediately followed,
+    among compute actions, by ``backward``.
+
+    Prints as torch does, ``(0F3;3B1)OVERLAP_F_B``; ``sub_actions`` is ``(forward,
+    backward)``. Raises ValueError for other kinds, or for one stage.
+    """
+
+    forward: Action
+    backward: Action
+
+    def __post_init__(self) -> None:
+        if self.forward.kind is not K.FORWARD or not self.backward.kind.produces_input_grad:
+            raise ValueError(
+                f"an {OVERLAP_F_B} pair is a forward (F) then a backward (B or I), got "
+                f"{self.forward} then {self.backward}"
+            )
+        if self.forward.stage == self.backward.stage:
+            raise ValueError(
+                f"an {OVERLAP_F_B} pair runs two different stages, got {self} (one stage)"
+            )
+
+    def __str__(self) -> str:
+        return f"({self.forward};{self.backward}){OVERLAP_F_B}"
+
+    @property
+    def sub_actions(self) -> tuple[Action, Action]:
+        return (self.forward, self.backward)
+
+    @property
+    def computation_type(self) -> str:
+        return OVERLAP_F_B
+
+    @property
+    def stage_index(self) -> int:
+        """torch's placeholder: a pair has no single stage."""
+        return -1
+
+    @property
+    def microbatch_index(self) -> None:
+        return None
 
 
 Schedule = dict[int, list[Action]]

@@ -73,6 +73,7 @@ __all__ = [
     "PipelineAbort",
     "SentTensor",
     "TensorMeta",
+    "abort_reason",
     "decode_meta",
     "encode_meta",
     "meta_of",
@@ -259,7 +260,7 @@ class _Recv:
 
     def _raise_abort(self, key: int) -> None:
         """The header said abort: read the sender's reason from the store and raise it."""
-        reason = _store().get(_abort_key(key)).decode(errors="replace")
+        reason = abort_reason(key)
         raise PipelineAbort(
             f"plait: the pipeline step stopped because {reason} (this rank was waiting for "
             f"{self.owner} from rank {self.peer})",
@@ -428,7 +429,8 @@ class P2PBatch:
         accepts into any larger buffer); ``first``: the peer posted an activation
         transfer's header alone (no agreement yet)."""
         size = _HEADER if expected is None else _offsets(expected, _HEADER)[1]
-        self._send(_header(-key, size, self.device), peer, tag + _part(first), owner)
+        part = _Part.HEADER if first else _Part.PACKED
+        self._send(_header(-key, size, self.device), peer, tag + part, owner)
 
     def post(self) -> list[SentTensor]:
         """Issue every operation in one batch; returns the sends in flight."""
@@ -458,6 +460,11 @@ def publish_abort(reason: str) -> int:
     return key
 
 
+def abort_reason(key: int) -> str:
+    """The reason :func:`publish_abort` put under ``key``."""
+    return _store().get(_abort_key(key)).decode(errors="replace")
+
+
 def _abort_key(key: int) -> str:
     return f"plait/pipeline_abort/{key}"
 
@@ -466,10 +473,6 @@ def _store() -> Store:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
-
-
-def _part(first: bool) -> _Part:
-    return _Part.HEADER if first else _Part.PACKED
 
 
 def _op(

@@ -16,17 +16,24 @@ communication, and with FSDP actions when stages do data parallelism) runs here:
   each backward action, ``fully_shard`` units move the new gradients into their
   reduce-dtype accumulators.
 
-Failures. When anything raises on this rank once the step's messages flow (the model, the
-loss, a transfer, or an abort heard from a neighbour), :func:`abort_step` sends an abort,
-with the cause, in place of this rank's next message to each neighbour that waits for
-one, then the error is raised here. Each neighbour raises
+Custom functions (:mod:`plait.pipeline.custom`) replace the runtime's own work for the
+actions of their type; with one for ``OVERLAP_F_B``, each overlapped pair runs as one
+step (:func:`~plait.pipeline.ordering.pair_steps`).
+
+Failures. When anything raises on this rank during the step (the model, the loss, a
+declared shape that does not match, a transfer, or an abort heard from a neighbour), the
+other ranks are told before the error is raised here. Once this rank's messages flow, or
+after the ranks agreed on the schedule in an earlier step, :func:`abort_step` sends an
+abort, with the cause, in place of this rank's next message to each neighbour that waits
+for one; before the first run's agreement, the failure is reported in the agreement
+itself (:meth:`~plait.pipeline.agreement.Agreement.report_failure`). Each neighbour raises
 :class:`~plait.pipeline.p2p.PipelineAbort` naming the rank that failed first and why, and
-passes it on: every rank of the pipeline ends the step at once with the cause, none waits
-for messages that will never come. An error this rank finds before its first message
-(bad arguments to ``step``) stays local, so the caller can fix the call and step again:
-no neighbour has started the step with this rank, and an abort nobody reads would be
-matched by a later step. (Its neighbours then wait; with ``PLAIT_CHECK_SPMD=1`` they fail
-at the deadline, naming the transfer.)
+passes it on: every rank of the pipeline ends the step with the cause, none waits for
+messages that will never come. Bad arguments to ``step`` are found before
+:func:`run_actions` and stay local, so the caller can fix the call and step again: no
+neighbour has started the step with this rank, and an abort nobody reads would be matched
+by a later step. (Its neighbours then wait; with ``PLAIT_CHECK_SPMD=1`` they fail at the
+deadline, naming the transfer.)
 """
 
 from __future__ import annotations
@@ -42,8 +49,11 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from plait.hooks import traced
-from plait.pipeline.actions import Action, ActionKind
+from plait.pipeline.actions import OVERLAP_F_B, Action, ActionKind, OverlappedPair
+from plait.pipeline.agreement import Agreement
+from plait.pipeline.custom import CustomFunction, _PipelineContext
 from plait.pipeline.grad_sync import StageGradSync
+from plait.pipeline.ordering import pair_steps
 from plait.pipeline.p2p import (
     P2PBatch,
     PipelineAbort,
@@ -54,7 +64,7 @@ from plait.pipeline.p2p import (
 )
 from plait.pipeline.stage import PipelineStage
 
-__all__ = ["StepData", "StepResult", "abort_step", "run_actions"]
+__all__ = ["CustomRun", "StepData", "StepResult", "abort_step", "run_actions"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,42 +102,69 @@ class StepResult:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class CustomRun:
+    """The custom functions of a step (:mod:`plait.pipeline.custom`): ``functions`` by
+    computation type, this rank's overlapped ``pairs``, and, for their context, the
+    ``schedule`` and the caller's ``losses`` list."""
+
+    functions: Mapping[str, CustomFunction]
+    pairs: Sequence[OverlappedPair]
+    schedule: Any
+    losses: list[torch.Tensor] | None
+
+
 def run_actions(
     actions: Sequence[Action],
     stages: Mapping[int, PipelineStage],
     syncs: Mapping[int, StageGradSync],
     data: StepData,
-    before_first_message: Callable[[], None] | None = None,
+    *,
+    agreement: Agreement | None = None,
+    custom: CustomRun | None = None,
 ) -> StepResult:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index).
 
-    ``before_first_message`` is called once, before this rank first sends to or receives
-    from another rank: errors this rank finds on its own before then are raised without
-    involving the others, and a collective it issues comes before every message of the
-    step on every rank (NCCL runs a communicator's operations in the order issued).
+    ``agreement`` (the first run's) is checked once, just before this rank first sends to
+    or receives from another rank: its collective comes before every message of the step
+    on every rank (NCCL runs a communicator's operations in the order issued). On failure
+    the other ranks are told (module docstring) and the error is raised.
     """
-    runner = _Runner(actions, stages, syncs, data, before_first_message)
+    runner = _Runner(actions, stages, syncs, data, agreement, custom)
     for stage in stages.values():
         stage.begin_step()
     for sync in syncs.values():
         sync.begin_step()
-    done = 0  # actions run (or, for communication, queued)
+    steps = runner.steps
+    done = 0  # steps run (or, for communication, queued)
     try:
-        for action in actions:
-            runner.run(action)
+        for step in steps:
+            if isinstance(step, OverlappedPair):
+                runner.run_pair(step)
+            else:
+                runner.run(step)
             done += 1
         runner.flush()
         wait_sends(runner.sent)
         for stage in stages.values():
             stage.end_step()
     except BaseException as error:
-        if runner.messaged:  # this rank's messages flowed: its neighbours are in the step
-            abort_step([*runner.pending, *actions[done:]], stages, error)
+        remaining = [*runner.pending, *(a for s in steps[done:] for a in _actions_of(s))]
+        failed_here = isinstance(error, Exception)  # not an interrupt
+        if runner.messaged or (agreement is None and failed_here):
+            abort_step(remaining, stages, error)  # the neighbours are in the step
+        elif runner.agreement is not None and failed_here:
+            runner.agreement.report_failure(error)  # they wait in the agreement
+        # else: the agreement itself failed, on every rank alike: nothing is pending
         raise
     finally:
         for sync in syncs.values():
             sync.end_step()
     return runner.result
+
+
+def _actions_of(step: Action | OverlappedPair) -> Sequence[Action]:
+    return step.sub_actions if isinstance(step, OverlappedPair) else (step,)
 
 
 def _finish_sends(sent: list[SentTensor]) -> None:
@@ -196,36 +233,74 @@ class _Runner:
         stages: Mapping[int, PipelineStage],
         syncs: Mapping[int, StageGradSync],
         data: StepData,
-        before_first_message: Callable[[], None] | None,
+        agreement: Agreement | None,
+        custom: CustomRun | None,
     ) -> None:
         self.stages = stages
         self.syncs = syncs
         self.data = data
-        self.before_first_message = before_first_message
+        self.agreement = agreement  # checked before the first message, then None
         self.messaged = False  # whether this rank has posted a message in this step
         self.result = StepResult()
         self.pending: list[Action] = []  # consecutive communication actions
         self.sent: list[SentTensor] = []
         any_stage = next(iter(stages.values()))
         self.group, self.device = any_stage.group, any_stage.device
-        self.recvs = [a for a in actions if a.kind in _RECVS]  # in schedule order
+        self.functions: Mapping[str, CustomFunction] = {}
+        self.steps: Sequence[Action | OverlappedPair] = actions
+        self.paired: set[Action] = set()  # halves of pairs: never given to F / B functions
+        if custom is not None and custom.functions:
+            self.functions = custom.functions
+            self.paired = {a for pair in custom.pairs for a in pair.sub_actions}
+            if OVERLAP_F_B in custom.functions:
+                self.steps = pair_steps(actions, custom.pairs)
+            self.context = _PipelineContext(
+                custom.schedule,
+                [tuple(a) for a in data.args],
+                [dict(k) for k in data.kwargs],
+                None if data.targets is None else list(data.targets),
+                custom.losses,
+                runner=self.perform,
+            )
+        # Receives in the order the steps reach them (a pair's before the pair).
+        self.recvs = [a for s in self.steps for a in _actions_of(s) if a.kind in _RECVS]
         self.posted = 0  # self.recvs[:posted] have been posted
         self.reached = 0  # receive actions the schedule has reached
         self.ahead = _AHEAD_PER_STAGE * len(stages)
 
     def run(self, action: Action) -> None:
+        """Queue a communication action; run any other, or its custom function."""
         if action.kind.is_comm:
             self.pending.append(action)
             return
         self.flush()
-        stage = self.stages[action.stage]
+        function = None if action in self.paired else self.functions.get(action.kind.value)
         with traced(f"plait.pipeline.{action}"):
-            if action.kind is K.FORWARD:
-                self.forward(stage, action.microbatch)  # type: ignore[arg-type]
-            elif action.kind.is_compute:
-                self.backward(stage, action)
+            if function is None:
+                self.perform(action)
             else:
-                self.data_parallel(action)
+                function(action, self.context)
+
+    def run_pair(self, pair: OverlappedPair) -> None:
+        """An overlapped pair as one step: its custom function, once its receives are
+        posted (they come before it)."""
+        self.flush()
+        with traced(f"plait.pipeline.{pair}"):
+            self.functions[OVERLAP_F_B](pair, self.context)
+
+    def perform(self, action: Action | OverlappedPair) -> None:
+        """The runtime's own work for a compute or FSDP action (a pair: F then B)."""
+        if isinstance(action, OverlappedPair):
+            self.perform(action.forward)
+            self.perform(action.backward)
+        elif action.kind is K.FORWARD:
+            self.forward(self.stages[action.stage], action.microbatch)  # type: ignore[arg-type]
+        elif action.kind.is_compute:
+            self.backward(self.stages[action.stage], action)
+        elif action.kind.is_fsdp:
+            self.data_parallel(action)
+        else:
+            raise ValueError(f"{action} is a communication action: the runtime posts those")
 
     def forward(self, stage: PipelineStage, mb: int) -> None:
         data = self.data
@@ -235,7 +310,8 @@ class _Runner:
             if not stage.is_last:
                 return
             if data.keep_outputs:
-                self.result.outputs[mb] = tree_map(_detached, output)
+                kept = self.result.outputs[mb] = tree_map(_detached, output)
+                stage.output_chunks.append(kept)
             if data.loss_fn is None or data.targets is None:
                 return
             loss = data.loss_fn(output, data.targets[mb], **data.loss_kwargs)
@@ -282,9 +358,9 @@ class _Runner:
         self.pending.clear()
         self.queue_receives(batch)
         if batch:
-            callback, self.before_first_message = self.before_first_message, None
-            if callback is not None:
-                callback()
+            agreement, self.agreement = self.agreement, None
+            if agreement is not None:
+                agreement.check()
             self.messaged = True
             prune_sends(self.sent)  # free the buffers of sends that have completed
             self.sent += batch.post()

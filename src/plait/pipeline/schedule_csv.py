@@ -6,7 +6,9 @@ Cells hold the text form of an action (``0F3``, ``1SEND_B2``, ``0UNSHARD``); row
 ``(0F3;7B2)OVERLAP_F_B`` cell becomes its two actions in order, ``0F3`` then ``7B2``: plait
 keeps DualPipeV's overlapped pairs as consecutive F and B actions (see
 :func:`~plait.pipeline.schedules.dualpipe_v`), which torch's runtime also runs one after the
-other.
+other. :func:`parse_pair` reads such a cell as the :class:`~plait.pipeline.actions.OverlappedPair`
+it is, and :func:`load_csv_cells` gives a file's cells as text, for a reader that keeps the
+pairs (:mod:`~plait.pipeline.ordering`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,17 @@ import io
 import os
 import re
 
-from plait.pipeline.actions import Action, Schedule, parse_action
+from plait.pipeline.actions import Action, OverlappedPair, Schedule, parse_action
 
-__all__ = ["dump_csv", "format_csv", "load_csv", "parse_cell", "parse_csv"]
+__all__ = [
+    "dump_csv",
+    "format_csv",
+    "load_csv",
+    "load_csv_cells",
+    "parse_cell",
+    "parse_csv",
+    "parse_pair",
+]
 
 _OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
 
@@ -36,6 +46,17 @@ def parse_cell(text: str) -> list[Action]:
     if not parts:
         raise ValueError(f"Invalid action {text!r}: an OVERLAP_F_B cell with no actions")
     return parts
+
+
+def parse_pair(text: str) -> OverlappedPair | None:
+    """The overlapped pair a cell ``(<F>;<B>)OVERLAP_F_B`` holds; None for any other cell.
+    Raises ValueError for an OVERLAP_F_B cell that is not one F and one B (or I)."""
+    actions = parse_cell(text) if _OVERLAP_RE.fullmatch(text.strip()) else []
+    if not actions:
+        return None
+    if len(actions) != 2:
+        raise ValueError(f"Invalid action {text!r}: an OVERLAP_F_B pair has two actions")
+    return OverlappedPair(*actions)
 
 
 def parse_csv(text: str) -> Schedule:
@@ -67,6 +88,13 @@ def load_csv(filename: str | os.PathLike[str]) -> Schedule:
     """:func:`parse_csv` of a file."""
     with open(filename, newline="") as f:
         return parse_csv(f.read())
+
+
+def load_csv_cells(filename: str | os.PathLike[str]) -> dict[int, list[str]]:
+    """A CSV file's cells as text, row r (rank r) in entry r (for :func:`parse_cell` and
+    :func:`parse_pair`)."""
+    with open(filename, newline="") as f:
+        return dict(enumerate(csv.reader(f)))
 
 
 def dump_csv(schedule: Schedule, filename: str | os.PathLike[str]) -> None:

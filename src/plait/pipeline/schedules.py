@@ -22,7 +22,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from plait.pipeline.actions import Action, ActionKind, Schedule, Style, stage_to_rank
+from plait.pipeline.actions import (
+    Action,
+    ActionKind,
+    OverlappedPair,
+    Schedule,
+    Style,
+    stage_to_rank,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -30,6 +37,7 @@ __all__ = [
     "add_communication",
     "add_fsdp_actions",
     "dualpipe_v",
+    "dualpipe_v_pairs",
     "generate",
     "gpipe",
     "interleaved_1f1b",
@@ -218,7 +226,8 @@ def zbv_zero_bubble(n_ranks: int, n_microbatches: int) -> Schedule:
 
 class _DualVRank:
     """Emits one rank's DualPipeV actions. Forwards and backwards (B or I) are counted per
-    local stage; each I queues its W, which the next :meth:`weight` emits (oldest first)."""
+    local stage; each I queues its W, which the next :meth:`weight` emits (oldest first);
+    the overlapped pairs are noted in ``pairs``."""
 
     def __init__(self, rank: int, n_ranks: int) -> None:
         self.stages = (rank, 2 * n_ranks - 1 - rank)  # down the V, then back up
@@ -226,6 +235,7 @@ class _DualVRank:
         self.backwards = [0, 0]
         self.weights: deque[Action] = deque()
         self.actions: list[Action] = []
+        self.pairs: list[OverlappedPair] = []
 
     def forward(self, chunk: int) -> None:
         self.actions.append(Action(self.stages[chunk], K.FORWARD, self.forwards[chunk]))
@@ -244,10 +254,13 @@ class _DualVRank:
         if self.weights:
             self.actions.append(self.weights.popleft())
 
-    def overlapped(self, forward_chunk: int, backward_chunk: int) -> None:
-        """DualPipeV's overlapped pair: F of one chunk, then B of the other, back to back."""
+    def overlapped(self, forward_chunk: int, backward_chunk: int, pair: bool = True) -> None:
+        """F of one chunk, then B of the other, back to back: an overlapped pair, unless
+        ``pair`` is False (torch keeps the last rank's first one apart)."""
         self.forward(forward_chunk)
         self.backward(backward_chunk)
+        if pair:
+            self.pairs.append(OverlappedPair(self.actions[-2], self.actions[-1]))
 
 
 def dualpipe_v(n_ranks: int, n_microbatches: int) -> Schedule:
@@ -261,21 +274,31 @@ def dualpipe_v(n_ranks: int, n_microbatches: int) -> Schedule:
     queued) half-way; p - 1 - r rounds of W then B0 / I0; r + 1 W's to drain.
 
     An overlapped pair is plain data here: the F action immediately followed by the B
-    action (torch wraps the two in one ``OVERLAP_F_B`` action; its runtime runs them one
-    after the other too, so the arithmetic is the same). Equal to torch's order with each
-    ``OVERLAP_F_B`` expanded. :func:`~plait.pipeline.simulate.simulate` times a pair as
-    its F then its B: the overlap DualPipe is after (one chunk's compute hiding the other's
-    all-to-all) happens inside the layers, below the level of this cost model. Requires
+    action (torch wraps the two in one ``OVERLAP_F_B`` action, which its runtime runs one
+    after the other too; :func:`dualpipe_v_pairs` names the pairs). Equal to torch's order
+    with each ``OVERLAP_F_B`` expanded. :func:`~plait.pipeline.simulate.simulate` times a
+    pair as its F then its B: the overlap DualPipe is after (one chunk's compute hiding the
+    other's all-to-all) happens inside the layers, below this cost model. Requires
     n_microbatches >= 2 * n_ranks (torch's constraint: at least one microbatch per stage);
     ValueError otherwise.
     """
-    p, m = n_ranks, n_microbatches
+    return {r: v.actions for r, v in enumerate(_dualpipe_v_ranks(n_ranks, n_microbatches))}
+
+
+def dualpipe_v_pairs(n_ranks: int, n_microbatches: int) -> dict[int, list[OverlappedPair]]:
+    """Per rank, the overlapped pairs of :func:`dualpipe_v`'s order: torch's
+    ``OVERLAP_F_B`` actions (the steady state's pairs, but the last rank's first one,
+    which torch runs as a plain F then B)."""
+    return {r: v.pairs for r, v in enumerate(_dualpipe_v_ranks(n_ranks, n_microbatches))}
+
+
+def _dualpipe_v_ranks(p: int, m: int) -> list[_DualVRank]:
     if p < 1 or m < 2 * p:
         raise ValueError(
             f"DualPipeV needs n_microbatches >= n_stages = 2 * n_ranks, got n_ranks={p}, "
             f"n_microbatches={m}: use at least {2 * max(p, 1)} microbatches"
         )
-    schedule: Schedule = {}
+    ranks = []
     for r in range(p):
         v = _DualVRank(r, p)
         for _ in range(2 * (p - 1 - r)):
@@ -287,8 +310,8 @@ def dualpipe_v(n_ranks: int, n_microbatches: int) -> Schedule:
             v.backward(1, split=True)
             v.weight()
             v.forward(1)
-        for _ in range(m - 2 * p + 1 + r):  # steady state: two overlapped pairs a round
-            v.overlapped(0, 1)
+        for i in range(m - 2 * p + 1 + r):  # steady state: two overlapped pairs a round
+            v.overlapped(0, 1, pair=i > 0 or r < p - 1)
             v.overlapped(1, 0)
         for _ in range(p - 1 - r):
             v.backward(1)
@@ -304,8 +327,8 @@ def dualpipe_v(n_ranks: int, n_microbatches: int) -> Schedule:
             v.backward(0, split)
         for _ in range(r + 1):
             v.weight()
-        schedule[r] = v.actions
-    return schedule
+        ranks.append(v)
+    return ranks
 
 
 @dataclass(frozen=True)
@@ -318,6 +341,8 @@ class ScheduleSpec:
     build: Callable[[int, int, int], Schedule]  # (n_ranks, n_stages, n_microbatches)
     stages_per_rank: int | None  # None: any positive whole number
     min_microbatches_per_stage: int = 0
+    pairs: Callable[[int, int], Mapping[int, list[OverlappedPair]]] | None = None
+    """(n_ranks, n_microbatches) -> per rank, the overlapped pairs (DualPipeV's only)."""
 
     def min_microbatches(self, n_stages: int) -> int:
         """The fewest microbatches this schedule runs over ``n_stages`` stages."""
@@ -333,7 +358,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("LoopedBFS", "loop", looped_bfs, None),
         ScheduleSpec("InterleavedZeroBubble", "loop", interleaved_zero_bubble, None),
         ScheduleSpec("ZBVZeroBubble", "v", lambda p, _s, m: zbv_zero_bubble(p, m), 2),
-        ScheduleSpec("DualPipeV", "v", lambda p, _s, m: dualpipe_v(p, m), 2, 1),
+        ScheduleSpec("DualPipeV", "v", lambda p, _s, m: dualpipe_v(p, m), 2, 1, dualpipe_v_pairs),
     )
 }
 

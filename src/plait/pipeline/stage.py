@@ -17,6 +17,9 @@ Contract:
   ``output_args``, if given, are checked (dtype, and shape apart from the batch dimension
   0) against what actually arrives / leaves, and a mismatch raises an error naming the
   stage and microbatch.
+* ``output_chunks`` (torch's): on the last stage, each microbatch's output of the step
+  (detached, in the order the forwards ran; none with ``return_outputs=False``), kept
+  until the next step starts, as in torch.
 * Backward sends one gradient per output that requires grad (zeros where the next stage
   did not use an input), so neither end needs metadata for it.
 * ``dw_builder`` (torch's): a callable returning a function that finishes the weight
@@ -137,6 +140,9 @@ class PipelineStage:
         # neighbour.
         self._sent_meta: dict[int, Meta] = {}
         self._received_meta: dict[int, Meta] = {}
+        # torch's: the last stage's output of each microbatch, in the order the forwards
+        # ran, without graph (detached); kept from one step's start to the next's.
+        self.output_chunks: list[Any] = []
         self._clear_step()
 
     def __repr__(self) -> str:
@@ -192,12 +198,14 @@ class PipelineStage:
         self._gradient_recvs: dict[int, GradientRecv] = {}  # posted, waited for by B / I
 
     def begin_step(self) -> None:
-        """Forget whatever a failed previous step left behind."""
+        """Forget whatever a failed previous step left behind, and the previous step's
+        ``output_chunks`` (as torch, which clears them when a step starts)."""
         self._clear_step()
+        self.output_chunks.clear()
 
     def clear_runtime_states(self) -> None:
         """torch's name: forget the per-step state (what :meth:`begin_step` does)."""
-        self._clear_step()
+        self.begin_step()
 
     def end_step(self) -> None:
         """Raise RuntimeError if the step left work undone (an incomplete schedule)."""
