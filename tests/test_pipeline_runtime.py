@@ -9,6 +9,7 @@ one-process reference does fully_shard's casts by hand.
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -349,6 +350,20 @@ def test_eval_runs_forwards_only_and_alternates_with_training() -> None:
 
 
 def _error_body(case: str) -> str:
+    # A stage failing in its first step waits up to PLAIT_FAULT_TIMEOUT for its peers to
+    # reach the schedule's agreement, to tell them; here rank 1 never runs a schedule.
+    previous = os.environ.get("PLAIT_FAULT_TIMEOUT")
+    os.environ["PLAIT_FAULT_TIMEOUT"] = "1"
+    try:
+        return _raised_by(case)
+    finally:
+        if previous is None:
+            del os.environ["PLAIT_FAULT_TIMEOUT"]
+        else:
+            os.environ["PLAIT_FAULT_TIMEOUT"] = previous
+
+
+def _raised_by(case: str) -> str:
     rank = dist.get_rank()
     model = layer_stack(4)
     try:
