@@ -245,7 +245,7 @@ def test_plan_of_a_train_configuration() -> None:
 
 
 def test_plait_command_dispatches_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    from plait.train.cli import main as plait_main
+    from plait.cli import main as plait_main
 
     assert plait_main(["plan", "--preset", "llama3-8b", "--gpus", "8", "--top", "1"]) == 0
     assert "plait train --nproc 8 " in capsys.readouterr().out
@@ -306,16 +306,17 @@ def test_plait_train_plan_prints_the_plan_before_launching(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     import plait.train.cli as train_cli
+    from plait.cli import main as plait_main
 
     launched = []
     monkeypatch.setattr(train_cli, "launch", launched.append)
     flags = ["--nproc", "2", "--device", "cpu", "--run-dir", str(tmp_path / "run")]
-    assert train_cli.main(["train", "--plan", "--n-layer", "2", *flags]) == 0
+    assert plait_main(["train", "--plan", "--n-layer", "2", *flags]) == 0
     err = capsys.readouterr().err
     assert "plan (dp_shard=2 ac=none on cpu): peak memory per rank" in err
     assert "tokens/s per device" in err and len(launched) == 1
     # Without --plan, no prediction; a layout the planner does not model says so.
-    assert train_cli.main(["train", "--n-layer", "2", *flags]) == 0
+    assert plait_main(["train", "--n-layer", "2", *flags]) == 0
     assert "peak memory per rank" not in capsys.readouterr().err
-    assert train_cli.main(["train", "--plan", "--ac", "offload", *flags]) == 0
+    assert plait_main(["train", "--plan", "--ac", "offload", *flags]) == 0
     assert "--plan: no prediction: --plan: --ac offload is not modelled" in capsys.readouterr().err

@@ -1,8 +1,8 @@
-"""``python -m plait``: the ``plait`` command (see :mod:`plait.train.cli`)."""
+"""``python -m plait``: the ``plait`` command (see :mod:`plait.cli`)."""
 
 import sys
 
-from plait.train.cli import main
+from plait.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

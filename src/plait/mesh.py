@@ -3,7 +3,7 @@ the packages share (building a DTensor from a known spec, a gradient's local par
 
 Meshes are always passed explicitly; when an API is given none it builds a 1-D mesh over
 the whole world on the module's device type. Named dimensions follow torchtitan's
-vocabulary: ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``.
+vocabulary; :mod:`plait.layout` holds the names.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._python_dispatch import _disable_current_modes
+
+from plait.layout import DP
 
 
 def module_device_type(module: nn.Module) -> str:
@@ -56,11 +58,19 @@ def one_dim_group(mesh: object, api_name: str) -> dist.ProcessGroup:
         raise ValueError(
             f"{api_name} needs a 1-D mesh (the data-parallel group) but got a {mesh.ndim}-D mesh "
             f"of shape {tuple(mesh.shape)} with dims {names}: pass one dimension, "
-            'e.g. mesh["dp"]'
+            f'e.g. mesh["{DP}"]'
         )
     group = mesh.get_group()
     assert isinstance(group, dist.ProcessGroup)
     return group
+
+
+def mesh_coordinate(mesh: DeviceMesh | None, dim: str) -> int:
+    """This rank's index along ``dim`` (0 where the mesh has no such dimension: meshes
+    built from a layout leave out the dimensions of size 1)."""
+    if mesh is None or dim not in (mesh.mesh_dim_names or ()):
+        return 0
+    return mesh.get_local_rank(dim)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

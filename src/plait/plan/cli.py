@@ -16,11 +16,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from plait.layout import LAYOUT_FIELDS, flag
 from plait.plan.devices import DEVICES, device, override
 from plait.plan.models import PRESETS, from_hf_config, gpt, param_counts, preset
 from plait.plan.report import format_plan, size, to_json
 from plait.plan.search import AC_SEARCHED, Candidate, PlanError, describe, plan
-from plait.plan.spec import DeviceSpec, ModelSpec, Workload
+from plait.plan.spec import LAYOUT_DIMS, DeviceSpec, ModelSpec, Workload
 from plait.plan.timing import EFFICIENCY
 from plait.train.config import DEFAULTS, PRECISIONS
 
@@ -57,7 +58,7 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
     for name, what in (("n_layer", "blocks"), ("n_head", "attention heads"), ("d_model", "width")):
         default = getattr(DEFAULTS, name)
         model.add_argument(
-            "--" + name.replace("_", "-"),
+            flag(name),
             type=int,
             default=default,
             help=f"plait's GPT: {what} (default: {default})",
@@ -108,8 +109,8 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
         help="usable fraction of device memory (default: 0.9)",
     )
     layout = p.add_argument_group("layout (plait train's flags; given ones are fixed)")
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "stages_per_rank", "microbatches"):
-        layout.add_argument("--" + name.replace("_", "-"), type=int)
+    for name in (*LAYOUT_DIMS, "stages_per_rank", "microbatches"):
+        layout.add_argument(flag(name), type=int)
     layout.add_argument("--schedule", help="a pipeline schedule (default: all searched)")
     layout.add_argument("--ac", choices=AC_SEARCHED)
     layout.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction)
@@ -181,18 +182,9 @@ def run(args: argparse.Namespace) -> int:
             work,
             dev,
             args.gpus,
-            dp_replicate=args.dp_replicate,
-            dp_shard=args.dp_shard,
-            tp=args.tp,
-            pp=args.pp,
-            schedule=args.schedule,
-            stages_per_rank=args.stages_per_rank,
-            microbatches=args.microbatches,
-            ac=args.ac,
-            reshard_after_forward=args.reshard_after_forward,
-            sequence_parallel=args.sequence_parallel,
             memory_fraction=args.memory_fraction,
             efficiency=args.efficiency,
+            **{name: getattr(args, name) for name in LAYOUT_FIELDS},
         )
     except ValueError as err:  # PlanError, and bad presets, configs or device values
         print(f"plait plan: error: {err}", file=sys.stderr)

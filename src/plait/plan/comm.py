@@ -25,8 +25,10 @@ elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from plait.layout import DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP
 from plait.plan.schedule import RankLoad
 from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
@@ -58,15 +60,15 @@ def ring(op: str, group: int) -> float:
 
 
 def _inner(layout: Layout, dim: str) -> int:
-    inner = {"tp": 1, "dp_shard": layout.tp}
-    inner["dp_replicate"] = inner["dp_shard"] * layout.dp_shard
-    inner["pp"] = inner["dp_replicate"] * layout.dp_replicate
-    return inner[dim]
+    """The product of the sizes of the dims inside ``dim`` (the ranks between two of its
+    neighbours)."""
+    inside = MESH_DIMS[MESH_DIMS.index(dim) + 1 :]
+    return math.prod(getattr(layout, d) for d in inside)
 
 
 def link_bandwidth(dim: str, layout: Layout, device: DeviceSpec) -> float:
     """Bandwidth per rank of ``dim``'s collectives: NVLink inside a node, else the network."""
-    size = getattr(layout, dim) if dim != "pp" else 2  # point-to-point: neighbours
+    size = getattr(layout, dim) if dim != PP else 2  # point-to-point: neighbours
     span = size * _inner(layout, dim)
     return device.intra_node_bw if span <= device.gpus_per_node else device.inter_node_bw
 
@@ -99,20 +101,20 @@ def communication(
             per_block = 2 if layout.reshard_after_forward else 1
             gathers, block_gathers = m, m * per_block * p.blocks
         gathered = (p.root * gathers + p.block * block_gathers) * e
-        add("dp_shard", "all_gather", gathered * ring("all_gather", ds), gathers + block_gathers)
-        add("dp_shard", "reduce_scatter", p.total * 4 * ring("reduce_scatter", ds), units)
+        add(DP_SHARD, "all_gather", gathered * ring("all_gather", ds), gathers + block_gathers)
+        add(DP_SHARD, "reduce_scatter", p.total * 4 * ring("reduce_scatter", ds), units)
     if dr > 1:
-        add("dp_replicate", "all_reduce", p.total / ds * 4 * ring("all_reduce", dr), units)
+        add(DP_REPLICATE, "all_reduce", p.total / ds * 4 * ring("all_reduce", dr), units)
     if tp > 1:
         passes = 3 if layout.ac != "none" else 2  # forward, backward, recomputed forward
         ends = int(load.embedding) + int(load.head)  # embedding / head exchanges
         block_bytes = tp_bytes_per_block(model, layout, work)
         tp_bytes = m * (passes * load.layers * block_bytes + ends * block_bytes / 2)
         op = "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce"
-        add("tp", op, tp_bytes, m * (passes * 4 * load.layers + 2 * ends))
+        add(TP, op, tp_bytes, m * (passes * 4 * load.layers + 2 * ends))
     if layout.pp > 1:
         sp = tp if layout.sequence_parallel else 1
         hop = microbatch_tokens(layout, work) * model.d_model / sp * e
         stages = layout.stages_per_rank
-        add("pp", "send_recv", 2 * m * stages * hop, 2 * m * stages)
+        add(PP, "send_recv", 2 * m * stages * hop, 2 * m * stages)
     return out

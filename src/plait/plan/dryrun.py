@@ -33,7 +33,6 @@ from plait.train.config import TrainConfig
 from plait.train.layout import resolve
 from plait.train.loop import Trainable, model_config
 from plait.train.model import GPT
-from plait.train.parallelize import build_mesh
 
 __all__ = ["MeasuredMemory", "dry_run", "step_memory"]
 
@@ -65,7 +64,7 @@ def step_memory(
     of the world must call it.
     """
     start = time.perf_counter()
-    mesh = build_mesh(cfg)
+    mesh = cfg.layout.mesh(cfg.device)
     live = LiveTensors(device_type=torch.device(cfg.device).type)
     with tensors or nullcontext(), live:
         torch.manual_seed(seed)

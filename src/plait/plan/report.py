@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from plait.layout import flag
 from plait.plan.models import flops_per_token, param_counts
 from plait.plan.search import Candidate, describe
-from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
+from plait.plan.spec import LAYOUT_DIMS, DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
 
 __all__ = ["format_plan", "memory_parts", "size", "to_json", "torchrun_command", "train_command"]
 
@@ -42,12 +43,7 @@ def _model_flags(model: ModelSpec) -> list[str]:
 
 
 def _layout_flags(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
-    flags = [
-        f"--dp-replicate {layout.dp_replicate}",
-        f"--dp-shard {layout.dp_shard}",
-        f"--tp {layout.tp}",
-        f"--pp {layout.pp}",
-    ]
+    flags = [f"{flag(name)} {getattr(layout, name)}" for name in LAYOUT_DIMS]
     if layout.pp > 1:
         flags += [f"--schedule {layout.schedule}", f"--stages-per-rank {layout.stages_per_rank}"]
     flags += [

@@ -2,9 +2,10 @@
 rank by predicted tokens/s per device.
 
 Candidates: every factorisation ``pp x dp_replicate x dp_shard x tp`` of the devices with
-``tp`` at most a node and dividing the heads, KV heads, MLP width, vocabulary (and the
-sequence under sequence parallelism), ``pp x stages_per_rank`` at most the blocks, the
-global batch divisible by ``dp``; for pipelines every schedule with a few microbatch counts
+``tp`` at most a node, that ``plait train`` runs (the rules of :mod:`plait.layout`: ``tp``
+dividing the heads, widths and vocabulary, and the sequence under sequence parallelism;
+``pp x stages_per_rank`` at most the blocks; the global batch divisible by ``dp``, and so
+on); for pipelines every schedule with a few microbatch counts
 (the fewest the schedule takes, then doubling up to one sequence per microbatch); without
 one, gradient accumulation over a few microbatch counts; checkpointing none / selective /
 full; ``reshard_after_forward`` both ways under ``fully_shard``. Fixed flags pin their
@@ -17,16 +18,40 @@ cached (:mod:`plait.plan.schedule`), so 10,240 devices take about a second.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from plait.pipeline.schedules import SCHEDULES, schedule_spec
+from plait.layout import (
+    LAYOUT_FIELDS,
+    PP,
+    TP,
+    Layout,
+    ModelShape,
+    Reason,
+    World,
+    check,
+    check_batch,
+    check_microbatches,
+    check_schedule,
+    check_sizes,
+    check_stages,
+    check_stages_per_rank,
+    check_tp,
+    check_world,
+    default_stages_per_rank,
+    fewest_microbatches,
+    find_schedule,
+    grids,
+    tp_splits,
+)
+from plait.pipeline.schedules import SCHEDULES
 from plait.plan.memory import peak_memory
 from plait.plan.schedule import layout_shape
-from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
+from plait.plan.spec import DeviceSpec, MemoryBreakdown, ModelSpec, Workload
 from plait.plan.timing import EFFICIENCY, Timing, predict_time
 
-__all__ = ["AC_SEARCHED", "Candidate", "PlanError", "evaluate", "plan"]
+__all__ = ["AC_SEARCHED", "Candidate", "PlanError", "evaluate", "model_shape", "plan"]
 
 AC_SEARCHED = ("none", "selective", "full")
 _GIB = 2.0**30
@@ -46,29 +71,10 @@ class Candidate:
     fits: bool
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_splits(model: ModelSpec, work: Workload, sequence_parallel: bool) -> dict[str, int]:
-    split = {
-        "attention heads": model.heads,
-        "KV heads": model.kv_heads,
-        "MLP width": model.ffn_hidden,
-        "vocabulary": model.vocab,
-    }
-    if sequence_parallel:
-        split["sequence length (sequence parallelism; or --no-sequence-parallel)"] = work.seq_len
-    return split
-
-
-def _check_tp(model: ModelSpec, work: Workload, tp: int, sequence_parallel: bool) -> None:
-    for what, size in _tp_splits(model, work, sequence_parallel and tp > 1).items():
-        if size % tp:
-            raise PlanError(
-                f"--tp {tp} does not divide the {size} {what} of {model.name}: "
-                f"use a --tp that divides {size}"
-            )
+def model_shape(model: ModelSpec, work: Workload) -> ModelShape:
+    """What the layout rules need of ``model`` running ``work``."""
+    m = model
+    return ModelShape(m.layers, m.heads, m.kv_heads, m.d_model, m.ffn_hidden, m.vocab, work.seq_len)
 
 
 def evaluate(
@@ -88,22 +94,36 @@ def evaluate(
 
 
 @dataclass(frozen=True)
-class _Fixed:
-    dp_replicate: int | None
-    dp_shard: int | None
-    tp: int | None
-    pp: int | None
-    schedule: str | None
-    stages_per_rank: int | None
-    microbatches: int | None
-    ac: str | None
-    reshard_after_forward: bool | None
-    sequence_parallel: bool | None
+class _Pinned:
+    """The layout fields the caller fixed: their values in ``layout`` (the others keep
+    :class:`Layout`'s defaults), their names in ``names``."""
+
+    layout: Layout
+    names: frozenset[str]
+
+    def given(self, name: str) -> bool:
+        return name in self.names
+
+    @property
+    def sizes(self) -> dict[str, int | None]:
+        """The fixed mesh sizes, None for those to search."""
+        return {d: size if self.given(d) else None for d, size in self.layout.sizes.items()}
+
+
+def _pin(fixed: Mapping[str, int | str | bool | None]) -> _Pinned:
+    unknown = sorted(set(fixed) - set(LAYOUT_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"plan() got unexpected keyword argument(s) {', '.join(unknown)}: the layout "
+            f"fields are {', '.join(LAYOUT_FIELDS)}"
+        )
+    given: dict[str, Any] = {name: value for name, value in fixed.items() if value is not None}
+    return _Pinned(Layout(**given), frozenset(given))
 
 
 def _microbatch_options(local: int, fewest: int) -> list[int]:
     """Microbatch counts to try: the fewest allowed, doubling, and one sequence each."""
-    ok = [d for d in _divisors(local) if d >= fewest]
+    ok = [d for d in range(1, local + 1) if local % d == 0 and d >= fewest]
     if not ok:
         return []
     picks = {ok[0], ok[-1]}
@@ -116,95 +136,103 @@ def _microbatch_options(local: int, fewest: int) -> list[int]:
 
 
 def _layouts(
-    model: ModelSpec, work: Workload, gpus: int, per_node: int, f: _Fixed
+    shape: ModelShape, work: Workload, world: World, per_node: int, pinned: _Pinned
 ) -> Iterator[Layout]:
-    sp = True if f.sequence_parallel is None else f.sequence_parallel
-    tps = [f.tp] if f.tp else [t for t in _divisors(gpus) if t <= per_node]
-    for tp in tps:
-        if any(size % tp for size in _tp_splits(model, work, sp and tp > 1).values()):
+    sp = pinned.layout.sequence_parallel
+    for grid in grids(pinned.sizes, world.size):
+        base = Layout(sequence_parallel=sp).with_sizes(grid)
+        if base.tp > per_node and not pinned.given(TP):
             continue
-        rest = gpus // tp
-        for pp in [f.pp] if f.pp else _divisors(rest):
-            if rest % pp:
-                continue
-            for dr in [f.dp_replicate] if f.dp_replicate else _divisors(rest // pp):
-                if (rest // pp) % dr:
-                    continue
-                ds = rest // pp // dr
-                if (f.dp_shard and ds != f.dp_shard) or work.global_batch % (dr * ds):
-                    continue
-                base = Layout(dr, ds, tp, pp, sequence_parallel=sp)
-                yield from _variants(model, work, base, f)
+        # What every variant of this grid shares: a grid that breaks it is skipped whole.
+        if check_tp(shape, base.tp, sp) or check_batch(work.global_batch, base):
+            continue
+        yield from _variants(shape, work, world, base, pinned)
 
 
-def _variants(model: ModelSpec, work: Workload, base: Layout, f: _Fixed) -> Iterator[Layout]:
+def _variants(
+    shape: ModelShape, work: Workload, world: World, base: Layout, pinned: _Pinned
+) -> Iterator[Layout]:
+    """The schedules, stages per rank and microbatch counts of grid ``base`` that can
+    run (the layout rules decide), each with the checkpointing and resharding options."""
     local = work.global_batch // base.dp
     if base.pp == 1:
-        schedules: list[tuple[str, int, int]] = [("1F1B", 1, 1)]
+        names = [base.schedule]  # without a pipeline the schedule does not matter
+    elif pinned.given("schedule"):
+        names = [pinned.layout.schedule]
     else:
-        names = [schedule_spec(f.schedule).name] if f.schedule else list(SCHEDULES)
-        schedules = []
-        for name in names:
-            spec = SCHEDULES[name]
-            v = f.stages_per_rank or spec.stages_per_rank or 2
-            if spec.stages_per_rank not in (None, v) or base.pp * v > model.layers:
-                continue
-            schedules.append((name, v, spec.min_microbatches(base.pp * v)))
-    for name, v, fewest in schedules:
-        if f.microbatches:
-            counts = [f.microbatches] if local % f.microbatches == 0 else []
-        else:
-            counts = _microbatch_options(local, max(fewest, base.pp))
+        names = list(SCHEDULES)
+    for name in names:
+        spec = find_schedule(SCHEDULES, name)
+        assert spec is not None  # plan() refused an unknown one
+        v = pinned.layout.stages_per_rank
+        if not pinned.given("stages_per_rank"):
+            v = default_stages_per_rank(spec, base.pp)
+        staged = dataclasses.replace(base, schedule=spec.name, stages_per_rank=v)
+        counts = [pinned.layout.microbatches]
+        if not pinned.given("microbatches"):
+            counts = _microbatch_options(local, max(fewest_microbatches(staged, spec), base.pp))
         for m in counts:
-            for ac in [f.ac] if f.ac else AC_SEARCHED:
-                reshards = [True] if base.dp_shard == 1 or base.pp > 1 else [True, False]
-                if f.reshard_after_forward is not None:
-                    reshards = [f.reshard_after_forward]
-                for reshard in reshards:
-                    yield dataclasses.replace(
-                        base,
-                        schedule=name,
-                        stages_per_rank=v,
-                        microbatches=m,
-                        ac=ac,
-                        reshard_after_forward=reshard,
-                    )
+            layout = dataclasses.replace(staged, microbatches=m)
+            if not check(layout, shape, work.global_batch, world, SCHEDULES):
+                yield from _options(layout, pinned)
 
 
-def _check_fixed(model: ModelSpec, work: Workload, gpus: int, f: _Fixed) -> None:
-    if gpus < 1:
-        raise PlanError(f"--gpus {gpus}: must be at least 1")
-    sizes = {"--dp-replicate": f.dp_replicate, "--dp-shard": f.dp_shard, "--tp": f.tp, "--pp": f.pp}
-    product = 1
-    for option, size in sizes.items():
-        if size is not None and size < 1:
-            raise PlanError(f"{option} {size}: must be at least 1")
-        product *= size or 1
-    given = " x ".join(f"{o} {s}" for o, s in sizes.items() if s)
-    if sum(1 for s in sizes.values() if s) > 1:
-        given += f" = {product}"
-    if gpus % product:
-        raise PlanError(
-            f"{given} does not divide --gpus {gpus}: every layout is a "
-            f"pp x dp_replicate x dp_shard x tp grid of the devices; choose sizes whose "
-            f"product divides {gpus}"
-        )
-    if all(s is not None for s in sizes.values()) and product != gpus:
-        raise PlanError(f"{given} devices, but --gpus is {gpus}: make them equal")
-    if f.tp:
-        _check_tp(model, work, f.tp, f.sequence_parallel is not False)
-    if f.ac is not None and f.ac not in AC_SEARCHED:
-        raise PlanError(f"--ac {f.ac}: the planner models {', '.join(AC_SEARCHED)}")
-    if f.schedule is not None:
-        try:
-            schedule_spec(f.schedule)
-        except ValueError as err:
-            raise PlanError(f"--schedule {f.schedule}: {err}") from err
-    if f.pp and f.pp * (f.stages_per_rank or 1) > model.layers:
-        raise PlanError(
-            f"--pp {f.pp} x {f.stages_per_rank or 1} stage(s) per rank is more pipeline "
-            f"stages than the {model.layers} blocks of {model.name}: use fewer"
-        )
+def _options(layout: Layout, pinned: _Pinned) -> Iterator[Layout]:
+    """``layout`` with each checkpointing mode and each ``reshard_after_forward`` that
+    matters (only ``fully_shard`` without a pipeline reshards between the passes)."""
+    acs = [pinned.layout.ac] if pinned.given("ac") else AC_SEARCHED
+    reshards = [True] if layout.dp_shard == 1 or layout.pp > 1 else [True, False]
+    if pinned.given("reshard_after_forward"):
+        reshards = [pinned.layout.reshard_after_forward]
+    for ac in acs:
+        for reshard in reshards:
+            yield dataclasses.replace(layout, ac=ac, reshard_after_forward=reshard)
+
+
+def _check_pinned(model: ModelSpec, shape: ModelShape, world: World, pinned: _Pinned) -> None:
+    """PlanError for fixed fields no layout can have."""
+    counts = {name: getattr(pinned.layout, name) for name in ("stages_per_rank", "microbatches")}
+    sizes = {**pinned.sizes, **{k: v for k, v in counts.items() if pinned.given(k)}}
+    _refuse(check_sizes({"gpus": world.size, **sizes}) or check_world(pinned.sizes, world))
+    if pinned.given(TP):
+        tp = pinned.layout.tp
+        for split in tp_splits(shape, pinned.layout.sequence_parallel and tp > 1):
+            if split.size % tp:
+                raise PlanError(
+                    f"--tp {tp} does not divide {split.what} of {model.name}: use a --tp "
+                    f"that divides {split.size}"
+                )
+    if pinned.given("ac") and pinned.layout.ac not in AC_SEARCHED:
+        raise PlanError(f"--ac {pinned.layout.ac}: the planner models {', '.join(AC_SEARCHED)}")
+    if pinned.given("schedule"):
+        _refuse(check_schedule(SCHEDULES, pinned.layout.schedule))
+    if pinned.given(PP):
+        _refuse(_pipeline_reasons(shape, pinned))
+
+
+def _pipeline_reasons(shape: ModelShape, pinned: _Pinned) -> list[Reason]:
+    """What rules out a fixed pipeline size with the other fixed fields: the blocks, and
+    with a fixed schedule (else the others are searched) its stages and microbatches."""
+    spec = find_schedule(SCHEDULES, pinned.layout.schedule)
+    assert spec is not None  # known: checked, or the default
+    if pinned.given("stages_per_rank"):
+        v = pinned.layout.stages_per_rank
+    elif pinned.given("schedule"):
+        v = default_stages_per_rank(spec, pinned.layout.pp)
+    else:
+        v = 1  # the fewest stages a pipeline of this many ranks has
+    staged = dataclasses.replace(pinned.layout, stages_per_rank=v)
+    reasons = check_stages(shape, staged)
+    if pinned.given("schedule") or staged.pp == 1:
+        reasons += check_stages_per_rank(staged, spec, SCHEDULES)
+        if pinned.given("microbatches"):
+            reasons += check_microbatches(staged, spec)
+    return reasons
+
+
+def _refuse(reasons: list[Reason]) -> None:
+    if reasons:
+        raise PlanError(reasons[0].message)
 
 
 def plan(
@@ -213,53 +241,37 @@ def plan(
     device: DeviceSpec,
     gpus: int,
     *,
-    dp_replicate: int | None = None,
-    dp_shard: int | None = None,
-    tp: int | None = None,
-    pp: int | None = None,
-    schedule: str | None = None,
-    stages_per_rank: int | None = None,
-    microbatches: int | None = None,
-    ac: str | None = None,
-    reshard_after_forward: bool | None = None,
-    sequence_parallel: bool | None = None,
     memory_fraction: float = 0.9,
     efficiency: float = EFFICIENCY,
+    **fixed: int | str | bool | None,
 ) -> list[Candidate]:
     """Every layout of ``gpus`` devices that fits, fastest first (module docstring).
 
-    Layout arguments left ``None`` are searched; given ones are fixed. ``device.gpus_per_node``
-    bounds tp. Raises :class:`PlanError` for fixed sizes that do not divide ``gpus``, a
-    ``tp`` that does not divide the model, no possible layout, or no layout that fits (the
-    message gives the smallest peak memory found).
+    ``fixed``: fields of :class:`~plait.layout.Layout` (``tp=8``, ``ac="full"``); those
+    given fix that part of the layout, those left out or ``None`` are searched (TypeError
+    for other names). ``device.gpus_per_node`` bounds tp. Raises :class:`PlanError` for
+    fixed fields no layout can have (sizes that do not divide ``gpus``, a ``tp`` that does
+    not divide the model, ...), no possible layout, or no layout that fits (the message
+    gives the smallest peak memory found).
     """
-    fixed = _Fixed(
-        dp_replicate,
-        dp_shard,
-        tp,
-        pp,
-        schedule,
-        stages_per_rank,
-        microbatches,
-        ac,
-        reshard_after_forward,
-        sequence_parallel,
-    )
-    _check_fixed(model, work, gpus, fixed)
+    pinned = _pin(fixed)
+    shape = model_shape(model, work)
+    world = World(gpus, "--gpus", "devices", named=f"--gpus {gpus}")
+    _check_pinned(model, shape, world, pinned)
     fitting: list[Candidate] = []
     smallest: tuple[float, Layout] | None = None
     budget = memory_fraction * device.memory
-    for layout in _layouts(model, work, gpus, device.gpus_per_node, fixed):
+    for layout in _layouts(shape, work, world, device.gpus_per_node, pinned):
         try:
-            shape = layout_shape(model, layout)
+            pipeline = layout_shape(model, layout)
         except ValueError:
             continue  # a shape plait's schedules refuse
-        memory = peak_memory(model, layout, work, shape)
+        memory = peak_memory(model, layout, work, pipeline)
         if smallest is None or memory.total < smallest[0]:
             smallest = (memory.total, layout)
         if memory.total > budget:
             continue
-        timing = predict_time(model, layout, work, device, shape, efficiency)
+        timing = predict_time(model, layout, work, device, pipeline, efficiency)
         fitting.append(Candidate(layout, memory, timing, True))
     if smallest is None:
         raise PlanError(
@@ -281,8 +293,7 @@ def plan(
 
 def describe(layout: Layout) -> str:
     """A one-line summary of ``layout``, e.g. ``dp_shard=128 tp=8 ac=selective``."""
-    parts = [f"{name}={getattr(layout, name)}" for name in ("pp", "dp_replicate", "dp_shard", "tp")]
-    parts = [p for p in parts if not p.endswith("=1")]
+    parts = [f"{name}={size}" for name, size in layout.sizes.items() if size > 1]
     if layout.pp > 1:
         parts.append(f"{layout.schedule}x{layout.stages_per_rank}")
     if layout.microbatches > 1:

@@ -1,13 +1,20 @@
 """What the planner reasons about: a model, a workload, a machine, a layout, and the memory
 of one rank. Plain frozen dataclasses shared by the cost model, the search, the dry run and
-the command line; nothing here computes a prediction.
+the command line; nothing here computes a prediction. The layout is the one ``plait
+train`` runs (:class:`plait.layout.Layout`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DeviceSpec", "Layout", "MemoryBreakdown", "ModelSpec", "Workload"]
+from plait.layout import LAYOUT_FIELDS, MESH_DIMS, Layout
+
+__all__ = ["LAYOUT_DIMS", "DeviceSpec", "Layout", "MemoryBreakdown", "ModelSpec", "Workload"]
+
+#: The mesh dimensions in :class:`Layout`'s field order: the order the planner's flags and
+#: the commands it prints list them.
+LAYOUT_DIMS = tuple(name for name in LAYOUT_FIELDS if name in MESH_DIMS)
 
 
 @dataclass(frozen=True)
@@ -81,37 +88,6 @@ class DeviceSpec:
     overlap: bool = True
     unit_overhead: float = 0.0
     oversubscription: float = 1.0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A composition of plait's parallelisms; the mesh is ``(pp, dp_replicate, dp_shard,
-    tp)``, ``tp`` innermost, and its product is the world size.
-
-    ``microbatches``: per pipeline step (1 without a pipeline); ``ac``: ``"none"``,
-    ``"full"`` or ``"selective"``; ``reshard_after_forward``: as ``fully_shard``'s (``True``
-    frees parameters between forward and backward).
-    """
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    schedule: str = "1F1B"
-    microbatches: int = 1
-    ac: str = "none"
-    sequence_parallel: bool = True
-    reshard_after_forward: bool = True
-    stages_per_rank: int = 1  # pipeline stages each pp rank holds (interleaved / V: 2 or more)
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many ways the global batch is split."""
-        return self.dp_replicate * self.dp_shard
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.layout import DP_REPLICATE, DP_SHARD, PP, TP
 from plait.plan.comm import Collective, communication, link_bandwidth, ring, tp_bytes_per_block
 from plait.plan.devices import compute_peak
 from plait.plan.models import attention_flops_per_token, flops_per_token
@@ -135,7 +136,7 @@ def _rank_times(
     recompute = {"none": 0.0, "selective": n * attention / rate, "full": forward}[layout.ac]
     t_tp = 0.0
     if tp > 1:
-        t_tp = _seconds(tp_bytes_per_block(model, layout, work), "tp", layout, device, 4)
+        t_tp = _seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
     passes = 2 if layout.ac != "none" else 1
     fwd, bwd = forward + t_tp, 2 * forward + recompute + passes * t_tp
     head = n * 2 * model.vocab * model.d_model / tp / rate if load.head else 0.0
@@ -147,17 +148,17 @@ def _rank_times(
         return _seconds(nbytes * ring(op, group), dim, layout, device, 1) if group > 1 else 0.0
 
     def reduce(elems: float) -> float:  # reduce-scatter, then HSDP's / replicate's all-reduce
-        rs = dp(elems * 4, "dp_shard", "reduce_scatter", ds)
-        return rs + dp(elems / ds * 4, "dp_replicate", "all_reduce", dr)
+        rs = dp(elems * 4, DP_SHARD, "reduce_scatter", ds)
+        return rs + dp(elems / ds * 4, DP_REPLICATE, "all_reduce", dr)
 
     host = _update_seconds(layout, device, p.total)
     if ds > 1:  # fully_shard's host work per unit (measured devices; else 0)
         host += m * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
     if layout.pp > 1:
-        gather = dp(p.total * e, "dp_shard", "all_gather", ds)
+        gather = dp(p.total * e, DP_SHARD, "all_gather", ds)
         return _RankTimes(fwd, bwd, head_f, head_b, compute, 0.0, gather + reduce(p.total), host)
-    gather_block = dp(p.block * e, "dp_shard", "all_gather", ds)
-    gather_root = dp(p.root * e, "dp_shard", "all_gather", ds)
+    gather_block = dp(p.block * e, DP_SHARD, "all_gather", ds)
+    gather_root = dp(p.root * e, DP_SHARD, "all_gather", ds)
     bwd_gather = gather_block if layout.reshard_after_forward else 0.0
     if not device.overlap:  # communication shares the cores: every second of it adds
         gathers = m * (gather_root + p.blocks * (gather_block + bwd_gather))
@@ -222,4 +223,4 @@ def _microbatch_hop(model: ModelSpec, layout: Layout, work: Workload, device: De
     sp = layout.tp if layout.sequence_parallel else 1
     n = microbatch_tokens(layout, work)
     e = compute_bytes(work)
-    return _seconds(n * model.d_model / sp * e, "pp", layout, device, 1)
+    return _seconds(n * model.d_model / sp * e, PP, layout, device, 1)

@@ -3,16 +3,14 @@ it starts workers (memory per rank, bubble, predicted tokens/s, and whether it f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 from plait.plan.devices import device as device_preset
 from plait.plan.models import gpt
 from plait.plan.report import size
 from plait.plan.search import Candidate, describe, evaluate
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
-
-if TYPE_CHECKING:
-    from plait.train.config import TrainConfig
+from plait.train.config import TrainConfig
 
 __all__ = ["config_of_layout", "local_device", "plan_of_config", "plan_summary"]
 
@@ -35,7 +33,7 @@ def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candid
     """Predict a resolved configuration (:func:`plait.train.layout.resolve`) on ``device``
     (default: :func:`local_device`). ValueError for ``--ac offload`` (not modelled)."""
     model = gpt(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len)
-    layout = Layout(**{name: getattr(cfg, name) for name in _LAYOUT_FIELDS})
+    layout = cfg.layout
     if cfg.ac not in ("none", "selective", "full"):
         raise ValueError(f"--plan: --ac {cfg.ac} is not modelled (none, selective, full are)")
     work = Workload(cfg.seq_len, cfg.batch_size, cfg.mp)
@@ -45,8 +43,6 @@ def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candid
 def config_of_layout(model: ModelSpec, layout: Layout, work: Workload) -> TrainConfig:
     """The ``plait train`` configuration of ``layout`` for plait's GPT ``model`` (the
     inverse of :func:`plan_of_config`); ValueError for a model that is not plait's GPT."""
-    from plait.train.config import TrainConfig
-
     if model.gated or model.vocab != 256 or model.positions != work.seq_len:
         raise ValueError(f"{model.name} is not plait's GPT: plait train cannot run it")
     return TrainConfig(
@@ -56,22 +52,8 @@ def config_of_layout(model: ModelSpec, layout: Layout, work: Workload) -> TrainC
         seq_len=work.seq_len,
         batch_size=work.global_batch,
         mp=work.precision,
-        **{name: getattr(layout, name) for name in _LAYOUT_FIELDS},
+        **dataclasses.asdict(layout),
     )
-
-
-_LAYOUT_FIELDS = (
-    "dp_replicate",
-    "dp_shard",
-    "tp",
-    "pp",
-    "schedule",
-    "microbatches",
-    "ac",
-    "sequence_parallel",
-    "reshard_after_forward",
-    "stages_per_rank",
-)
 
 
 def plan_summary(cfg: TrainConfig, device: DeviceSpec | None = None) -> str:

@@ -1,9 +1,11 @@
-"""The ``plait`` command: ``plait train`` and ``plait sample`` (also ``python -m plait``).
+"""``plait train`` and ``plait sample``: their arguments and what they run.
 
-Every ``plait train`` flag is a field of :class:`~plait.train.config.TrainConfig` (dashes
-for underscores); flags override ``--config`` (a flat TOML file) and, with ``--resume``,
-the configuration saved in the run directory. The configuration is resolved and checked
-(:func:`~plait.train.layout.resolve`) before any worker starts.
+The ``plait`` command (:mod:`plait.cli`) mounts these beside ``plait plan``; :func:`main`
+runs them on their own. Every ``plait train`` flag is a field of
+:class:`~plait.train.config.TrainConfig` (dashes for underscores); flags override
+``--config`` (a flat TOML file) and, with ``--resume``, the configuration saved in the run
+directory. The configuration is resolved and checked (:func:`~plait.train.layout.resolve`)
+before any worker starts.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from plait.layout import DP_REPLICATE, DP_SHARD, PP, TP
 from plait.pipeline import SCHEDULES
-from plait.plan import cli as plan_cli
 from plait.train.checkpointing import (
     CheckpointDamaged,
     check_settings,
@@ -29,9 +31,14 @@ from plait.train.config import from_mapping as config_from_mapping
 from plait.train.launch import WorkerFailed, launch, under_torchrun
 from plait.train.layout import resolve
 from plait.train.loop import CONFIG_FILE, model_settings
+from plait.train.sample import sample_command
 from plait.train.worker import default_run_dir
 
-__all__ = ["build_config", "main"]
+__all__ = ["Planner", "add_parsers", "build_config", "main", "run"]
+
+#: What ``plait train --plan`` prints before launching, for a resolved configuration: the
+#: planner's prediction, given by the command that has the planner (:mod:`plait.cli`).
+Planner = Callable[[TrainConfig], str]
 
 _AUTO = "0 = auto"
 _TRAIN_HELP = """\
@@ -79,10 +86,10 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
     "parallelism": [
         ("nproc", f"local worker processes ({_AUTO}: 4 on CPU, one per GPU)"),
         ("device", "where to train (default: cuda if available, else cpu)"),
-        ("dp_replicate", "data-parallel replicas (replicate, or HSDP's outer dim)"),
-        ("dp_shard", f"ranks sharding each replica with fully_shard ({_AUTO}: the rest)"),
-        ("pp", "pipeline-parallel ranks"),
-        ("tp", "tensor-parallel ranks (neighbouring ranks: keep them on one node)"),
+        (DP_REPLICATE, "data-parallel replicas (replicate, or HSDP's outer dim)"),
+        (DP_SHARD, f"ranks sharding each replica with fully_shard ({_AUTO}: the rest)"),
+        (PP, "pipeline-parallel ranks"),
+        (TP, "tensor-parallel ranks (neighbouring ranks: keep them on one node)"),
         ("sequence_parallel", "with --tp: norms and activations split by sequence"),
         ("schedule", f"pipeline schedule: {', '.join(SCHEDULES)}"),
         ("stages_per_rank", f"pipeline stages per rank ({_AUTO}: the schedule's)"),
@@ -126,9 +133,9 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, text: str) -> None:
         group.add_argument(option, type=type(default), metavar=metavar, help=text + shown)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description="composable parallelism for PyTorch")
-    commands = parser.add_subparsers(dest="command", metavar="{train,sample,plan}")
+def add_parsers(commands: Any, *, planner: bool = False) -> None:
+    """Add ``train`` and ``sample`` to an ``argparse`` sub-command set; with ``planner``,
+    ``train`` takes ``--plan`` (:func:`run` then needs a :data:`Planner`)."""
     train = commands.add_parser(
         "train",
         help="train a small GPT with any composition of parallelisms",
@@ -137,12 +144,13 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", help="a flat TOML file of these settings (flags win)")
-    train.add_argument(
-        "--plan",
-        action="store_true",
-        help="first print the planner's prediction for this layout (memory per rank, "
-        "bubble, tokens/s; `plait plan`), warning when it will not fit",
-    )
+    if planner:
+        train.add_argument(
+            "--plan",
+            action="store_true",
+            help="first print the planner's prediction for this layout (memory per rank, "
+            "bubble, tokens/s; `plait plan`), warning when it will not fit",
+        )
     for title, flags in _FLAGS.items():
         group = train.add_argument_group(title)
         for name, text in flags:
@@ -155,8 +163,6 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8)
     sample.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     sample.add_argument("--seed", type=int, default=0)
-    plan_cli.add_parser(commands)
-    return parser
 
 
 def build_config(flags: dict[str, Any]) -> TrainConfig:
@@ -199,7 +205,7 @@ def _check_paths(cfg: TrainConfig) -> None:
     check_settings(latest, model_settings(cfg))  # a checkpoint of another model: refused
 
 
-def _train(flags: dict[str, Any]) -> None:
+def _train(flags: dict[str, Any], planner: Planner | None) -> None:
     flags = dict(flags)
     show_plan = flags.pop("plan", False)
     cfg = build_config(flags)
@@ -210,22 +216,12 @@ def _train(flags: dict[str, Any]) -> None:
     _check_paths(cfg)
     if os.environ.get("RANK", "0") == "0":
         print(_describe(cfg), file=sys.stderr, flush=True)
-        if show_plan:
-            print(_plan(cfg), file=sys.stderr, flush=True)
+        if show_plan and planner is not None:
+            print(planner(cfg), file=sys.stderr, flush=True)
     try:
         launch(cfg)
     except WorkerFailed as err:
         raise WorkerFailed(f"{err}{_resume_hint(cfg)}") from None
-
-
-def _plan(cfg: TrainConfig) -> str:
-    """``--plan``: the planner's summary of ``cfg``, or why there is none."""
-    from plait.plan.train_plan import plan_summary
-
-    try:
-        return plan_summary(cfg)
-    except ValueError as err:
-        return f"plait train: --plan: no prediction: {err}"
 
 
 def _resume_hint(cfg: TrainConfig) -> str:
@@ -249,22 +245,15 @@ def _describe(cfg: TrainConfig) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = vars(parser.parse_args(argv))
-    command = args.pop("command")
-    if command == "plan":
-        return plan_cli.run(argparse.Namespace(**args))
+def run(command: str, args: dict[str, Any], planner: Planner | None = None) -> int:
+    """Run ``command`` (``train`` or ``sample``) with its parsed ``args``; returns the exit
+    status: 2 for a configuration that cannot run, 1 for a failed run, 130 when interrupted.
+    ``planner``: what ``--plan`` prints (see :func:`add_parsers`)."""
     try:
         if command == "train":
-            _train(args)
-        elif command == "sample":
-            from plait.train.sample import sample_command
-
-            print(sample_command(**args))
+            _train(args, planner)
         else:
-            parser.print_help()
-            return 2
+            print(sample_command(**args))
     except ConfigError as err:
         print(f"plait {command}: error: {err}", file=sys.stderr)
         return 2
@@ -276,3 +265,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plait {command}: interrupted{hint}", file=sys.stderr)
         return 130
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``plait train`` and ``plait sample`` without the planner (:func:`plait.cli.main`
+    is the whole ``plait`` command)."""
+    parser = argparse.ArgumentParser(prog="plait", description="composable parallelism for PyTorch")
+    add_parsers(parser.add_subparsers(dest="command", metavar="{train,sample}"))
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    if command is None:
+        parser.print_help()
+        return 2
+    return run(command, args)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.layout import LAYOUT_FIELDS, Layout, flag
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -94,26 +96,27 @@ class TrainConfig:
     fault_timeout: float = 30.0  # seconds a collective may wait for a peer before failing
 
     @property
+    def layout(self) -> Layout:
+        """The parallel layout: this configuration's fields of :class:`plait.layout.Layout`
+        (auto fields stay 0 until :func:`plait.train.layout.resolve` fills them in)."""
+        return Layout(**{name: getattr(self, name) for name in LAYOUT_FIELDS})
+
+    @property
     def mesh_dims(self) -> dict[str, int]:
         """The parallel dimensions' sizes by mesh dimension name, outermost first (``tp``
         innermost: its ranks are neighbours, on one node)."""
-        return {
-            "pp": self.pp,
-            "dp_replicate": self.dp_replicate,
-            "dp_shard": self.dp_shard,
-            "tp": self.tp,
-        }
+        return self.layout.sizes
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: the ways each global batch is split (the ``tp`` ranks of
         one data-parallel rank share its batch)."""
-        return self.dp_replicate * self.dp_shard
+        return self.layout.dp
 
     @property
     def n_stages(self) -> int:
         """Pipeline stages in all (1 without a pipeline)."""
-        return self.pp * self.stages_per_rank
+        return self.layout.n_stages
 
     @property
     def local_batch(self) -> int:
@@ -132,11 +135,6 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 DEFAULTS = TrainConfig()
 #: The fields that take one of a few values (besides the default: ``device`` "" is auto).
 CHOICES: dict[str, tuple[str, ...]] = {"ac": AC_MODES, "mp": PRECISIONS, "device": DEVICES}
-
-
-def flag(name: str) -> str:
-    """The command-line flag of field ``name``: ``dp_shard`` -> ``--dp-shard``."""
-    return "--" + name.replace("_", "-")
 
 
 def _coerce(name: str, value: Any) -> Any:

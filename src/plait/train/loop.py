@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait import spmd
+from plait.layout import DP_REPLICATE, DP_SHARD, PP
+from plait.mesh import mesh_coordinate
 from plait.train.checkpointing import (
     CheckpointDamaged,
     checkpoint_group,
@@ -39,7 +41,7 @@ from plait.train.optimizer import (
     lr_at,
     set_lr,
 )
-from plait.train.parallelize import Stage, build_mesh, mesh_coordinate, parallelize
+from plait.train.parallelize import Stage, build_mesh, parallelize
 from plait.train.progress import Progress
 from plait.train.report import plot_loss_curve, summary_table
 from plait.train.step import Stepper, global_mean, make_stepper
@@ -94,7 +96,7 @@ class Trainable:
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, cfg)
         self.stepper: Stepper = make_stepper(self.stages, cfg, mesh)
-        self.pipeline_group = mesh["pp"].get_group() if mesh and cfg.pp > 1 else None
+        self.pipeline_group = mesh[PP].get_group() if mesh and cfg.pp > 1 else None
 
     def update(self) -> torch.Tensor:
         """After a step's backward: complete pending gradient sums, clip, update, drop the
@@ -119,8 +121,8 @@ class _Session:
         self.parts = Trainable(model, cfg, self.mesh)
         self.stages, self.modules = self.parts.stages, self.parts.modules
         self.optimizer, self.stepper = self.parts.optimizer, self.parts.stepper
-        dp_shard = mesh_coordinate(self.mesh, "dp_shard")
-        self.dp_rank = mesh_coordinate(self.mesh, "dp_replicate") * cfg.dp_shard + dp_shard
+        dp_shard = mesh_coordinate(self.mesh, DP_SHARD)
+        self.dp_rank = mesh_coordinate(self.mesh, DP_REPLICATE) * cfg.dp_shard + dp_shard
         self.checkpoint_group = checkpoint_group(cfg.fault_timeout)
         self.faults = FaultInjector(_rank())  # test-only: see plait.train.faults
         self.faults.arm(self.modules[0])

@@ -40,7 +40,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -54,6 +54,8 @@ from torch.distributed.tensor.parallel import (
 
 from plait.checkpoint import checkpoint
 from plait.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from plait.layout import DATA_PARALLEL, DP_REPLICATE, DP_SHARD, PP, TP
+from plait.mesh import mesh_coordinate
 from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_rank
 from plait.replicate import replicate
 from plait.train.config import TrainConfig
@@ -93,24 +95,9 @@ class Stage:
 
 
 def build_mesh(cfg: TrainConfig) -> DeviceMesh | None:
-    """The device mesh ``(pp, dp_replicate, dp_shard, tp)``, keeping only dimensions > 1.
-
-    The dimensions that communicate most are innermost: ``tp`` (collectives inside every
-    layer) between neighbouring ranks, which torchrun places on the same node, then
-    ``dp_shard``. None for one process.
-    """
-    dims = [(n, s) for n, s in cfg.mesh_dims.items() if s > 1]
-    if not dims:
-        return None
-    names, shape = zip(*dims, strict=True)
-    return init_device_mesh(cfg.device, tuple(shape), mesh_dim_names=tuple(names))
-
-
-def mesh_coordinate(mesh: DeviceMesh | None, dim: str) -> int:
-    """This rank's index along ``dim`` (0 where the mesh has no such dimension)."""
-    if mesh is None or dim not in (mesh.mesh_dim_names or ()):
-        return 0
-    return mesh.get_local_rank(dim)
+    """The device mesh of ``cfg``'s layout (:meth:`plait.layout.Layout.mesh`): ``(pp,
+    dp_replicate, dp_shard, tp)``, keeping only dimensions > 1; None for one process."""
+    return cfg.layout.mesh(cfg.device)
 
 
 def _split(model: GPT, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
@@ -181,7 +168,7 @@ def _checkpoint(module: GPT, ac: str) -> None:
 
 
 def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh) -> None:
-    dp_dims = ("dp_replicate", "dp_shard") if cfg.dp_replicate > 1 else ("dp_shard",)
+    dp_dims = DATA_PARALLEL if cfg.dp_replicate > 1 else (DP_SHARD,)
     bf16 = cfg.mp == "bf16"
     shard = functools.partial(
         fully_shard,
@@ -199,19 +186,19 @@ def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh) -> None:
 
 def parallelize(model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None) -> list[Stage]:
     """Apply the recipe (module docstring) to ``model``; returns this rank's stages."""
-    stages = _split(model, cfg, mesh_coordinate(mesh, "pp"))  # 1. pipeline split
+    stages = _split(model, cfg, mesh_coordinate(mesh, PP))  # 1. pipeline split
     for stage in stages:
         if cfg.tp > 1:  # 2. tensor parallelism
             assert mesh is not None
             plan = tensor_parallel_plan(stage.module, cfg.sequence_parallel)
-            parallelize_module(stage.module, mesh["tp"], plan)
+            parallelize_module(stage.module, mesh[TP], plan)
         _checkpoint(stage.module, cfg.ac)  # 3. activation checkpointing per block
         if cfg.dp_shard > 1:  # 4. data parallelism per block, then the root
             assert mesh is not None
             _shard(stage.module, cfg, mesh)
         elif cfg.dp_replicate > 1:
             assert mesh is not None
-            replicate(stage.module, mesh=mesh["dp_replicate"])
+            replicate(stage.module, mesh=mesh[DP_REPLICATE])
     return stages
 
 

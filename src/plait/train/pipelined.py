@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.layout import PP
 from plait.mesh import mesh_device
 from plait.pipeline import SCHEDULE_CLASSES, PipelineScheduleSingle, PipelineStage, schedule_spec
 from plait.train.config import TrainConfig
@@ -27,7 +28,7 @@ class PipelineStepper:
 
     def __init__(self, stages: list[Stage], cfg: TrainConfig, mesh: DeviceMesh) -> None:
         self.cfg = cfg
-        group, device = mesh["pp"].get_group(), mesh_device(mesh)
+        group, device = mesh[PP].get_group(), mesh_device(mesh)
         pipeline_stages = [
             PipelineStage(s.module, s.index, s.n_stages, device, group=group) for s in stages
         ]
