@@ -30,6 +30,7 @@ LAYERS = {
     "checkpoint": APIS,
     "fsdp": APIS,
     "replicate": APIS,
+    "experts": APIS,
     "pipeline": APIS,
     ROOT: APIS,
     # plait train, then plait plan (which predicts what train runs), then the command

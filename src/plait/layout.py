@@ -32,6 +32,7 @@ __all__ = [
     "DP",
     "DP_REPLICATE",
     "DP_SHARD",
+    "EP",
     "INTERLEAVED_STAGES_PER_RANK",
     "LAYOUT_FIELDS",
     "MESH_DIMS",
@@ -66,6 +67,9 @@ PP = "pp"
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 TP = "tp"
+#: Expert parallelism: stacked experts split over its ranks (``plait.experts``). Not yet a
+#: dimension of :data:`MESH_DIMS` or a field of :class:`Layout`.
+EP = "ep"
 #: The data-parallel dims flattened into one (torch's and torchtitan's name for it).
 DP = "dp"
 

@@ -1,0 +1,208 @@
+"""A reference mixture-of-experts layer: router, stacked experts, optional shared experts,
+dropless top-k routing and load balancing.
+
+``MoE`` is a drop-in feed-forward block, ``(B, T, dim) -> (B, T, dim)``. Every token
+reaches all of its ``k`` experts (no capacity, nothing dropped); a token's output is the
+shared experts' output plus the weighted sum of its experts' outputs. The layer is the
+same module with and without expert parallelism: ``ExpertParallel`` on ``moe.experts``
+changes where expert rows are computed, nothing else.
+
+Load balancing (see ``plait.experts.balance`` for the formulas and why they do not depend
+on the layout):
+
+* ``aux_loss_coeff`` / ``z_loss_coeff``: the balance loss and router z-loss. They join the
+  loss without the caller adding them: backward through the layer's output gives them a
+  gradient of ``aux_loss_scale`` (1 by default; set it to the factor the training loss is
+  scaled by, e.g. ``1 / microbatches`` under gradient accumulation). ``moe.aux_loss`` holds
+  the last value, detached, for logging.
+* ``bias_update_speed``: DeepSeek-V3's auxiliary-loss-free balancing. ``expert_bias`` is
+  added to the scores for the choice of experts only; :func:`update_expert_bias`, called
+  after each optimizer step, moves it against the step's load.
+* ``tokens_per_expert``: global token counts of the training forwards since the last
+  :func:`update_expert_bias` (recomputation under activation checkpointing is not counted
+  twice). :func:`expert_load` reads them for metrics.
+
+"Global" means summed over ``load_balance_mesh``, the ranks holding different tokens of
+one batch; :func:`set_load_balance_mesh` (or ``expert_parallel``) sets it. Left ``None``,
+the layer balances over the ranks its experts are sharded over (the ep ranks: enough for
+pure expert parallelism; data parallelism beside it must widen it), or over its own tokens
+when the experts are not sharded, as one process does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from plait.experts.balance import balance_loss, bias_step, global_counts, z_loss
+from plait.experts.router import Routing, ScoreFunc, TopKRouter
+from plait.experts.swiglu import GroupedExperts, SwiGLU
+from plait.hooks import in_backward
+
+__all__ = ["MoE", "expert_load", "set_load_balance_mesh", "update_expert_bias"]
+
+
+class MoE(nn.Module):
+    """Token-choice top-k mixture of SwiGLU experts (see the module docstring).
+
+    Args:
+        dim: token width.
+        hidden: each expert's hidden width.
+        num_experts: routed experts ``E``.
+        top_k: experts per token.
+        score_func, route_norm, route_scale: the router's (``TopKRouter``).
+        num_shared_experts: shared experts every token goes through (one SwiGLU of
+            ``hidden * num_shared_experts``); 0 for none.
+        aux_loss_coeff: weight of the balance loss; 0 turns it off.
+        z_loss_coeff: weight of the router z-loss; 0 turns it off.
+        bias_update_speed: the auxiliary-loss-free bias's step (DeepSeek-V3's gamma,
+            e.g. 1e-3); ``None`` for no bias.
+    """
+
+    tokens_per_expert: torch.Tensor
+    expert_bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: ScoreFunc = "softmax",
+        route_norm: bool = False,
+        route_scale: float = 1.0,
+        num_shared_experts: int = 0,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        bias_update_speed: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.router = TopKRouter(
+            dim,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            route_norm=route_norm,
+            route_scale=route_scale,
+        )
+        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.shared_experts = (
+            SwiGLU(dim, hidden * num_shared_experts) if num_shared_experts > 0 else None
+        )
+        self.aux_loss_coeff = aux_loss_coeff
+        self.z_loss_coeff = z_loss_coeff
+        self.aux_loss_scale = 1.0
+        self.bias_update_speed = bias_update_speed
+        bias = torch.zeros(num_experts) if bias_update_speed is not None else None
+        self.register_buffer("expert_bias", bias)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False
+        )
+        self.load_balance_mesh: DeviceMesh | None = None
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape  # (B, T, dim), or any (..., dim)
+        x = x.reshape(-1, shape[-1])  # (N, dim)
+        route = self.router(x, self.expert_bias)
+        picks = route.experts.flatten()  # (N*k,) token-major: token t's picks at t*k ...
+        counts = torch.bincount(picks, minlength=self.experts.num_experts)  # (E,)
+        load = global_counts(counts, self._balance_mesh())  # (E,) over the whole batch
+        # Picks sorted by expert; stable, so each expert's rows stay in token order (the
+        # order that makes expert parallelism reproduce one process exactly).
+        order = torch.argsort(picks, stable=True)  # (N*k,)
+        token = order // self.router.top_k  # (N*k,) the token of each sorted pick
+        rows = self.experts(x.index_select(0, token), counts)  # (N*k, dim)
+        weights = route.weights.flatten()[order].unsqueeze(-1)  # (N*k, 1)
+        rows = rows * weights.to(rows.dtype)
+        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        out = out.index_add(0, token, rows)  # (N, dim): each token sums its k outputs
+        out = self._balance(out, route, load)
+        return out.view(shape)
+
+    def _balance_mesh(self) -> DeviceMesh | None:
+        if self.load_balance_mesh is not None:
+            return self.load_balance_mesh
+        # Sharded experts mean their ranks hold different tokens (ep ranks are data
+        # parallel): at least those must share the counts.
+        weight = self.experts.w1
+        return weight.device_mesh if isinstance(weight, DTensor) else None
+
+    def _balance(self, out: torch.Tensor, route: Routing, load: torch.Tensor) -> torch.Tensor:
+        """Count the load and attach the auxiliary losses to ``out``'s backward."""
+        recompute = in_backward()  # a checkpoint's recompute: this forward already counted
+        if self.training and not recompute:
+            self.tokens_per_expert += load
+        aux: torch.Tensor | None = None
+        if self.aux_loss_coeff:
+            aux = balance_loss(route.probs, load, self.aux_loss_coeff)
+        if self.z_loss_coeff:
+            z = z_loss(route.logits, self.z_loss_coeff)
+            aux = z if aux is None else aux + z
+        if aux is None:
+            return out
+        if not recompute:
+            self.aux_loss = aux.detach()
+        if not aux.requires_grad:
+            return out
+        with_aux: torch.Tensor = _WithAuxLoss.apply(out, aux, self.aux_loss_scale)
+        return with_aux
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Apply the bias step for the load counted since the last call, then reset it."""
+        if self.expert_bias is not None and self.bias_update_speed is not None:
+            bias_step(self.expert_bias, self.tokens_per_expert, self.bias_update_speed)
+        self.tokens_per_expert.zero_()
+
+
+class _WithAuxLoss(torch.autograd.Function):
+    """Identity on the layer's output; its backward also gives the auxiliary loss a
+    gradient of ``scale``, so the loss joins whatever backward starts from the output
+    (Megatron-Core attaches its balance loss the same way)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def _moe_layers(module: nn.Module) -> list[tuple[str, MoE]]:
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
+
+
+def set_load_balance_mesh(module: nn.Module, mesh: DeviceMesh | None) -> None:
+    """Balance every ``MoE`` in ``module`` over the ranks of ``mesh`` (all of its dims): the
+    ranks that hold different tokens of one batch, e.g. the ``(dp, ep)`` mesh. Every
+    forward then sums the token counts over them (one small all-reduce per dim)."""
+    for _, moe in _moe_layers(module):
+        moe.load_balance_mesh = mesh
+
+
+@torch.no_grad()
+def update_expert_bias(module: nn.Module) -> None:
+    """End of a training step for every ``MoE`` in ``module``: move each expert bias
+    against the step's load (where ``bias_update_speed`` is set) and reset the counts.
+
+    Call it after ``optimizer.step()`` (after all microbatches of the step). Every rank
+    computes the same update from the same global counts: no communication.
+    """
+    for _, moe in _moe_layers(module):
+        moe.update_expert_bias()
+
+
+def expert_load(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Tokens per expert of each ``MoE`` in ``module`` (by name) since the last
+    :func:`update_expert_bias`: global counts, the same on every rank."""
+    return {name: moe.tokens_per_expert.clone() for name, moe in _moe_layers(module)}
