@@ -40,13 +40,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 # Each file may import only the files listed for it (within plait.fsdp): the DAG of
 # DESIGN.md, collectives <- param <- (settings) <- group <- state <- module <- init <-
 # fully_shard (the entry points; api re-exports them), with state_dict / clip / memory
-# beside, above state.
+# beside, above state; replicate's unit (replica beside group, replica_state beside state).
 _ALLOWED = {
     "policies": set(),
     "collectives": set(),
     "cast": set(),
     "tp": set(),
-    "param": {"collectives", "tp"},
+    "rows": set(),
+    "param": {"collectives", "rows", "tp"},
     "settings": {"collectives", "policies"},
     "extensions": {"collectives", "param", "policies"},
     "reduce": {"collectives", "param", "settings"},
@@ -64,7 +65,9 @@ _ALLOWED = {
         "root",
         "backward_hooks",
     },
-    "state_dict": {"collectives", "param", "group", "policies", "state"},
+    "replica": {"collectives", "param", "group", "settings", "tp"},
+    "replica_state": {"param", "root", "state"},
+    "state_dict": {"collectives", "param", "rows", "group", "policies", "state"},
     "clip": {"collectives", "param", "group", "policies", "state"},
     "module": {"collectives", "param", "group", "policies", "settings", "root", "state"},
     "init": {"collectives", "param", "group", "policies", "settings", "state", "tp"},

@@ -1,21 +1,41 @@
-"""``replicate``: composable data parallelism (DDP).
+"""``replicate``: composable data parallelism (DDP), as a ``fully_shard`` unit whose shard
+group is this rank alone.
 
-Every rank holds the whole module. During backward, gradients are packed into buckets and
-each bucket is all-reduced asynchronously as soon as all of its gradients are ready, so
-communication overlaps the rest of backward; the end of backward waits for the buckets and
-writes the averaged gradients back into ``param.grad``.
+Every rank holds the whole module. ``replicate(module)`` makes the parameters no inner
+``fully_shard`` / ``replicate`` call owns into one unit of ``plait.fsdp`` (torch's
+FSDP-based ``replicate`` is built the same way): the module becomes an ``FSDPModule``
+(``ReplicateModule``), runs through the same hooks and root pass as a sharded unit, and its
+gradients go through the same reduction: packed into buckets, all-reduced over the
+data-parallel group (HSDP's replicate dimension, with nothing to shard) and written back
+into ``param.grad``. What this file keeps is what only ``replicate`` does: its arguments,
+the broadcast at apply time, ``device_id`` and the tensor-parallel checks.
 
 Contract:
 
 * Applied in place through ``@contract()``: names are unchanged, the module's class becomes
-  a subclass of ``ReplicateModule`` (so ``set_requires_gradient_sync`` / ``no_sync`` are
-  methods of the module itself).
+  a subclass of ``ReplicateModule``, itself an ``FSDPModule``: ``isinstance(m, FSDPModule)``
+  selects replicated modules too, and every ``FSDPModule`` method works on them
+  (``set_requires_gradient_sync``, ``set_gradient_divide_factor``, ``set_all_reduce_hook``,
+  ``set_is_last_backward``, ``unshard`` / ``reshard``, ...), plus DDP's ``no_sync()``.
 * At apply time rank 0's parameters and buffers are broadcast, so all replicas start equal.
+* Parameters stay what they were: plain tensors (or the TP code's DTensors), compared and
+  optimized as such, as with torch's DDP-based ``replicate``. **Unlike torch's FSDP-based
+  replicate**, whose parameters become ``Replicate()`` DTensors. Without
+  ``mp_policy.param_dtype`` forward and backward use the parameters themselves (no copy,
+  no swap, no extra memory); with one, a cast copy is swapped in for forward and backward
+  and the gradient lands in the original parameter's ``.grad``, as under ``fully_shard``.
+  ``mp_policy``'s ``reduce_dtype``, ``output_dtype`` and ``cast_forward_inputs`` act as
+  under ``fully_shard``; ``CPUOffloadPolicy`` keeps parameters (and gradients) on the CPU,
+  copied to the compute device for forward and backward.
 * Buckets hold parameters in reverse registration order (roughly the order backward
   produces their gradients), capped at ``bucket_cap_mb``; the first bucket is capped at
-  1 MiB so that communication starts early. Buckets are launched strictly in order on every
-  rank, which keeps the sequence of collectives identical across ranks whatever order the
-  gradients arrive in.
+  1 MiB so that communication starts early. Each bucket's all-reduce is launched as soon as
+  all its gradients have been accumulated (post-accumulate-grad hooks), strictly in order
+  on every rank, which keeps the sequence of collectives identical across ranks whatever
+  order the gradients arrive in; what is left is launched when the unit's backward is
+  done, and everything is waited for at the end of backward. The division by the number
+  of ranks is torch's FSDP's (an average inside the all-reduce for fp32 / bf16), so
+  gradients match torch's FSDP-based ``replicate`` bit for bit.
 * Parameters that got no gradient in a step contribute zeros; each bucket carries one
   count per parameter of how many ranks produced a gradient, so a parameter that no rank
   used keeps ``grad=None`` exactly as in a single-process run (the optimizer then skips
@@ -23,9 +43,14 @@ Contract:
   (``requires_grad=False``) and ``ignored_params`` are not communicated at all.
 * ``set_requires_gradient_sync(False)`` (or ``with module.no_sync():``) skips all
   communication: gradients accumulate locally, and the next synced backward reduces the
-  accumulated sum, one all-reduce per bucket.
-* ``reduce_dtype`` (e.g. ``torch.bfloat16``) is the dtype of the all-reduce; gradients are
-  cast back to the parameter dtype when written back.
+  accumulated sum, one all-reduce per bucket. Without a cast copy the local gradients stay
+  in ``param.grad`` meanwhile, where DDP leaves them (torch's FSDP-based replicate keeps
+  them on its unsharded parameters, leaving ``param.grad`` untouched).
+* ``reduce_dtype`` (e.g. ``torch.bfloat16``) is DDP-era spelling of
+  ``mp_policy.reduce_dtype``: the dtype of the all-reduce; gradients are cast back to the
+  parameter dtype when written back. Giving both with different values is a ``ValueError``.
+* A backward that raised leaves no stale state: the next forward forgets that step (its
+  gradients included, as ``reset_iter_state``), with no call needed.
 * Tensor-parallel parameters (DTensors, e.g. after torch's ``parallelize_module`` over
   ``mesh["tp"]``) stay DTensors on their own mesh, so optimizers, ``clip_grad_norm_`` and
   state dicts see them as the TP code left them; ``replicate`` over ``mesh["dp"]``
@@ -45,21 +70,24 @@ Contract:
   torch's ``replicate`` versions. ``replicate`` of a module that is itself ``fully_shard``-ed
   raises ``RuntimeError``; so does its first forward if either API was applied inside it
   afterwards (the parameters would be reduced twice).
-* torch's keywords are accepted: ``device_mesh`` (the DDP-based version's name for ``mesh``),
-  ``ignored_modules``, ``device_id`` (``int`` or ``torch.device``, else ``RuntimeError`` as in
-  torch: the module must be on it, and tensor inputs are moved to it before each forward, as
-  DDP does), and three DDP switches that change nothing here because plait already behaves
-  as their best setting: ``gradient_as_bucket_view`` (gradients are always views of the
-  reduced bucket when dtypes agree), ``find_unused_parameters`` (unused parameters are always
-  detected, at no extra cost) and ``static_graph`` (nothing is cached about the graph).
-  ``broadcast_buffers`` is accepted too and changes nothing, as in torch's composable
-  ``replicate``, whose inner DDP covers the parameters only and so never syncs buffers
-  (plait broadcasts them once, at apply time).
+* torch's keywords are accepted, both versions': ``mesh`` (1-D), ``mp_policy``,
+  ``offload_policy`` and ``ignored_params`` (the FSDP-based version); ``device_mesh`` (the
+  DDP-based version's name for ``mesh``), ``ignored_modules``, ``device_id`` (``int`` or
+  ``torch.device``, else ``RuntimeError`` as in torch: the module must be on it, and tensor
+  inputs are moved to it before each forward, as DDP does), and three DDP switches that
+  change nothing here because plait already behaves as their best setting:
+  ``gradient_as_bucket_view`` (gradients are views of the reduced bucket when dtypes
+  agree), ``find_unused_parameters`` (unused parameters are always detected, at no extra
+  cost) and ``static_graph`` (nothing is cached about the graph). ``broadcast_buffers`` is
+  accepted too and changes nothing, as in torch's composable ``replicate``, whose inner DDP
+  covers the parameters only and so never syncs buffers (plait broadcasts them once, at
+  apply time).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -70,21 +98,44 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from plait import spmd
-from plait.contract import APIState, contract, get_registry, with_mixin
-from plait.hooks import in_backward, outside_graphs, queue_end_of_backward, traced
-from plait.mesh import (
-    check_mesh_device,
-    default_mesh,
-    local_in_layout,
-    make_dtensor,
-    one_dim_group,
-)
+from plait.contract import contract, get_registry
+from plait.fsdp.collectives import Groups
+from plait.fsdp.fully_shard import attach_unit
+from plait.fsdp.init import param_uid
+from plait.fsdp.module import FSDPDeepcopyError, FSDPModule
+from plait.fsdp.param import Location, ParamPolicy
+from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from plait.fsdp.replica import ReplicaGroup, ReplicaParam
+from plait.fsdp.replica_state import ReplicateState
+from plait.fsdp.settings import UnitSettings
+from plait.mesh import check_mesh_device, default_mesh, mesh_device, one_dim_group
 
-__all__ = ["ReplicateModule", "replicate"]
+__all__ = ["ReplicateModule", "ReplicateState", "replicate"]
 
-_FIRST_BUCKET_BYTES = 1024 * 1024
 _HSDP_HINT = "Use fully_shard with a 2-D mesh (HSDP) to combine replication and sharding."
+_REDUCING_APIS = ("fully_shard", "replicate")
+
+
+class ReplicateModule(FSDPModule):
+    """The class a module gains under ``replicate``: an ``FSDPModule`` (``isinstance``
+    checks and every method work), plus DDP's ``no_sync``."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block; the next synced backward reduces."""
+        previous = self._fsdp_state().settings.requires_gradient_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(previous)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise FSDPDeepcopyError(
+            f"deepcopy of a replicate-d module ({type(self).__name__}) is not supported (as in "
+            "torch's FSDP-based replicate): its hooks and state are tied to the process group. "
+            "Deepcopy the model before calling replicate, or save and load a state_dict."
+        )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -92,184 +143,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``grad`` laid out as ``param``'s local tensor."""
-    if isinstance(param, DTensor):
-        return local_in_layout(grad, param.device_mesh, tuple(param.placements))
-    return _local(grad)
-
-
-def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (this rank's part of a gradient) as a gradient of ``param``: wrapped as a
-    DTensor with ``param``'s mesh, placements, shape and stride when ``param`` is one."""
-    if not isinstance(param, DTensor):
-        return local
-    return make_dtensor(local, param._spec)  # every step: the spec is the parameter's
-
-
-class _Bucket:
-    """Parameters whose gradients travel in one all-reduce, and that all-reduce's state."""
-
-    def __init__(self, params: list[nn.Parameter], reduce_dtype: torch.dtype) -> None:
-        self.params = params
-        self.reduce_dtype = reduce_dtype
-        self.offsets: list[int] = []
-        self.shapes = [_local(p).shape for p in params]  # what this rank holds of each
-        numel = 0
-        for shape in self.shapes:
-            self.offsets.append(numel)
-            numel += shape.numel()
-        self.numel = numel
-        self.ready = 0
-        self.flat: torch.Tensor | None = None
-        self.work: dist.Work | None = None
-        self.owner = "a replicate bucket"  # for divergence reports (plait.spmd)
-        self.all_used = False  # this rank had a gradient for every parameter (last launch)
-
-    def launch(self, group: dist.ProcessGroup, world: int) -> None:
-        """Pack the gradients (zeros where missing) plus usage counts and start the reduce."""
-        # Layout: [grad_0 | grad_1 | ... | count_0, count_1, ...]
-        flat = torch.empty(
-            self.numel + len(self.params), dtype=self.reduce_dtype, device=self.params[0].device
-        )
-        used = []
-        for p, offset, shape in zip(self.params, self.offsets, self.shapes, strict=True):
-            piece = flat[offset : offset + shape.numel()]
-            if p.grad is None:
-                piece.zero_()
-            else:
-                piece.copy_(_local_grad(p, p.grad).reshape(-1))
-            used.append(p.grad is not None)
-        # Every rank that used a parameter adds one; reading the counts back costs a device
-        # sync, so it is skipped when this rank used them all (then every count is > 0).
-        self.all_used = all(used)
-        if self.all_used:
-            flat[self.numel :].fill_(1)
-        else:
-            flat[self.numel :].copy_(torch.tensor(used, dtype=self.reduce_dtype))
-        # Pre-divide (as torch's DDP does) so low-precision reductions do not overflow.
-        flat[: self.numel].div_(world)
-        self.flat = flat
-        spmd.record("all_reduce", flat, group, self.owner)
-        self.work = dist.all_reduce(flat, group=group, async_op=True)
-
-    def finish(self) -> None:
-        """Wait for the reduce and write averaged gradients back into ``param.grad``."""
-        assert self.flat is not None and self.work is not None
-        spmd.wait(self.work, "all_reduce", self.owner)
-        flat = self.flat
-        counts = [1] * len(self.params) if self.all_used else flat[self.numel :].tolist()
-        for p, offset, shape, count in zip(
-            self.params, self.offsets, self.shapes, counts, strict=True
-        ):
-            if count == 0:
-                continue  # no rank used this parameter: keep grad None, as one process would
-            # The gradient becomes a view of the reduced bucket (no copy) when dtypes agree.
-            grad = flat[offset : offset + shape.numel()].view(shape).to(p.dtype)
-            p.grad = _like_param(p, grad)
-        self.flat = None
-        self.work = None
-        self.ready = 0
-
-
-class ReplicateState(APIState):
-    """Per-``replicate`` state: the group, the buckets and where the current backward is."""
-
-    def __init__(self) -> None:
-        self.group: dist.ProcessGroup | None = None
-        self.world = 1
-        self.buckets: list[_Bucket] = []
-        self.bucket_of: dict[nn.Parameter, _Bucket] = {}
-        self.requires_gradient_sync = True
-        self.next_bucket = 0  # buckets before this one have been launched in this backward
-        self.in_backward = False  # the end-of-backward callback is queued
-        # ids of the submodules managed by fully_shard or replicate at apply time (their
-        # parameters are not bucketed); the first forward checks none appeared since.
-        self.managed_at_apply: set[int] = set()
-        self.checked_ownership = False
-
-    def on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self.requires_gradient_sync:
-            return
-        if not self.in_backward:
-            queue_end_of_backward(self.finish_backward, "replicate")
-            self.in_backward = True
-        self.bucket_of[param].ready += 1  # type: ignore[index]
-        self.launch_ready_buckets(force=False)
-
-    def launch_ready_buckets(self, force: bool) -> None:
-        """Launch buckets in order while they are complete (all of them when ``force``)."""
-        assert self.group is not None
-        while self.next_bucket < len(self.buckets):
-            bucket = self.buckets[self.next_bucket]
-            if not force and bucket.ready < len(bucket.params):
-                return
-            bucket.launch(self.group, self.world)
-            self.next_bucket += 1
-
-    def finish_backward(self) -> None:
-        with traced("plait.replicate.finish_backward"):
-            self.launch_ready_buckets(force=True)  # parameters that got no gradient this step
-            for bucket in self.buckets:
-                bucket.finish()
-        self.reset()
-        spmd.check("end of a replicate backward")
-
-    def reset(self) -> None:
-        for bucket in self.buckets:
-            bucket.ready = 0
-            bucket.flat = bucket.work = None
-        self.next_bucket = 0
-        self.in_backward = False
-
-
-class ReplicateModule(nn.Module):
-    """Mixin the module's class gains under ``replicate`` (``isinstance`` checks work)."""
-
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ) -> None:
-        """Turn gradient all-reduce on or off (off: gradients accumulate locally).
-
-        With ``recurse``, also every ``replicate``-d submodule.
-        """
-        modules = self.modules() if recurse else [self]
-        for module in modules:
-            state = replicate.state(module)
-            if state is not None:
-                state.requires_gradient_sync = requires_gradient_sync
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block; the next synced backward reduces."""
-        previous = replicate.state(self).requires_gradient_sync
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(previous)
-
-
 def _is_managed(module: nn.Module, apis: tuple[str, ...]) -> bool:
     registry = get_registry(module)
     return registry is not None and any(api in registry for api in apis)
 
 
-_REDUCING_APIS = ("fully_shard", "replicate")
-
-
-def _managed_submodules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The submodules of ``module`` (not itself) that ``fully_shard`` or ``replicate`` was
-    applied to: their parameters and buffers are theirs to reduce and sync."""
-    return [
-        (name, sub)
-        for name, sub in module.named_modules()
-        if sub is not module and _is_managed(sub, _REDUCING_APIS)
-    ]
-
-
 def _validate(
-    module: nn.Module, bucket_cap_mb: float, reduce_dtype: object, switches: dict[str, object]
+    module: nn.Module,
+    bucket_cap_mb: float,
+    reduce_dtype: object,
+    policies: tuple[object, object],
+    switches: dict[str, object],
 ) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"replicate expects an nn.Module, got {type(module).__name__}")
@@ -291,6 +175,28 @@ def _validate(
         raise TypeError(
             f"replicate: reduce_dtype must be a floating torch.dtype or None, got {reduce_dtype!r}"
         )
+    mp_policy, offload_policy = policies
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"replicate: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"replicate: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
+        )
+
+
+def _with_reduce_dtype(
+    mp_policy: MixedPrecisionPolicy, reduce_dtype: torch.dtype | None
+) -> MixedPrecisionPolicy:
+    """``mp_policy`` with the DDP-era ``reduce_dtype`` keyword folded in."""
+    if reduce_dtype is None or mp_policy.reduce_dtype == reduce_dtype:
+        return mp_policy
+    if mp_policy.reduce_dtype is not None:
+        raise ValueError(
+            f"replicate: reduce_dtype={reduce_dtype} disagrees with mp_policy.reduce_dtype="
+            f"{mp_policy.reduce_dtype}: give one of them (reduce_dtype= is the older spelling "
+            "of mp_policy=MixedPrecisionPolicy(reduce_dtype=...))"
+        )
+    return dataclasses.replace(mp_policy, reduce_dtype=reduce_dtype)
 
 
 def _resolve_device_id(
@@ -381,29 +287,18 @@ def _check_tensor_parallel(
         )
 
 
-def _make_buckets(
-    params: list[nn.Parameter], cap_bytes: int, reduce_dtype: torch.dtype | None
-) -> list[_Bucket]:
-    """Pack ``params`` in order into buckets of one dtype and device, at most ``cap_bytes``."""
-    buckets: list[_Bucket] = []
-    current: list[nn.Parameter] = []
-    current_bytes = 0
-    limit = min(cap_bytes, _FIRST_BUCKET_BYTES)
-    for p in params:
-        dtype = reduce_dtype or p.dtype
-        nbytes = _local(p).numel() * dtype.itemsize
-        same_kind = bool(current) and (reduce_dtype or current[0].dtype, current[0].device) == (
-            dtype,
-            p.device,
-        )
-        if current and (not same_kind or current_bytes + nbytes > limit):
-            buckets.append(_Bucket(current, reduce_dtype or current[0].dtype))
-            current, current_bytes, limit = [], 0, cap_bytes
-        current.append(p)
-        current_bytes += nbytes
-    if current:
-        buckets.append(_Bucket(current, reduce_dtype or current[0].dtype))
-    return buckets
+def _collect(module: nn.Module, skip: set[int]) -> dict[nn.Parameter, list[Location]]:
+    """The unit's parameters (those not in ``skip``), with every place the module tree
+    refers to them from, in registration order."""
+    found: dict[nn.Parameter, list[Location]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, param in sub._parameters.items():
+            if param is None or id(param) in skip:
+                continue
+            locations = found.setdefault(param, [])
+            if all(loc.module is not sub or loc.name != name for loc in locations):
+                locations.append(Location(sub, name, f"{prefix}.{name}" if prefix else name))
+    return found
 
 
 @contract(ReplicateState)
@@ -412,11 +307,13 @@ def replicate(
     ignored_modules: Iterable[nn.Module] | None = None,
     *,
     mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
+    ignored_params: Iterable[nn.Parameter] | None = None,
     device_mesh: DeviceMesh | None = None,
     device_id: int | torch.device | None = None,
     bucket_cap_mb: float = 25,
     reduce_dtype: torch.dtype | None = None,
-    ignored_params: Iterable[nn.Parameter] | None = None,
     gradient_as_bucket_view: bool = True,
     find_unused_parameters: bool = False,
     static_graph: bool = False,
@@ -429,11 +326,14 @@ def replicate(
             ``fully_shard``-ed submodules are left to ``fully_shard``).
         ignored_modules: modules whose parameters are neither broadcast nor reduced.
         mesh: a 1-D mesh (or one named dimension of a larger one); default: the world.
+        mp_policy: as ``fully_shard``'s: ``param_dtype`` (forward and backward on a cast
+            copy), ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``.
+        offload_policy: ``CPUOffloadPolicy`` keeps parameters and gradients on the CPU.
+        ignored_params: parameters neither broadcast nor reduced.
         device_mesh: torch's DDP-based ``replicate`` name for ``mesh`` (give one of them).
         device_id: the device the module is on; non-CPU tensor inputs are moved to it.
         bucket_cap_mb: the size cap of one all-reduce bucket, in MiB.
-        reduce_dtype: the dtype of the all-reduce (default: the parameters' dtype).
-        ignored_params: parameters neither broadcast nor reduced.
+        reduce_dtype: ``mp_policy.reduce_dtype``'s older spelling (the all-reduce's dtype).
         gradient_as_bucket_view, find_unused_parameters, static_graph, broadcast_buffers:
             torch's DDP switches, accepted (bools) and without effect: see the module
             docstring.
@@ -442,6 +342,7 @@ def replicate(
         module,
         bucket_cap_mb,
         reduce_dtype,
+        (mp_policy, offload_policy),
         {
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "find_unused_parameters": find_unused_parameters,
@@ -449,52 +350,60 @@ def replicate(
             "broadcast_buffers": broadcast_buffers,
         },
     )
+    mp_policy = _with_reduce_dtype(mp_policy, reduce_dtype)
     if mesh is not None and device_mesh is not None and mesh is not device_mesh:
         raise ValueError("replicate: pass the mesh as mesh= or device_mesh=, not both")
-    state: ReplicateState = replicate.state(module)
     mesh = mesh if mesh is not None else device_mesh
     mesh = mesh if mesh is not None else default_mesh(module, "replicate")
     group = one_dim_group(mesh, "replicate")
-    check_mesh_device(mesh, module, "replicate")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    if not offload:  # offloaded parameters live on the CPU
+        check_mesh_device(mesh, module, "replicate")
     device = _resolve_device_id(device_id, module, mesh)
-    state.group = group
-    state.world = dist.get_world_size(group)
 
-    ignored = set(ignored_params or ())
+    ignored = {id(p) for p in ignored_params or ()}
     for ignored_module in ignored_modules or ():
-        ignored.update(ignored_module.parameters())
-    managed = [sub for _, sub in _managed_submodules(module)]
-    state.managed_at_apply = {id(sub) for sub in managed}
-    ignored.update(p for sub in managed for p in sub.parameters())
+        ignored.update(id(p) for p in ignored_module.parameters())
+    managed = [
+        sub for sub in module.modules() if sub is not module and _is_managed(sub, _REDUCING_APIS)
+    ]
+    ignored.update(id(p) for sub in managed for p in sub.parameters())
     managed_buffers = {id(b) for sub in managed for b in sub.buffers()}
-    synced = [(n, p) for n, p in module.named_parameters() if p not in ignored] + [
+    found = _collect(module, ignored)
+    synced = [(locs[0].fqn, p) for p, locs in found.items()] + [
         (n, b) for n, b in module.named_buffers() if id(b) not in managed_buffers
     ]
     _check_tensor_parallel(synced, group, module)
+    if offload and any(isinstance(p, DTensor) for p in found):
+        raise ValueError(
+            "replicate: CPUOffloadPolicy is not supported with tensor-parallel (DTensor) "
+            "parameters; offload plain parameters only, or drop the policy"
+        )
     _broadcast_from_rank0([_local(t).detach() for _, t in synced], group)
-    trainable = [p for p in module.parameters() if p.requires_grad and p not in ignored]
-    state.buckets = _make_buckets(trainable[::-1], int(bucket_cap_mb * 2**20), reduce_dtype)
-    names = {p: n for n, p in module.named_parameters()}
-    for i, bucket in enumerate(state.buckets):
-        first = names.get(bucket.params[0], "?")
-        bucket.owner = f"replicate bucket {i} ({first!r}...) of {type(module).__name__}"
-    # Kept out of compiled graphs, as every plait hook (compiled autograd would trace it).
-    on_grad_ready = outside_graphs(state.on_grad_ready, backward=True)
-    for bucket in state.buckets:
-        for p in bucket.params:
-            state.bucket_of[p] = bucket
-            p.register_post_accumulate_grad_hook(on_grad_ready)
 
-    def reset_after_aborted_backward(*_: Any) -> None:
-        # A backward that raised never ran its end-of-backward callback; start clean.
-        # (Forwards run *inside* backward, e.g. checkpoint recomputation, must not reset.)
-        if state.in_backward and not in_backward():
-            state.reset()
-        if not state.checked_ownership:
-            _refuse_managed_after_replicate(module, state)
-            state.checked_ownership = True
-
-    module.register_forward_pre_hook(outside_graphs(reset_after_aborted_backward))
+    settings = UnitSettings(
+        mp_policy,
+        offload_policy,
+        reshard_after_forward=False,  # nothing to free: the parameters are whole
+        api_name="replicate",
+        bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+    )
+    policy = ParamPolicy(
+        mp_policy.param_dtype,
+        mp_policy.reduce_dtype,
+        device or mesh_device(mesh),
+        offload,
+        isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
+    )
+    state: ReplicateState = replicate.state(module)
+    state.modules = [module]
+    state.settings = settings
+    state.param_uids = {locs[0].fqn: param_uid(p) for p, locs in found.items()}
+    state.managed_at_apply = {id(sub) for sub in managed}
+    params = [ReplicaParam(p, locs, policy) for p, locs in found.items()]
+    groups = Groups(None, 0, 1, group, dist.get_world_size(group))
+    state.unit = ReplicaGroup(params, groups, settings, state.grad_arrived) if params else None
+    attach_unit(state, ReplicateModule, "Replicate")
     if device is not None and device.type != "cpu":
 
         def move_inputs(
@@ -502,20 +411,6 @@ def replicate(
         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             return tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
 
-        module.register_forward_pre_hook(move_inputs, with_kwargs=True)
-    with_mixin(module, ReplicateModule, "Replicate")
+        # Before the unit's own hook: its input casts and backward hooks see moved inputs.
+        module.register_forward_pre_hook(move_inputs, prepend=True, with_kwargs=True)
     return module
-
-
-def _refuse_managed_after_replicate(module: nn.Module, state: ReplicateState) -> None:
-    """Raise if ``fully_shard`` / ``replicate`` was applied to a submodule after ``replicate``
-    bucketed its parameters (they would be reduced twice)."""
-    for name, sub in _managed_submodules(module):
-        if id(sub) not in state.managed_at_apply:
-            api = next(a for a in _REDUCING_APIS if _is_managed(sub, (a,)))
-            raise RuntimeError(
-                f"{api} was applied to {name!r} inside the replicate-d "
-                f"{type(module).__name__} after replicate, which had already bucketed its "
-                f"parameters. Apply {api} to the submodules first, then replicate to the "
-                f"parent (replicate leaves their parameters to them)."
-            )

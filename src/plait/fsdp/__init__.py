@@ -2,14 +2,17 @@
 
 Layers, each importing only those before it (tests/test_fsdp_api.py checks it):
 
-* policies, collectives (stateless collectives; ``Groups``), cast, tp: the leaves;
+* policies, collectives (stateless collectives; ``Groups``), cast, tp, rows (a shard's
+  row layout): the leaves;
 * param: one parameter's sharded / padded / unsharded forms;
 * settings: ``UnitSettings``, what one unit was asked to do;
-* extensions (all-gather hooks) and reduce (gradient reduction) <- group: a unit's
-  parameters, gathered and freed together (``FSDPParamGroup``, ``ShardedState``);
+* extensions (all-gather hooks) and reduce (gradient reduction, ``fully_shard``'s and
+  ``replicate``'s) <- group: a unit's parameters, gathered and freed together
+  (``FSDPParamGroup``, ``ShardedState``); replica beside it: a ``replicate`` unit's
+  parameters (a unit whose shard group is this rank alone);
 * root (the root's bookkeeping of a pass) <- state: per-unit state and the four hooks
-  (``FSDPState``, ``TrainingState``); backward_hooks: where a unit's backward begins and
-  ends in the autograd graph;
+  (``FSDPState``, ``TrainingState``); replica_state beside it (``ReplicateState``);
+  backward_hooks: where a unit's backward begins and ends in the autograd graph;
 * module (``FSDPModule``) <- init (argument checks, groups, parameters) <- fully_shard
   (the entry points); api re-exports the old ``plait.fsdp.api`` names;
 * state_dict, clip and memory sit beside them, above state.

@@ -45,11 +45,13 @@ class Groups:
     """The process groups a unit communicates over, resolved from its mesh at ``fully_shard``.
 
     ``shard`` all-gathers and reduce-scatters (``rank`` / ``world`` are this rank's place
-    in it); ``replicate`` all-reduces gradients across shard groups (HSDP), ``None`` for a
-    1-D mesh; ``post_forward`` is the smaller group of ``reshard_after_forward=<int>``.
+    in it); ``None`` for ``replicate``'s units, whose shard "group" is this rank alone and
+    never communicates. ``replicate`` all-reduces gradients across shard groups (HSDP, and
+    ``replicate``'s data-parallel group), ``None`` for a 1-D ``fully_shard`` mesh;
+    ``post_forward`` is the smaller group of ``reshard_after_forward=<int>``.
     """
 
-    shard: dist.ProcessGroup
+    shard: dist.ProcessGroup | None
     rank: int
     world: int
     replicate: dist.ProcessGroup | None = None
@@ -72,7 +74,7 @@ def allocate(
 
 def all_gather_segments(
     rows: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     world: int,
     owner: str,
     comm: Comm | None = None,
@@ -85,6 +87,7 @@ def all_gather_segments(
     """
     if world == 1 and comm is None:
         return rows, None
+    group = _required(group, owner)
     spmd.record("all_gather", rows, group, owner)
     with traced("plait.fsdp.all_gather"):
         shape = (world * rows.shape[0], rows.shape[1])
@@ -101,7 +104,7 @@ def all_gather_segments(
 
 def reduce_scatter_segments(
     matrix: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     owner: str,
     op: Any = ReduceOp.SUM,
     comm: Comm | None = None,
@@ -112,6 +115,7 @@ def reduce_scatter_segments(
     """
     if matrix.shape[0] == 1 and comm is None and op in (ReduceOp.SUM, ReduceOp.AVG):
         return matrix.view(-1), None
+    group = _required(group, owner)
     spmd.record("reduce_scatter", matrix, group, owner)
     with traced("plait.fsdp.reduce_scatter"):
         out = allocate(comm, (matrix.shape[1],), matrix.dtype, matrix.device)
@@ -128,11 +132,19 @@ def reduce_scatter_segments(
 
 def all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup, owner: str, op: Any = ReduceOp.SUM
-) -> None:
-    """Reduce ``tensor`` in place over ``group`` (HSDP: across the replicas of a shard)."""
+) -> dist.Work | None:
+    """Start reducing ``tensor`` in place over ``group`` (across the replicas of a shard:
+    HSDP, ``replicate``); returns the work."""
     spmd.record("all_reduce", tensor, group, owner)
     with traced("plait.fsdp.all_reduce"):
-        spmd.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), "all_reduce", owner)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+def _required(group: dist.ProcessGroup | None, owner: str) -> dist.ProcessGroup:
+    """``group``, which a collective over more than one rank needs."""
+    if group is None:
+        raise RuntimeError(f"{owner}: its shard group has one rank and no process group")
+    return group
 
 
 # --- dividing the gradient sum ---------------------------------------------------------------

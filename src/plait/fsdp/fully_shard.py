@@ -42,12 +42,12 @@ from plait.fsdp.policies import (
     OffloadPolicy,
 )
 from plait.fsdp.settings import UnitSettings, resolve_reshard_after_forward
-from plait.fsdp.state import FSDPState
+from plait.fsdp.state import FSDPState, fsdp_state_of
 from plait.fsdp.state_dict import register_state_dict_hooks
 from plait.hooks import outside_graphs
 from plait.mesh import check_mesh_device, default_mesh
 
-__all__ = ["fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["attach_unit", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 @contract(FSDPState)
@@ -105,23 +105,29 @@ def fully_shard(
     state.param_uids = {locs[0].fqn: param_uid(p) for p, locs in found.items()}
     state.unit = FSDPParamGroup(params, groups, settings) if params else None
     register_state_dict_hooks(state)
+    attach_unit(state, FSDPModule, "FSDP")
+    return module
+
+
+def attach_unit(state: FSDPState, mixin: type[FSDPModule], prefix: str) -> None:
+    """Drive ``state``'s modules by its forward hooks and give them the class ``mixin``
+    (the last step of ``fully_shard`` and ``replicate``)."""
     # Kept out of compiled graphs: they swap parameters and issue collectives.
     pre_forward = outside_graphs(state.pre_forward)
     post_forward = outside_graphs(state.post_forward)
-    for m in modules:
+    for m in state.modules:
         m.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
         m.register_forward_hook(post_forward)
-        with_mixin(m, FSDPModule, "FSDP")
-    return module
+        with_mixin(m, mixin, prefix)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` unshard and reshard like ``forward`` does.
 
-    A no-op on a module that is not ``fully_shard``-ed (as torch), so one code path
-    serves sharded and unsharded runs.
+    A no-op on a module that is not ``fully_shard``-ed or ``replicate``-d (as torch), so
+    one code path serves sharded and unsharded runs.
     """
-    state: FSDPState | None = fully_shard.state(module)
+    state = fsdp_state_of(module)
     if state is None:
         return
     if not callable(getattr(module, method_name, None)):

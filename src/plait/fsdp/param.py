@@ -7,7 +7,8 @@ rows ``[r * chunk, min((r + 1) * chunk, rows))``, which may be fewer than ``chun
 tail) or none at all. Each rank stores its rows, contiguous, at the start of a zero-padded
 chunk of ``chunk`` rows' worth of elements, so that every rank contributes the same number
 of elements to the unit's all-gather; padding is never seen by the user. (For ``d = 0`` that is
-simply ``chunk`` rows, flattened; the common case has no padding at all.)
+simply ``chunk`` rows, flattened; the common case has no padding at all.) ``rows.py`` holds
+the arithmetic of that layout; ``replica.py`` the one-rank case ``replicate`` uses.
 
 Between uses the module holds the **sharded parameter**: an ``nn.Parameter`` wrapping a
 DTensor with placement ``Shard(d)`` whose local tensor is the unpadded view of the padded
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from plait.fsdp.rows import copy_full_to_padded, copy_padded_to_full, shard_rows
 from plait.fsdp.tp import (
     combined_mesh,
     local_grad,
@@ -100,21 +102,6 @@ def resolve_shard_dim(placement: object, param: torch.Tensor, fqn: str) -> int:
     return dim
 
 
-def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int, int]:
-    """``(chunk_rows, start, local_rows)``: torch.chunk layout of ``rows`` over ``world``.
-
-    Every rank stores ``chunk_rows`` rows (padded); rank ``rank`` owns ``local_rows`` of
-    them, from global row ``start`` (``local_rows`` may be less than ``chunk_rows`` or 0).
-    """
-    if rows < 1 or world < 1 or not 0 <= rank < world:
-        raise ValueError(
-            f"shard_rows: need rows >= 1 and 0 <= rank < world, got {rows=} {rank=} {world=}"
-        )
-    chunk_rows = -(-rows // world)
-    start = min(rank * chunk_rows, rows)
-    return chunk_rows, start, min(chunk_rows, rows - start)
-
-
 @dataclass(frozen=True)
 class ParamPolicy:
     """How a unit treats its parameters, resolved once at ``fully_shard`` time.
@@ -129,6 +116,14 @@ class ParamPolicy:
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     offload: bool = False
     pin_memory: bool = False
+
+    def dtypes_for(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype | None]:
+        """``(param_dtype, reduce_dtype)`` of a parameter stored in ``dtype``: the policy's
+        for floating parameters; non-float ones keep theirs and are never reduced."""
+        if not (dtype.is_floating_point or dtype.is_complex):
+            return dtype, None
+        param_dtype = self.param_dtype or dtype
+        return param_dtype, self.reduce_dtype or param_dtype
 
 
 class FSDPParam:
@@ -197,9 +192,7 @@ class FSDPParam:
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        floating = dtype.is_floating_point or dtype.is_complex
-        self.param_dtype = (self.policy.param_dtype or dtype) if floating else dtype
-        self.reduce_dtype = (self.policy.reduce_dtype or self.param_dtype) if floating else None
+        self.param_dtype, self.reduce_dtype = self.policy.dtypes_for(dtype)
         if self.tp_spec is None:
             self.spec = shard_spec(self.mesh, self.shape, dtype, self.dim)
             self.unsharded_spec: DTensorSpec | None = None
@@ -429,68 +422,3 @@ class FSDPParam:
             grad = self.sharded.grad
             assert isinstance(grad, DTensor)
             grad._local_tensor.add_(local)
-
-
-def _row_pairs(
-    full: torch.Tensor, padded: torch.Tensor, chunk_rows: int, dim: int
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
-    """Matching views of ``full`` (contiguous) and ``padded`` (world, chunk_rows * row_numel).
-
-    Rows are the slices of ``full`` along ``dim``; rank ``r``'s rows lie contiguous at the
-    start of ``padded[r]``. Returns ``(pairs, padding)``: each pair is a (full part, padded
-    part) of the same shape, together covering every row of ``full``; ``padding`` are the
-    padded elements no row of ``full`` maps to. At most two pairs (the ranks with a whole
-    chunk, then the tail rank), so a copy is at most two kernels.
-    """
-    world, rows = padded.shape[0], full.shape[dim]
-    outer = math.prod(full.shape[:dim])
-    by_rows = full.view(outer, rows, -1)  # (outer, rows, inner)
-    inner = by_rows.shape[2]
-    whole = rows // chunk_rows
-    pairs = []
-    if whole:
-        # (whole, outer, chunk, inner) on both sides; a transpose, free when outer is 1.
-        chunks = by_rows[:, : whole * chunk_rows].view(outer, whole, chunk_rows, inner)
-        blocks = padded[:whole].view(whole, outer, chunk_rows, inner)
-        pairs.append((chunks.transpose(0, 1), blocks))
-    padding = []
-    if whole < world:
-        tail_numel = (rows - whole * chunk_rows) * outer * inner
-        tail = padded[whole, :tail_numel].view(outer, -1, inner)
-        pairs.append((by_rows[:, whole * chunk_rows :], tail))
-        padding = [padded[whole, tail_numel:], padded[whole + 1 :]]
-    return pairs, padding
-
-
-def _coincide(full: torch.Tensor, padded: torch.Tensor, chunk_rows: int, dim: int) -> bool:
-    """No padding and rows outermost: ``full`` viewed as ``padded``'s shape is the layout."""
-    world = padded.shape[0]
-    return full.shape[dim] == world * chunk_rows and (
-        world == 1 or math.prod(full.shape[:dim]) == 1
-    )
-
-
-def copy_full_to_padded(
-    full: torch.Tensor, dest: torch.Tensor, chunk_rows: int, dim: int = 0
-) -> None:
-    """Scatter ``full`` into ``dest`` (world, chunk_rows * row_numel), zero-padded."""
-    if _coincide(full, dest, chunk_rows, dim):
-        dest.copy_(full.reshape(dest.shape))
-        return
-    pairs, padding = _row_pairs(full.contiguous(), dest, chunk_rows, dim)
-    for src_rows, dest_rows in pairs:
-        dest_rows.copy_(src_rows)
-    for rows in padding:
-        rows.zero_()
-
-
-def copy_padded_to_full(
-    src: torch.Tensor, full: torch.Tensor, chunk_rows: int, dim: int = 0
-) -> None:
-    """Gather ``src`` (world, chunk_rows * row_numel) into ``full`` (contiguous)."""
-    if _coincide(full, src, chunk_rows, dim):
-        full.view(src.shape).copy_(src)
-        return
-    pairs, _ = _row_pairs(full, src, chunk_rows, dim)
-    for full_rows, src_rows in pairs:
-        full_rows.copy_(src_rows)

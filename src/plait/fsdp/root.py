@@ -58,6 +58,7 @@ class RootPass(Generic[S]):
         self.next_in_forward: dict[int, S] = {}
         self.next_in_backward: dict[int, S] = {}
         self.callback_queued = False
+        self.api_name = "fully_shard"  # the root's API, named when compiled autograd is refused
         self.is_last_backward = True  # False: leave the last reductions in flight
         self.post_optim_event: Any = None  # waited on once, at the next forward pass
         self.max_reductions_in_flight = 1  # the largest of the units' max_input_buffers
@@ -128,7 +129,7 @@ class RootPass(Generic[S]):
         """Make sure :meth:`finish_backward` runs once at the end of this backward."""
         if not self.callback_queued:
             try:
-                queue_end_of_backward(self.finish_backward, "fully_shard")
+                queue_end_of_backward(self.finish_backward, self.api_name)
             except CompiledAutogradError:  # refused: forget the step's forward, reshard
                 self.reset()
                 raise

@@ -25,9 +25,10 @@ from plait.fsdp.policies import MixedPrecisionPolicy, OffloadPolicy
 
 @dataclass(slots=True)
 class UnitSettings:
-    """One unit's settings. Fixed at ``fully_shard``: ``mp_policy``, ``offload_policy``,
-    ``conditional`` (the mesh's groups live in ``collectives.Groups``); the rest through
-    the ``FSDPModule`` setter of the same name.
+    """One unit's settings. Fixed at ``fully_shard`` (or ``replicate``): ``mp_policy``,
+    ``offload_policy``, ``conditional``, ``api_name``, ``bucket_cap_bytes`` (the mesh's groups
+    live in ``collectives.Groups``); the rest through the ``FSDPModule`` setter of the same
+    name.
 
     ``reshard_after_forward`` is ``True`` / ``False`` once resolved: ``fully_shard`` turns
     an int group size into ``True`` (plus a post-forward group) or ``False`` (see
@@ -43,6 +44,10 @@ class UnitSettings:
     # fixed points instead: all-gather when its parent unit unshards, reduce-scatter
     # (zeros where it did not run) at the end of backward.
     conditional: bool = False
+    api_name: str = "fully_shard"  # the API that made the unit ("replicate"), for messages
+    # replicate: the unit's gradients are reduced in buckets of at most this many bytes,
+    # each launched as soon as its gradients are ready; None: one reduction per dtype.
+    bucket_cap_bytes: int | None = None
     # --- when the unit is gathered and freed in backward ---
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True

@@ -51,7 +51,7 @@ from plait.fsdp.root import RootPass
 from plait.fsdp.settings import UnitSettings
 from plait.hooks import in_backward, outside_graphs, traced
 
-_API_NAME = "fully_shard"  # the name ``contract`` registers the API under
+_API_NAMES = ("fully_shard", "replicate")  # contract's names of the APIs that make units
 
 
 class TrainingState(Enum):
@@ -81,15 +81,14 @@ class TrainingState(Enum):
 
 
 def fsdp_state_of(module: nn.Module) -> FSDPState | None:
-    """The ``fully_shard`` state of ``module`` itself, or ``None`` if it is not sharded."""
-    registry = get_registry(module)
-    item = None if registry is None else registry.get(_API_NAME)
-    state = None if item is None else item.state
-    return state if isinstance(state, FSDPState) else None
+    """The unit state (``fully_shard`` or ``replicate``) of ``module`` itself, or ``None``."""
+    registry: dict[str, Any] = get_registry(module) or {}
+    states = (registry[api].state for api in _API_NAMES if api in registry)
+    return next((s for s in states if isinstance(s, FSDPState)), None)
 
 
 def fsdp_states_in(module: nn.Module) -> list[FSDPState]:
-    """The ``fully_shard`` states in ``module``'s subtree, in pre-order (module first)."""
+    """The unit states in ``module``'s subtree, in pre-order (module first)."""
     states: list[FSDPState] = []
     seen: set[int] = set()  # modules of one list share a state
     for m in module.modules():
@@ -204,7 +203,7 @@ class FSDPState(APIState):
             if state.unit is not None:
                 state.check_params_materialised()
                 unit_names = [names.get(id(m), "") or "<root>" for m in state.modules]
-                state.unit.owner = f"fully_shard unit {', '.join(unit_names)!r}"
+                state.unit.owner = f"{state.settings.api_name} unit {', '.join(unit_names)!r}"
         for state in states_in_tree:
             state.conditional_children = []
         by_module = {id(m): s for s in states_in_tree for m in s.modules}

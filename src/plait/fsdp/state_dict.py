@@ -43,7 +43,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.modules.module import _IncompatibleKeys
 
 from plait.fsdp.group import ShardedState
-from plait.fsdp.param import FSDPParam, shard_rows
+from plait.fsdp.param import FSDPParam
+from plait.fsdp.rows import shard_rows
 from plait.fsdp.state import FSDPState, TrainingState
 from plait.mesh import collective_device, mesh_device
 

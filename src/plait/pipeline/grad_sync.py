@@ -1,7 +1,8 @@
 """Data parallelism inside pipeline stages: when to gather, free and reduce.
 
 A stage module may be (or contain) ``fully_shard`` units or ``replicate`` modules over a
-data-parallel group. Left to their own hooks they would communicate once per microbatch;
+data-parallel group (a ``replicate`` module is a unit too: one whose shard group is this
+rank alone). Left to their own hooks they would communicate once per microbatch;
 in a pipeline the schedule decides instead (its ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD``
 actions, see :func:`~plait.pipeline.schedules.add_fsdp_actions`):
 
@@ -32,7 +33,6 @@ from plait.fsdp.api import FSDPModule, fsdp_states_in
 from plait.fsdp.group import FSDPParamGroup
 from plait.fsdp.state import FSDPState
 from plait.hooks import traced
-from plait.replicate import ReplicateModule, ReplicateState, replicate
 
 __all__ = ["StageGradSync"]
 
@@ -52,9 +52,6 @@ class StageGradSync:
         self.fsdp_units: list[tuple[FSDPState, FSDPParamGroup]] = [
             (s, s.unit) for s in fsdp_states_in(module) if s.unit is not None
         ]
-        self.replicate_states: list[ReplicateState] = [
-            replicate.state(m) for m in module.modules() if isinstance(m, ReplicateModule)
-        ]
         # Units whose gradients are accumulated in another dtype than the parameters'.
         self._stashing = [
             unit
@@ -62,12 +59,11 @@ class StageGradSync:
             if any(p.reduce_dtype != p.param_dtype for p in unit.params)
         ]
         self._saved_fsdp: list[_FSDPFlags] = []
-        self._saved_replicate: list[bool] = []
 
     @property
     def active(self) -> bool:
         """True when the stage has anything to gather or reduce."""
-        return bool(self.fsdp_units or self.replicate_states)
+        return bool(self.fsdp_units)
 
     def begin_step(self) -> None:
         self._saved_fsdp = [
@@ -80,9 +76,6 @@ class StageGradSync:
             s.reshard_after_forward = False
             unit.reshard_after_backward = False
             unit.requires_gradient_sync = False
-        self._saved_replicate = [s.requires_gradient_sync for s in self.replicate_states]
-        for r in self.replicate_states:
-            r.requires_gradient_sync = False
 
     def end_step(self) -> None:
         for (s, unit), f in zip(self.fsdp_units, self._saved_fsdp, strict=True):
@@ -91,9 +84,7 @@ class StageGradSync:
                 s.reshard_after_forward = f.reshard_after_forward
             unit.reshard_after_backward = f.reshard_after_backward
             unit.requires_gradient_sync = f.requires_gradient_sync
-        for r, sync in zip(self.replicate_states, self._saved_replicate, strict=True):
-            r.requires_gradient_sync = sync
-        self._saved_fsdp, self._saved_replicate = [], []
+        self._saved_fsdp = []
 
     def unshard(self) -> None:
         with traced("plait.pipeline.unshard"):
@@ -118,7 +109,5 @@ class StageGradSync:
         with traced("plait.pipeline.reduce_grad"):
             for _, unit in self.fsdp_units:
                 unit.reduce_grads()
-            for r in self.replicate_states:
-                r.finish_backward()
             for _, unit in self.fsdp_units:
                 unit.finish_reduce()
