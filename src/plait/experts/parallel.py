@@ -27,9 +27,14 @@ dim 0 and whose forward is ``(rows sorted by expert, counts per expert) -> rows`
   averages the other gradients over the ranks; to match, each expert gradient is divided
   by ``gradient_divide_factor`` (default ``ep``), which makes it the mean over the ep
   ranks. Then averaging experts over the remaining data-parallel ranks (e.g.
-  ``replicate(experts, mesh["dp"])``) and everything else over all of them gives the
-  single-process gradient. Training that sums gradients and divides the loss by the
-  global token count (torchtitan's convention) passes ``gradient_divide_factor=1.0``.
+  ``replicate(experts, mesh["dp"])``, or ``fully_shard`` with the experts on
+  ``ShardPlacement(..., mesh["efsdp"])``, which averages each parameter group over its
+  own mesh) and everything else over all of them gives the single-process gradient. The
+  division happens in the autograd graph of the experts' forward (their output rows'
+  gradient is divided, their input rows' multiplied back), not on the parameters, so it
+  holds whatever parameter object ``fully_shard`` substitutes while unsharded. Training
+  that sums gradients and divides the loss by the global token count (torchtitan's
+  convention) passes ``gradient_divide_factor=1.0``.
 """
 
 from __future__ import annotations
@@ -127,8 +132,6 @@ def shard_experts(
     for param_name, param in list(module.named_parameters(recurse=False)):
         local = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=src_data_rank)
         sharded = nn.Parameter(local, requires_grad=param.requires_grad)
-        if factor != 1.0 and sharded.requires_grad:
-            sharded.register_hook(functools.partial(_divide, factor=factor))
         module.register_parameter(param_name, sharded)
     state: ExpertParallelState = shard_experts.state(module)
     state.group = mesh.get_group()
@@ -139,8 +142,25 @@ def shard_experts(
     return module
 
 
-def _divide(grad: torch.Tensor, *, factor: float) -> torch.Tensor:
-    return grad / factor
+class _ScaleGrad(torch.autograd.Function):
+    """The identity in forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x``, whose gradient is multiplied by ``scale`` (nothing recorded for 1)."""
+    if scale == 1.0 or not x.requires_grad:
+        return x
+    out: torch.Tensor = _ScaleGrad.apply(x, scale)
+    return out
 
 
 def _dispatch_hook(
@@ -163,6 +183,9 @@ def _dispatch_hook(
     exchange = plan_exchange(counts, state.group)
     state.pending = exchange
     local_rows, local_counts = dispatch(rows, exchange)
+    # The expert weights' gradient is divided by the factor (their output rows' gradient
+    # is), the input rows' gradient multiplied back: the rest of the model is unchanged.
+    local_rows = _scale_grad(local_rows, state.gradient_divide_factor)
     return (local_rows, local_counts, *args[2:])
 
 
@@ -175,7 +198,7 @@ def _combine_hook(
             f"expert parallelism: {type(module).__name__}'s forward finished without a "
             "dispatch (was its forward pre-hook removed?)"
         )
-    return combine(output, exchange)
+    return combine(_scale_grad(output, 1.0 / state.gradient_divide_factor), exchange)
 
 
 class ExpertParallel(ParallelStyle):

@@ -8,7 +8,9 @@ Layers, each importing only those before it (tests/test_fsdp_api.py checks it):
 * settings: ``UnitSettings``, what one unit was asked to do;
 * extensions (all-gather hooks) and reduce (gradient reduction, ``fully_shard``'s and
   ``replicate``'s) <- group: a unit's parameters, gathered and freed together
-  (``FSDPParamGroup``, ``ShardedState``); replica beside it: a ``replicate`` unit's
+  (``FSDPParamGroup``, ``ShardedState``); placement (``ShardPlacement``: a parameter's
+  dim and mesh) <- mesh_groups (``MeshGroups``: a unit with one group per mesh); replica
+  beside it: a ``replicate`` unit's
   parameters (a unit whose shard group is this rank alone);
 * root (the root's bookkeeping of a pass) <- state: per-unit state and the four hooks
   (``FSDPState``, ``TrainingState``); replica_state beside it (``ReplicateState``);
@@ -23,6 +25,7 @@ from plait.fsdp.fully_shard import fully_shard, register_fsdp_forward_method, sh
 from plait.fsdp.group import ShardedState
 from plait.fsdp.memory import FSDPMemoryReport, memory_report
 from plait.fsdp.module import FSDPModule, UnshardHandle
+from plait.fsdp.placement import ShardPlacement
 from plait.fsdp.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -39,6 +42,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardPlacement",
     "ShardedState",
     "TrainingState",
     "UnshardHandle",

@@ -25,7 +25,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from plait.contract import contract, with_mixin
-from plait.fsdp.group import FSDPParamGroup
 from plait.fsdp.init import (
     check_arguments,
     collect_params,
@@ -35,6 +34,7 @@ from plait.fsdp.init import (
     shard_params,
 )
 from plait.fsdp.module import FSDPModule
+from plait.fsdp.placement import ShardPlacement
 from plait.fsdp.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -59,7 +59,8 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen, shared
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen, shared
     ignored_params: Iterable[nn.Parameter] | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacement | object | None]
+    | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
     conditional: bool = False,
 ) -> nn.Module | list[nn.Module]:
@@ -67,6 +68,10 @@ def fully_shard(
 
     ``shard_placement_fn(param)`` chooses each parameter's shard dim: ``Shard(d)`` (``d``
     may be negative) or ``None`` for ``Shard(0)``. Unlike torch, any dim may be uneven.
+    Returning ``ShardPlacement(placement, mesh)`` (or torch's ``ShardPlacementResult``)
+    puts the parameter on another mesh: the unit then holds one parameter group per mesh
+    (one all-gather and one reduce-scatter each; ``plait.fsdp.placement``), e.g. experts
+    on ``mesh["efsdp"]`` beside their ``ep`` sharding and the rest on ``mesh["dp"]``.
 
     ``dp_mesh_dims`` (torch 2.13's full-mesh form): ``mesh`` is the whole mesh and
     ``dp_mesh_dims`` names its data-parallel dims; plait shards over those dims (a
@@ -96,14 +101,16 @@ def fully_shard(
         resolve_reshard_after_forward(reshard_after_forward, groups.world),
         conditional=bool(conditional),
     )
-    found = collect_params(modules, set(ignored_params or ()), mesh)
-    params = shard_params(found, mesh, groups, settings, shard_placement_fn)
+    found = collect_params(
+        modules, set(ignored_params or ()), mesh if shard_placement_fn is None else None
+    )
+    unit = shard_params(found, mesh, groups, settings, shard_placement_fn, reshard_after_forward)
 
     state: FSDPState = fully_shard.state(modules[0])
     state.modules = modules
     state.settings = settings
     state.param_uids = {locs[0].fqn: param_uid(p) for p, locs in found.items()}
-    state.unit = FSDPParamGroup(params, groups, settings) if params else None
+    state.unit = unit
     register_state_dict_hooks(state)
     attach_unit(state, FSDPModule, "FSDP")
     return module

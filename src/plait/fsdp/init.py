@@ -18,7 +18,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from plait.contract import get_registry
 from plait.fsdp.collectives import Groups
-from plait.fsdp.param import FSDPParam, Location, ParamPolicy, resolve_shard_dim
+from plait.fsdp.group import FSDPParamGroup
+from plait.fsdp.mesh_groups import MeshGroups
+from plait.fsdp.param import FSDPParam, Location, ParamPolicy
+from plait.fsdp.placement import resolve_placement
 from plait.fsdp.policies import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -175,9 +178,12 @@ def make_groups(mesh: DeviceMesh, reshard_after_forward: bool | int | None) -> G
 
 
 def collect_params(
-    modules: list[nn.Module], ignored: set[nn.Parameter], mesh: DeviceMesh
+    modules: list[nn.Module], ignored: set[nn.Parameter], mesh: DeviceMesh | None
 ) -> dict[nn.Parameter, list[Location]]:
-    """This unit's parameters with every place they are referenced from, in order."""
+    """This unit's parameters with every place they are referenced from, in order.
+
+    ``mesh``: what DTensor parameters are checked against; ``None`` when
+    ``shard_placement_fn`` picks each one's mesh (``shard_params`` checks them then)."""
     inner = [s for m in modules for s in fsdp_states_in(m)]
     owned_by_inner = {
         param: s
@@ -218,7 +224,7 @@ def collect_params(
     return found
 
 
-def _check_shardable(fqn: str, param: torch.Tensor, mesh: DeviceMesh) -> None:
+def _check_shardable(fqn: str, param: torch.Tensor, mesh: DeviceMesh | None) -> None:
     if param.numel() == 0:
         raise ValueError(
             f"fully_shard: parameter {fqn!r} has no elements; pass it in ignored_params"
@@ -228,7 +234,7 @@ def _check_shardable(fqn: str, param: torch.Tensor, mesh: DeviceMesh) -> None:
             f"fully_shard: parameter {fqn!r} is 0-dim and cannot be sharded on dim 0: "
             "store it with shape (1,), or pass it in ignored_params"
         )
-    if isinstance(param, DTensor):
+    if isinstance(param, DTensor) and mesh is not None:
         check_tp_param(fqn, param, mesh)
     if not param.is_contiguous():
         raise FSDPUnsupportedError(
@@ -271,26 +277,41 @@ def shard_params(
     mesh: DeviceMesh,
     groups: Groups,
     settings: UnitSettings,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None,
-) -> list[FSDPParam]:
-    """The unit's parameters, sharded over ``mesh`` on the dims ``shard_placement_fn`` picks."""
-    offload = settings.offload_policy
-    policy = ParamPolicy(
-        settings.mp_policy.param_dtype,
-        settings.mp_policy.reduce_dtype,
-        mesh_device(mesh),
-        isinstance(offload, CPUOffloadPolicy),
-        isinstance(offload, CPUOffloadPolicy) and offload.pin_memory,
-    )
+    shard_placement_fn: Callable[[nn.Parameter], object] | None,
+    reshard_after_forward: bool | int | None = None,
+) -> FSDPParamGroup | None:
+    """The unit: its parameters sharded on the dims (and meshes) ``shard_placement_fn``
+    picks (``placement.py``), one parameter group per mesh; ``None`` without parameters."""
     # Every placement is checked before any parameter is sharded: a refusal changes nothing.
-    dims = [
-        resolve_shard_dim(shard_placement_fn(p), p, locs[0].fqn) if shard_placement_fn else 0
-        for p, locs in found.items()
-    ]
-    return [
-        FSDPParam(p, locs, mesh, groups.rank, groups.world, policy, dim)
-        for (p, locs), dim in zip(found.items(), dims, strict=True)
-    ]
+    placed: dict[DeviceMesh, list[tuple[nn.Parameter, int]]] = {}
+    for p, locs in found.items():
+        dim, p_mesh = 0, mesh
+        if shard_placement_fn is not None:
+            dim, p_mesh = resolve_placement(shard_placement_fn(p), p, locs[0].fqn, mesh)
+            if isinstance(p, DTensor):
+                check_tp_param(locs[0].fqn, p, p_mesh)
+        placed.setdefault(p_mesh, []).append((p, dim))
+    if not placed:
+        return None
+    meshes = sorted(placed, key=lambda m: m != mesh)  # the unit's own mesh first
+    # Every group's process groups (and their checks) before any parameter is sharded.
+    of_mesh = [groups if m == mesh else make_groups(m, reshard_after_forward) for m in meshes]
+    units = []
+    for p_mesh, p_groups in zip(meshes, of_mesh, strict=True):
+        offload = settings.offload_policy
+        policy = ParamPolicy(
+            settings.mp_policy.param_dtype,
+            settings.mp_policy.reduce_dtype,
+            mesh_device(p_mesh),
+            isinstance(offload, CPUOffloadPolicy),
+            isinstance(offload, CPUOffloadPolicy) and offload.pin_memory,
+        )
+        params = [
+            FSDPParam(p, found[p], p_mesh, p_groups.rank, p_groups.world, policy, dim)
+            for p, dim in placed[p_mesh]
+        ]
+        units.append(FSDPParamGroup(params, p_groups, settings))
+    return units[0] if len(units) == 1 else MeshGroups(units, meshes)
 
 
 # The identity of each parameter given to fully_shard, kept in a number so that a tie

@@ -82,15 +82,9 @@ def resolve_shard_dim(placement: object, param: torch.Tensor, fqn: str) -> int:
     if placement is None:
         return 0
     if type(placement) is not Shard:
-        hint = (
-            " (per-parameter meshes, torch's ShardPlacementResult, are not supported: call "
-            "fully_shard separately for parameters on another mesh)"
-            if hasattr(placement, "mesh_info")
-            else ""
-        )
         raise ShardPlacementError(
             f"fully_shard: shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
-            f"expected Shard(dim) or None{hint}"
+            "expected Shard(dim), None, or ShardPlacement(Shard(dim) or None, mesh)"
         )
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
