@@ -101,7 +101,7 @@ from torch.utils._pytree import tree_map_only
 from plait.contract import contract, get_registry
 from plait.fsdp.collectives import Groups
 from plait.fsdp.fully_shard import attach_unit
-from plait.fsdp.init import param_uid
+from plait.fsdp.init import check_policies, param_uid
 from plait.fsdp.module import FSDPDeepcopyError, FSDPModule
 from plait.fsdp.param import Location, ParamPolicy
 from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -175,13 +175,7 @@ def _validate(
         raise TypeError(
             f"replicate: reduce_dtype must be a floating torch.dtype or None, got {reduce_dtype!r}"
         )
-    mp_policy, offload_policy = policies
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"replicate: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"replicate: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
-        )
+    check_policies("replicate", *policies)
 
 
 def _with_reduce_dtype(

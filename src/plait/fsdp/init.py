@@ -37,6 +37,7 @@ __all__ = [
     "FSDPArgumentError",
     "FSDPUnsupportedError",
     "check_arguments",
+    "check_policies",
     "check_tp_param",
     "collect_params",
     "data_parallel_mesh",
@@ -88,12 +89,15 @@ def check_arguments(
             "fully_shard: reshard_after_forward must be True, False, None or an int (the "
             f"group size to reshard to after forward), got {reshard_after_forward!r}"
         )
+    check_policies("fully_shard", mp_policy, offload_policy)
+
+
+def check_policies(api: str, mp_policy: object, offload_policy: object) -> None:
+    """TypeError unless the policies are plait's (or subclasses); ``api`` names the caller."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+        raise TypeError(f"{api}: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}"
-        )
+        raise TypeError(f"{api}: offload_policy must be an OffloadPolicy, got {offload_policy!r}")
 
 
 def data_parallel_mesh(
