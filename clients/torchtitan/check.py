@@ -32,6 +32,7 @@ PYTHON = Path(sys.executable)
 PP = "--parallelism.pipeline_parallel_degree"
 SHARD = "--parallelism.data_parallel_shard_degree"
 TP = "--parallelism.tensor_parallel_degree"
+EP = "--parallelism.expert_parallel_degree"
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,11 @@ CONFIGS: tuple[Config, ...] = (
         "spmd_types",
         (SHARD, "2"),
         fallback="fsdp",
+    ),
+    Config("moe-fsdp2", "MoE (DeepSeek-V3 debug), FSDP 2, ep 1", 2, "moe", (SHARD, "2")),
+    Config("moe-ep2-fsdp2", "MoE, expert parallel 2 x dp_shard 2", 2, "moe", (SHARD, "2", EP, "2")),
+    Config(
+        "moe-ep2-fsdp4", "MoE, expert parallel 2 at dp_shard 4", 4, "moe", (SHARD, "4", EP, "2")
     ),
     Config("tp2-fsdp2", "TP 2 x dp_shard 2", 4, flags=(TP, "2", SHARD, "2")),
     Config("pp2-tp2", "PP 2 x TP 2 (1F1B)", 4, flags=(*_pp("1F1B"), TP, "2")),

@@ -15,6 +15,7 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.common.config_utils import decoder_vocab_size
+from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
@@ -78,4 +79,13 @@ def chunked_loss() -> Trainer.Config:
     config.loss = ChunkedLossWrapper.Config(
         loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
     )
+    return config
+
+
+def moe() -> Trainer.Config:
+    """``base`` on torchtitan's DeepSeek-V3 debug model: a mixture of experts (8 routed and
+    2 shared experts per MoE layer); ``--parallelism.expert_parallel_degree`` shards them."""
+    config = base()
+    config.model_spec = deepseek_v3_registry("debugmodel")
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
     return config
