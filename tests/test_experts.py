@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from moe_models import DIM, EXPERTS, HIDDEN, TOP_K, MoENet, moe_batches
+from moe_models import moe_layer as _moe
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -39,52 +41,8 @@ from plait.replicate import replicate
 from collective_spy import spy_collectives
 from harness import run_on_ranks
 
-DIM, HIDDEN, EXPERTS, TOP_K = 8, 12, 8, 2
-SEQS, SEQ_LEN, STEPS = 8, 3, 3
 TIMEOUT = 60.0
 ATOL, RTOL = 1e-6, 1e-5
-
-
-def _moe(**overrides: Any) -> MoE:
-    kwargs: dict[str, Any] = dict(
-        num_shared_experts=1, aux_loss_coeff=0.01, z_loss_coeff=1e-3, bias_update_speed=1e-2
-    )
-    kwargs.update(overrides)
-    return MoE(DIM, HIDDEN, EXPERTS, TOP_K, **kwargs)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.moe = _moe()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)  # (B, T, C)
-        return h + self.moe(h)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(SEQS, SEQ_LEN, DIM, generator=gen),
-            torch.randn(SEQS, SEQ_LEN, DIM, generator=gen),
-        )
-        for _ in range(STEPS)
-    ]
 
 
 # -- the layer, one process ------------------------------------------------------------
@@ -214,7 +172,7 @@ def _sync_dense_by_hand(model: nn.Module, mesh: DeviceMesh) -> None:
 def _parity(
     dp: int, ep: int, sync: str, ac: bool = False, skew: bool = False, style: bool = False
 ) -> dict[str, Any]:
-    """Train ``Net`` on a ``(dp, ep)`` mesh beside one process; raise on any difference.
+    """Train ``MoENet`` on a ``(dp, ep)`` mesh beside one process; raise on any difference.
 
     ``sync``: how the non-expert gradients are averaged (``"manual"`` or ``"replicate"``);
     ``style``: apply ``ExpertParallel`` through torch's ``parallelize_module``.
@@ -224,7 +182,7 @@ def _parity(
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(Net())
+        models.append(MoENet())
     ref, par = models
     if skew:  # every token picks experts 5 and 6: one ep rank gets no rows at all
         for model in models:
@@ -254,7 +212,7 @@ def _parity(
     diffs: dict[str, float] = {}
     empty_local_expert = False
     calls: dict[str, int] = {}  # all-to-alls of a step: in forward, and in all
-    for step, (x, y) in enumerate(_batches()):
+    for step, (x, y) in enumerate(moe_batches()):
         ref_out = ref(x)
         F.mse_loss(ref_out, y).backward()
         with spy_collectives("all_to_all_single") as spied:
@@ -293,7 +251,7 @@ def _parity(
     return {"diffs": diffs, "empty": empty_local_expert, "calls": calls}
 
 
-def _some_local_expert_empty(model: Net, x: torch.Tensor) -> bool:
+def _some_local_expert_empty(model: MoENet, x: torch.Tensor) -> bool:
     """Whether some expert got no token from this rank in the first layer."""
     with torch.no_grad():
         block = model.blocks[0]

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from moe_models import DIM, SEQ_LEN, MoEBlock, MoENet, moe_batches
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from plait.experts import MoE, expert_parallel, update_expert_bias
+from plait.experts import expert_parallel, update_expert_bias
 from plait.experts.swiglu import GroupedExperts
 from plait.fsdp import CPUOffloadPolicy as PlaitOffload
 from plait.fsdp import (
@@ -36,54 +37,9 @@ from plait.fsdp.state import fsdp_state_of
 from collective_spy import spy_collectives
 from harness import run_on_ranks
 
-DIM, HIDDEN, TOP_K = 8, 12, 2
-SEQS, SEQ_LEN, STEPS = 8, 3, 3
 EFSDP, EP = 2, 2
 MAX_NORM = 0.5
 TIMEOUT = 120.0
-
-
-class Block(nn.Module):
-    def __init__(self, experts: int) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.moe = MoE(
-            DIM,
-            HIDDEN,
-            experts,
-            min(TOP_K, experts),
-            num_shared_experts=1,
-            aux_loss_coeff=0.01,
-            z_loss_coeff=1e-3,
-            bias_update_speed=1e-2,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)  # (B, T, C)
-        return h + self.moe(h)
-
-
-class Net(nn.Module):
-    def __init__(self, experts: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(experts), Block(experts)])
-        self.head = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(SEQS, SEQ_LEN, DIM, generator=gen),
-            torch.randn(SEQS, SEQ_LEN, DIM, generator=gen),
-        )
-        for _ in range(STEPS)
-    ]
 
 
 def _placement_fn(model: nn.Module, mesh: DeviceMesh, kind: str, dim: int) -> Any:
@@ -104,7 +60,7 @@ def _placement_fn(model: nn.Module, mesh: DeviceMesh, kind: str, dim: int) -> An
 
 
 def _train(impl: str, experts: int, bf16: bool, knob: str = "") -> dict[str, Any] | None:
-    """Train ``Net`` with ``impl`` ("plait", "plait-torch-result" or "torch"); rank 0
+    """Train ``MoENet`` with ``impl`` ("plait", "plait-torch-result" or "torch"); rank 0
     returns losses, norms, full parameters, the expert placements and the reference's.
 
     ``knob``: "offload" (CPU offload), "raf2" (``reshard_after_forward=2``), "prefetch"
@@ -117,9 +73,9 @@ def _train(impl: str, experts: int, bf16: bool, knob: str = "") -> dict[str, Any
     dp = mesh._flatten("dp")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    ref = Net(experts)
+    ref = MoENet(experts)
     torch.manual_seed(0)
-    par = Net(experts)
+    par = MoENet(experts)
     divide = 1.0 if knob == "divide" else None
     expert_parallel(par, mesh["ep"], load_balance_mesh=mesh, gradient_divide_factor=divide)
     dim = 0 if experts // EP >= EFSDP else 1  # torchtitan: Shard(1) when experts run out
@@ -159,7 +115,7 @@ def _train(impl: str, experts: int, bf16: bool, knob: str = "") -> dict[str, Any
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     par_opt = torch.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.01)
     out: dict[str, Any] = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
-    for x, y in _batches():
+    for x, y in moe_batches():
         ref_loss = F.mse_loss(ref(x), y)
         ref_loss.backward()
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -280,7 +236,7 @@ def _refusals() -> None:
     ]
     for result, error, words, raf in cases:
         torch.manual_seed(0)
-        model = Net(8)
+        model = MoENet(8)
         expert_parallel(model, mesh["ep"], load_balance_mesh=mesh)
         before = {n: id(p) for n, p in model.named_parameters()}
         experts = {id(p) for p in model.blocks[0].moe.experts.parameters()}
@@ -301,7 +257,7 @@ def test_refusals_name_the_parameter_and_change_nothing() -> None:
 def _collectives_per_group() -> tuple[int, int, int]:
     mesh = init_device_mesh("cpu", (EFSDP, EP), mesh_dim_names=("efsdp", "ep"))
     dp = mesh._flatten("dp")
-    block = Block(8)
+    block = MoEBlock(8)
     expert_parallel(block, mesh["ep"], load_balance_mesh=mesh)
     fully_shard(block, mesh=dp, shard_placement_fn=_placement_fn(block, mesh, "plait", 0))
     with spy_collectives("all_gather_single", "reduce_scatter_single") as calls:
