@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait.fsdp import fully_shard
+from plait.pipeline import PipelineStage, ScheduleDualPipeV, split_model, stages_of_rank
 
 
 class MLP(nn.Module):
@@ -51,3 +52,21 @@ def shard_blocks(
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs, **(root_kwargs or {}))
     return model
+
+
+def layer_stack(n: int = 8, dim: int = 6) -> nn.Sequential:
+    """``n`` Linear-Tanh layers on the last dimension: works on (B, C) and (B, T, C)."""
+    return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n)))
+
+
+def dualpipe_v_stages(
+    model: nn.Module, m: int, rank: int, world: int
+) -> tuple[ScheduleDualPipeV, list[nn.Module], list[int]]:
+    """This rank's two stages of ``model`` (``2 * world`` stages in a V) under DualPipeV
+    with ``m`` microbatches and an MSE loss: (schedule, stage modules, stage ids)."""
+    n_stages = 2 * world
+    ids = stages_of_rank(rank, world, n_stages, "v")
+    modules = split_model(model, n_stages, stages=ids)
+    stages = [PipelineStage(mod, s, n_stages, "cpu") for mod, s in zip(modules, ids, strict=True)]
+    schedule = ScheduleDualPipeV(stages, m, loss_fn=nn.functional.mse_loss)
+    return schedule, modules, ids

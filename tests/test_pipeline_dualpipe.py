@@ -16,7 +16,6 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn import functional as F
 
 from plait.pipeline import (
@@ -36,6 +35,7 @@ from plait.pipeline import (
 )
 
 from harness import run_on_ranks
+from models import dualpipe_v_stages, layer_stack
 
 K = ActionKind
 ATOL, RTOL = 1e-6, 1e-5
@@ -136,21 +136,13 @@ def test_simulator_bubble_and_memory() -> None:
 # --- runs on ranks: parity with one process -------------------------------------------
 
 
-def _layers(n: int, dim: int = 6) -> nn.Sequential:
-    return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n)))
-
-
 def _dualpipe_body(m: int, shapes: list[tuple[int, int]]) -> list[int]:
     """Train a few steps with DualPipeV; compare outputs, losses and gradients with one
     process. Rank 0 holds the first and the last stage, so it both feeds and scores."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    n_stages = 2 * world
-    model = _layers(n_stages)
+    model = layer_stack(2 * world)
     reference = copy.deepcopy(model)
-    ids = stages_of_rank(rank, world, n_stages, "v")
-    modules = split_model(model, n_stages, stages=ids)
-    stages = [PipelineStage(mod, s, n_stages, "cpu") for mod, s in zip(modules, ids, strict=True)]
-    schedule = ScheduleDualPipeV(stages, m, loss_fn=F.mse_loss)
+    schedule, modules, ids = dualpipe_v_stages(model, m, rank, world)
     gen = torch.Generator().manual_seed(3)
     for b, t in shapes:
         x, y = torch.randn(b, t, 6, generator=gen), torch.randn(b, t, 6, generator=gen)
@@ -182,7 +174,7 @@ def test_dualpipe_v_matches_one_process(world: int, m: int) -> None:
 
 def _errors_body(case: str) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _layers(4)
+    model = layer_stack(4)
     try:
         if case == "few_microbatches":
             ids = stages_of_rank(rank, world, 4, "v")
@@ -226,7 +218,7 @@ def _beside_torch_body(m: int) -> bool:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     n_stages = 2 * world
-    model = _layers(n_stages)
+    model = layer_stack(n_stages)
     ids = stages_of_rank(rank, world, n_stages, "v")
     ours = split_model(model, n_stages, stages=ids)
     theirs = [copy.deepcopy(mod) for mod in ours]

@@ -43,6 +43,7 @@ from plait.train.model import GPT, GPTConfig, lm_loss
 
 from collective_spy import spy_collectives
 from harness import run_on_ranks
+from models import layer_stack
 from parity import (
     StageModules,
     check_parity,
@@ -54,11 +55,6 @@ from parity import (
 )
 
 ATOL, RTOL = 1e-6, 1e-5
-
-
-def layer_stack(n: int = 8, dim: int = 6) -> nn.Sequential:
-    """``n`` Linear-Tanh layers on the last dimension: works on (B, C) and (B, T, C)."""
-    return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n)))
 
 
 def layers_with_parameters(module: nn.Module) -> list[nn.Module]:

@@ -44,12 +44,9 @@ from plait.pipeline import (
 )
 
 from harness import run_on_ranks
+from models import layer_stack
 
 ATOL, RTOL = 1e-6, 1e-5
-
-
-def _layers(n: int, dim: int = 6) -> nn.Sequential:
-    return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n)))
 
 
 # --- get_schedule_class (pure) -----------------------------------------------------------
@@ -167,7 +164,7 @@ def _train_and_compare(schedule: Any, modules: list[nn.Module], model: nn.Module
 
 
 def _csv_body(path: str, fmt: str, n_stages: int) -> str:
-    model = _layers(n_stages)
+    model = layer_stack(n_stages)
     reference = copy.deepcopy(model)
     stages, modules = _v_stages(n_stages, model)
     loss = F.mse_loss
@@ -195,7 +192,7 @@ def test_loaded_schedule_runs_and_matches_one_process(fmt: str, tmp_path: Path) 
 def _dump_then_load_body(path: str) -> bool:
     """A DualPipeV schedule's order, dumped and loaded into the plain runtime: the same
     order, and the same training step."""
-    model = _layers(4)
+    model = layer_stack(4)
     reference = copy.deepcopy(model)
     stages, modules = _v_stages(4, model)
     dual = ScheduleDualPipeV(stages, 4, loss_fn=F.mse_loss)
@@ -215,7 +212,7 @@ def test_dumped_schedule_reloads_and_runs(tmp_path: Path) -> None:
 
 
 def _load_errors_body(case: str, path: str) -> str:
-    stages, _ = _v_stages(2, _layers(2))
+    stages, _ = _v_stages(2, layer_stack(2))
     schedule = _PipelineScheduleRuntime(stages, 2, loss_fn=F.mse_loss)
     try:
         if case == "no_schedule":
@@ -253,7 +250,7 @@ def test_loading_a_bad_schedule_raises_before_running(
 def _forward_only_body(iters: int) -> list[Any]:
     """torch's test: feed the last stage's output back into the first, ``iters`` times."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _layers(world)
+    model = layer_stack(world)
     reference = copy.deepcopy(model)
     stage = PipelineStage(split_model(model, world, stages=[rank])[0], rank, world, "cpu")
     schedule = _ScheduleForwardOnly(stage, 2 * world, scale_grads=False)
@@ -295,7 +292,7 @@ def test_forward_only_schedule(world: int) -> None:
 
 def _different_orders_body(paths: list[str]) -> str:
     """Each rank loads its own file: two valid orders, but not the same one."""
-    stages, _ = _v_stages(2, _layers(2))
+    stages, _ = _v_stages(2, layer_stack(2))
     schedule = _PipelineScheduleRuntime(stages, 2, loss_fn=F.mse_loss)
     schedule._load_csv(paths[dist.get_rank()])
     try:
@@ -328,7 +325,7 @@ def _torch_actions_body() -> bool:
     obj = object.__new__(ts.ScheduleDualPipeV)
     obj.pp_group_size, obj._n_microbatches, obj._num_stages = 2, 4, 4
     torch_order = {r: obj._calculate_single_rank_operations(r) for r in range(2)}
-    model = _layers(4)
+    model = layer_stack(4)
     reference = copy.deepcopy(model)
     stages, modules = _v_stages(4, model)
     schedule = _PipelineScheduleRuntime(

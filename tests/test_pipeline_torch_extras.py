@@ -54,14 +54,11 @@ from plait.pipeline.schedule_csv import load_csv_cells
 from plait.pipeline.step_inputs import Microbatching, StepInputs, step_data
 
 from harness import run_on_ranks
+from models import dualpipe_v_stages, layer_stack
 
 K = ActionKind
 ATOL, RTOL = 1e-6, 1e-5
 TIMEOUT = 90.0  # seconds: every multi-process test below has this deadline
-
-
-def _layers(n: int, dim: int = 6) -> nn.Sequential:
-    return nn.Sequential(*(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(n)))
 
 
 def _torch_dualpipe_order(n_ranks: int, m: int) -> dict[int, list[Any]]:
@@ -211,13 +208,10 @@ def test_constructor_orders_bind_torchs_positions() -> None:
 
 def _dual_setup(m: int) -> tuple[ScheduleDualPipeV, list[nn.Module], nn.Module]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    n_stages = 2 * world
-    model = _layers(n_stages)
+    model = layer_stack(2 * world)
     reference = copy.deepcopy(model)
-    ids = stages_of_rank(rank, world, n_stages, "v")
-    modules = split_model(model, n_stages, stages=ids)
-    stages = [PipelineStage(mod, s, n_stages, "cpu") for mod, s in zip(modules, ids, strict=True)]
-    return ScheduleDualPipeV(stages, m, loss_fn=F.mse_loss), modules, reference
+    schedule, modules, _ = dualpipe_v_stages(model, m, rank, world)
+    return schedule, modules, reference
 
 
 def _check_step(
@@ -333,7 +327,7 @@ def _reject_body() -> list[str]:
             messages.append(str(err))
     single = Schedule1F1B(
         PipelineStage(
-            split_model(_layers(2), 2, stages=[dist.get_rank()])[0], dist.get_rank(), 2, "cpu"
+            split_model(layer_stack(2), 2, stages=[dist.get_rank()])[0], dist.get_rank(), 2, "cpu"
         ),
         2,
     )
@@ -351,7 +345,7 @@ def _fsdp_custom_body() -> list[str]:
     """Custom REDUCE_GRAD / UNSHARD functions on a runtime with a loaded order: called
     once per stage and step with their action, and replacing the runtime's work."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = _layers(4)
+    model = layer_stack(4)
     reference = copy.deepcopy(model)
     ids = stages_of_rank(rank, world, 4, "v")
     modules = split_model(model, 4, stages=ids)
@@ -383,7 +377,7 @@ def _output_chunks_body() -> list[list[int]]:
     from torch.distributed.pipelining import ScheduleGPipe as TorchGPipe
 
     rank = dist.get_rank()
-    model = _layers(2)
+    model = layer_stack(2)
     ours = split_model(model, 2, stages=[rank])[0]
     stage = PipelineStage(ours, rank, 2, "cpu")
     torch_stage = TorchStage(copy.deepcopy(ours), rank, 2, torch.device("cpu"))
