@@ -32,7 +32,9 @@ __all__ = [
     "DP",
     "DP_REPLICATE",
     "DP_SHARD",
+    "EFSDP",
     "EP",
+    "EXPERT_MESH_DIMS",
     "INTERLEAVED_STAGES_PER_RANK",
     "LAYOUT_FIELDS",
     "MESH_DIMS",
@@ -47,6 +49,7 @@ __all__ = [
     "World",
     "check",
     "check_batch",
+    "check_ep",
     "check_microbatches",
     "check_schedule",
     "check_sizes",
@@ -67,9 +70,13 @@ PP = "pp"
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 TP = "tp"
-#: Expert parallelism: stacked experts split over its ranks (``plait.experts``). Not yet a
-#: dimension of :data:`MESH_DIMS` or a field of :class:`Layout`.
+#: Expert parallelism: the routed experts of every mixture-of-experts block split over its
+#: ranks (``plait.experts``). It takes its ranks from ``dp_shard`` (they hold different
+#: tokens, which all-to-all sends to their experts), so it is not a factor of the world.
 EP = "ep"
+#: The experts' own fully_shard dimension: the ``dp_shard`` ranks holding the same experts
+#: (``dp_shard / ep`` of them), torchtitan's name.
+EFSDP = "efsdp"
 #: The data-parallel dims flattened into one (torch's and torchtitan's name for it).
 DP = "dp"
 
@@ -77,6 +84,9 @@ DP = "dp"
 #: (collectives inside every layer) between neighbouring ranks, which launchers place on
 #: one node, then ``dp_shard``.
 MESH_DIMS: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, TP)
+#: The mesh of the routed experts, outermost first: ``dp_shard`` split into ``(efsdp, ep)``,
+#: so the same ranks, in the same order, as :data:`MESH_DIMS`.
+EXPERT_MESH_DIMS: tuple[str, ...] = (PP, DP_REPLICATE, EFSDP, EP, TP)
 #: The dimensions a global batch is split over.
 DATA_PARALLEL: tuple[str, ...] = (DP_REPLICATE, DP_SHARD)
 #: Stages per rank of a schedule that interleaves several, unless told otherwise.
@@ -99,14 +109,16 @@ class Layout:
     checkpointing of each block (``"none"``, ``"full"``, ``"selective"``, ``"offload"``);
     ``sequence_parallel``: with ``tp``, norms and activations split by sequence;
     ``reshard_after_forward``: as ``fully_shard``'s (``True`` frees parameters between
-    forward and backward). Nothing is checked on construction: :func:`check` says whether
-    a layout can run.
+    forward and backward); ``ep``: expert parallelism, ranks taken from ``dp_shard`` (see
+    :data:`EP`). Nothing is checked on construction: :func:`check` says whether a layout
+    can run.
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     schedule: str = "1F1B"
     microbatches: int = 1
     ac: str = "none"
@@ -133,6 +145,16 @@ class Layout:
         """Pipeline stages in all (1 without a pipeline)."""
         return self.pp * self.stages_per_rank
 
+    @property
+    def efsdp(self) -> int:
+        """The ranks of one ``ep`` rank's experts shard them (``dp_shard / ep``)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def expert_sizes(self) -> dict[str, int]:
+        """The size of each dimension of the experts' mesh (:data:`EXPERT_MESH_DIMS`)."""
+        return {name: getattr(self, name) for name in EXPERT_MESH_DIMS}
+
     def with_sizes(self, sizes: Mapping[str, int]) -> Layout:
         """A copy with the mesh dimensions named in ``sizes`` resized."""
         unknown = set(sizes) - set(MESH_DIMS)
@@ -145,11 +167,24 @@ class Layout:
         """The device mesh on ``device_type``, dimensions named as in :data:`MESH_DIMS`
         and in its order, keeping only those larger than 1; None for one process.
         Collective: every rank of the default process group calls it."""
-        dims = [(name, size) for name, size in self.sizes.items() if size > 1]
-        if not dims:
+        return _mesh(device_type, self.sizes, keep=())
+
+    def expert_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The routed experts' mesh (:data:`EXPERT_MESH_DIMS`): the same ranks as
+        :meth:`mesh`, ``dp_shard`` split into ``(efsdp, ep)``, both kept even at size 1 (the
+        experts are sharded over ``ep`` and fully_shard over ``efsdp``); None without
+        expert parallelism. Collective, like :meth:`mesh`."""
+        if self.ep == 1:
             return None
-        names, shape = zip(*dims, strict=True)
-        return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        return _mesh(device_type, self.expert_sizes, keep=(EFSDP, EP))
+
+
+def _mesh(device_type: str, sizes: Mapping[str, int], keep: tuple[str, ...]) -> DeviceMesh | None:
+    dims = [(name, size) for name, size in sizes.items() if size > 1 or name in keep]
+    if not dims:
+        return None
+    names, shape = zip(*dims, strict=True)
+    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
 
 #: The fields of :class:`Layout`, in its order.
@@ -162,8 +197,9 @@ class ModelShape:
     splits and the blocks a pipeline splits.
 
     ``from_flags``: the model is plait's GPT, shaped by ``plait train``'s model flags
-    (``--n-layer``, ``--n-head``, ``--d-model``), so messages may suggest changing them;
-    ``tokens``: what messages call the vocabulary's entries.
+    (``--n-layer``, ``--n-head``, ``--d-model``, ``--experts``), so messages may suggest
+    changing them; ``tokens``: what messages call the vocabulary's entries; ``experts``:
+    routed experts per mixture-of-experts block (0: a dense model).
     """
 
     layers: int
@@ -175,6 +211,7 @@ class ModelShape:
     seq_len: int
     from_flags: bool = False
     tokens: str = "tokens"
+    experts: int = 0
 
 
 class ScheduleFacts(Protocol):
@@ -241,12 +278,13 @@ def check(
     """Every reason ``layout`` cannot run ``model`` on global batches of ``batch``
     sequences over ``world``, with the pipeline ``schedules`` (a table by name); [] when it
     can. In the order ``plait train`` reports them."""
-    counts = {**layout.sizes, "stages_per_rank": layout.stages_per_rank}
+    counts = {**layout.sizes, EP: layout.ep, "stages_per_rank": layout.stages_per_rank}
     reasons = check_sizes({**counts, "microbatches": layout.microbatches})
     if reasons:
         return reasons  # the rules below divide by these
     reasons += check_world(layout.sizes, world)
     reasons += check_tp(model, layout.tp, layout.sequence_parallel)
+    reasons += check_ep(model, layout.ep, layout.dp_shard)
     spec = find_schedule(schedules, layout.schedule)
     if spec is None:
         reasons += check_schedule(schedules, layout.schedule)
@@ -367,6 +405,36 @@ def check_tp(model: ModelShape, tp: int, sequence_parallel: bool) -> list[Reason
             fixes.append("turn it off with --no-sequence-parallel")
         problem = f"--tp {tp} splits {split.what} {tp} ways, but {split.size} does not divide"
         reasons.append(Reason(TP, f"{problem} by {tp}: {', or '.join(fixes)}"))
+    return reasons
+
+
+def check_ep(model: ModelShape, ep: int, dp_shard: int) -> list[Reason]:
+    """``ep`` must split the model's routed experts into equal whole sets, and take its
+    ranks from ``dp_shard`` (the ranks that hold different tokens): it divides both."""
+    if ep == 1:
+        return []
+    if model.experts == 0:
+        fix = f"add --experts {2 * ep} (or another multiple of {ep})" if model.from_flags else ""
+        message = f"--ep {ep} splits the routed experts, but the model has none"
+        return [Reason(EP, f"{message}: {fix or 'drop --ep'}")]
+    reasons = []
+    if model.experts % ep:
+        fits = [d for d in _divisors(model.experts) if d > 1 and dp_shard % d == 0]
+        fix = f"use --ep {fits[-1]}" if fits else "drop --ep"
+        if model.from_flags:
+            fix += f", or --experts a multiple of {ep}"
+        message = (
+            f"--ep {ep} splits the {model.experts} routed experts {ep} ways, but {ep} does not "
+            f"divide {model.experts} (each rank holds the same number of whole experts)"
+        )
+        reasons.append(Reason(EP, f"{message}: {fix}"))
+    if dp_shard % ep:
+        message = (
+            f"--ep {ep} takes its ranks from --dp-shard (the ranks holding different tokens), "
+            f"but --dp-shard {dp_shard} is not a multiple of {ep}: use --dp-shard "
+            f"{ep * -(-dp_shard // ep)} (more --nproc), or an --ep that divides {dp_shard}"
+        )
+        reasons.append(Reason(EP, message))
     return reasons
 
 

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from plait import spmd
-from plait.train.config import ConfigError, flag
+from plait.train.config import DEFAULTS, ConfigError, flag
 from plait.train.manifest import CheckpointDamaged, verify_manifest, write_manifest
 
 __all__ = [
@@ -129,8 +129,10 @@ def verify_checkpoint(path: Path, group: dist.ProcessGroup | None = None) -> Non
 def check_settings(path: Path, expected: Mapping[str, Any]) -> None:
     """Raise ``ConfigError`` naming each setting in ``expected`` (e.g. the model's
     ``d_model``) that checkpoint ``path`` was saved with a different value of."""
-    saved = read_info(path).config
-    wrong = [(k, saved.get(k), v) for k, v in expected.items() if saved.get(k) != v]
+    config = read_info(path).config
+    # A setting newer than the checkpoint had, when it was saved, its default value.
+    saved = {k: config.get(k, getattr(DEFAULTS, k, None)) for k in expected}
+    wrong = [(k, saved[k], v) for k, v in expected.items() if saved[k] != v]
     if not wrong:
         return
     described = ", ".join(f"{k} {s} (this run: {flag(k)} {v})" for k, s, v in wrong)

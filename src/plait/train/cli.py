@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from plait.layout import DP_REPLICATE, DP_SHARD, PP, TP
+from plait.layout import DP_REPLICATE, DP_SHARD, EP, PP, TP
 from plait.pipeline import SCHEDULES
 from plait.train.checkpointing import (
     CheckpointDamaged,
@@ -44,8 +44,10 @@ _AUTO = "0 = auto"
 _TRAIN_HELP = """\
 Train a small GPT with any composition of plait's parallelisms: fully_shard (--dp-shard),
 replicate or HSDP (--dp-replicate), pipelines (--pp, --schedule), tensor parallelism
-(--tp, with sequence parallelism), activation checkpointing (--ac) and mixed precision
-(--mp). The processes form a (pp, dp_replicate, dp_shard, tp) mesh, tp innermost.
+(--tp, with sequence parallelism), mixture-of-experts blocks with expert parallelism
+(--experts, --ep), activation checkpointing (--ac) and mixed precision (--mp). The
+processes form a (pp, dp_replicate, dp_shard, tp) mesh, tp innermost; --ep splits dp_shard
+into (efsdp, ep) for the experts.
 Outside torchrun it starts --nproc local workers with torch's elastic launcher; under
 torchrun each process is one worker.
 
@@ -58,6 +60,7 @@ examples:
   plait train --dp-replicate 2 --dp-shard 2 --ac full --mp bf16
   plait train --pp 2 --dp-shard 2 --schedule 1F1B --microbatches 4
   plait train --tp 2 --dp-shard 2
+  plait train --experts 4 --top-k 2 --ep 2 --dp-shard 2
   plait train --run-dir runs/a --steps 600 --stop-after 200
   plait train --run-dir runs/a --resume
 """
@@ -72,6 +75,15 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         ("n_head", "attention heads"),
         ("d_model", "model width"),
         ("dropout", "dropout probability"),
+    ],
+    "mixture of experts": [
+        ("experts", "routed experts per block (0: a dense MLP in every block)"),
+        ("top_k", "experts each token goes to (dropless: no capacity, none dropped)"),
+        ("shared_experts", "experts every token goes through, beside its routed ones"),
+        ("expert_hidden", f"each expert's hidden width ({_AUTO}: 4 x d_model / (top_k + shared))"),
+        ("aux_loss_coeff", "weight of the load-balancing loss, over the global batch (0: off)"),
+        ("z_loss_coeff", "weight of the router z-loss (0: off)"),
+        ("bias_update_speed", "step of the auxiliary-loss-free balancing bias (0: off)"),
     ],
     "optimisation": [
         ("steps", "optimizer steps in all (a resumed run continues to this step)"),
@@ -90,6 +102,7 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         (DP_SHARD, f"ranks sharding each replica with fully_shard ({_AUTO}: the rest)"),
         (PP, "pipeline-parallel ranks"),
         (TP, "tensor-parallel ranks (neighbouring ranks: keep them on one node)"),
+        (EP, "expert-parallel ranks, taken from --dp-shard: the routed experts split over them"),
         ("sequence_parallel", "with --tp: norms and activations split by sequence"),
         ("schedule", f"pipeline schedule: {', '.join(SCHEDULES)}"),
         ("stages_per_rank", f"pipeline stages per rank ({_AUTO}: the schedule's)"),
@@ -238,9 +251,11 @@ def _describe(cfg: TrainConfig) -> str:
     dims = " ".join(f"{name}={size}" for name, size in cfg.mesh_dims.items())
     pipe = f" schedule={cfg.schedule} microbatches={cfg.microbatches}" if cfg.pp > 1 else ""
     sp = f" sequence_parallel={cfg.sequence_parallel}" if cfg.tp > 1 else ""
+    ep = f" ep={cfg.ep}" if cfg.ep > 1 else ""
+    moe = f", MoE {cfg.experts} experts top-{cfg.top_k}" if cfg.experts else ""
     return (
-        f"plait train: {cfg.nproc} x {cfg.device} worker(s), {dims}{pipe}{sp}, ac={cfg.ac}, "
-        f"mp={cfg.mp}; GPT {cfg.n_layer} layers x d{cfg.d_model}, "
+        f"plait train: {cfg.nproc} x {cfg.device} worker(s), {dims}{ep}{pipe}{sp}, ac={cfg.ac}, "
+        f"mp={cfg.mp}; GPT {cfg.n_layer} layers x d{cfg.d_model}{moe}, "
         f"{cfg.batch_size} x {cfg.seq_len} tokens per step, {cfg.steps} steps"
     )
 

@@ -60,6 +60,14 @@ class TrainConfig:
     n_head: int = 4
     d_model: int = 128
     dropout: float = 0.0
+    # mixture of experts (0 experts: dense MLPs)
+    experts: int = 0
+    top_k: int = 2
+    shared_experts: int = 0
+    expert_hidden: int = 0  # auto: 4 * d_model / (top_k + shared_experts)
+    aux_loss_coeff: float = 0.01
+    z_loss_coeff: float = 0.001
+    bias_update_speed: float = 0.0  # 0: no auxiliary-loss-free balancing bias
     # optimisation
     steps: int = 300
     batch_size: int = 32  # global: sequences per optimizer step, over all data-parallel ranks
@@ -76,6 +84,7 @@ class TrainConfig:
     dp_shard: int = 0  # auto: whatever nproc / (pp * dp_replicate * tp) leaves
     pp: int = 1
     tp: int = 1
+    ep: int = 1
     sequence_parallel: bool = True  # with tp > 1: norms and activations split by sequence
     schedule: str = "1F1B"
     stages_per_rank: int = 0  # auto: what the schedule holds (1, or 2 for looped schedules)

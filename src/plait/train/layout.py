@@ -39,8 +39,15 @@ def model_shape(cfg: TrainConfig) -> rules.ModelShape:
         seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model
     )
     heads = gpt.n_head  # no grouped-query attention: as many KV heads
-    sizes = (gpt.n_layer, heads, heads, gpt.d_model, gpt.d_mlp, gpt.vocab_size, gpt.seq_len)
-    return rules.ModelShape(*sizes, from_flags=True, tokens="byte tokens")
+    # Tensor parallelism splits a MoE block's shared experts as it splits a dense MLP (the
+    # routed experts are split by expert parallelism instead); without shared experts,
+    # nothing of the block's feed-forward is split but the model width, already listed.
+    mlp = gpt.d_mlp
+    if cfg.experts:
+        hidden = cfg.expert_hidden or max(1, gpt.d_mlp // (cfg.top_k + cfg.shared_experts))
+        mlp = hidden * cfg.shared_experts or gpt.d_model
+    sizes = (gpt.n_layer, heads, heads, gpt.d_model, mlp, gpt.vocab_size, gpt.seq_len)
+    return rules.ModelShape(*sizes, from_flags=True, tokens="byte tokens", experts=cfg.experts)
 
 
 def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
@@ -111,6 +118,8 @@ _AT_LEAST_ONE = (
     rules.DP_REPLICATE,
     rules.PP,
     rules.TP,
+    rules.EP,
+    "top_k",
     "keep",
     "eval_batches",
 )
@@ -123,6 +132,12 @@ _AT_LEAST_ZERO = (  # 0: auto, or off (see TrainConfig)
     "ckpt_every",
     "eval_every",
     "stop_after",
+    "experts",
+    "shared_experts",
+    "expert_hidden",
+    "aux_loss_coeff",
+    "z_loss_coeff",
+    "bias_update_speed",
 )
 
 
@@ -132,7 +147,7 @@ def _check_positive(cfg: TrainConfig) -> None:
             raise ConfigError(f"{flag(name)} {value}: must be at least 1")
     for name in _AT_LEAST_ZERO:
         if (value := getattr(cfg, name)) < 0:
-            raise ConfigError(f"{flag(name)} {value}: must be 0 (auto) or more")
+            raise ConfigError(f"{flag(name)} {value}: must be 0 or more")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr {cfg.lr}: must be positive")
     if cfg.fault_timeout <= 0:
@@ -141,6 +156,11 @@ def _check_positive(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"--stop-after {cfg.stop_after} is past --steps {cfg.steps}: stop at a step of "
             "the run (--steps is where it ends, and sets the learning-rate schedule)"
+        )
+    if cfg.experts and cfg.top_k > cfg.experts:
+        raise ConfigError(
+            f"--top-k {cfg.top_k}: each token goes to {cfg.top_k} different experts, but "
+            f"--experts is {cfg.experts}: use --top-k {cfg.experts} or less, or more --experts"
         )
     if cfg.d_model % cfg.n_head:
         raise ConfigError(

@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait import spmd
+from plait.experts import expert_load, update_expert_bias
 from plait.layout import DP_REPLICATE, DP_SHARD, PP
-from plait.mesh import mesh_coordinate
+from plait.mesh import collective_device, mesh_coordinate
 from plait.train.checkpointing import (
     CheckpointDamaged,
     checkpoint_group,
@@ -41,9 +42,9 @@ from plait.train.optimizer import (
     lr_at,
     set_lr,
 )
-from plait.train.parallelize import Stage, build_mesh, parallelize
+from plait.train.parallelize import Stage, build_expert_mesh, build_mesh, parallelize
 from plait.train.progress import Progress
-from plait.train.report import plot_loss_curve, summary_table
+from plait.train.report import imbalance, plot_loss_curve, summary_table
 from plait.train.step import Stepper, global_mean, make_stepper
 
 __all__ = ["TrainResult", "Trainable", "model_settings", "train"]
@@ -51,7 +52,19 @@ __all__ = ["TrainResult", "Trainable", "model_settings", "train"]
 CONFIG_FILE = "config.json"
 #: The settings a checkpoint's weights depend on: a checkpoint loads only into a run with
 #: the same values (dropout changes no weight, so it may differ).
-MODEL_SETTINGS = ("seq_len", "n_layer", "n_head", "d_model")
+MODEL_SETTINGS = (
+    "seq_len",
+    "n_layer",
+    "n_head",
+    "d_model",
+    "experts",
+    "top_k",
+    "shared_experts",
+    "expert_hidden",
+)
+
+#: Load-balancing settings: they change training, not the shape of the weights.
+BALANCE_SETTINGS = ("aux_loss_coeff", "z_loss_coeff", "bias_update_speed")
 
 
 @dataclass
@@ -70,7 +83,8 @@ def model_settings(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
-    return GPTConfig(dropout=cfg.dropout, **model_settings(cfg))
+    balance = {name: getattr(cfg, name) for name in BALANCE_SETTINGS}
+    return GPTConfig(dropout=cfg.dropout, **model_settings(cfg), **balance)
 
 
 def _rank() -> int:
@@ -91,21 +105,44 @@ class Trainable:
 
     def __init__(self, model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None) -> None:
         self.cfg = cfg
-        self.stages: list[Stage] = parallelize(model, cfg, mesh)
+        self.stages: list[Stage] = parallelize(model, cfg, mesh, build_expert_mesh(cfg))
         self.modules = [s.module for s in self.stages]
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, cfg)
         self.stepper: Stepper = make_stepper(self.stages, cfg, mesh)
         self.pipeline_group = mesh[PP].get_group() if mesh and cfg.pp > 1 else None
+        #: Tokens routed to each expert of each block in the last step, ``(n_layer,
+        #: experts)``: global counts, the same on every rank (None for a dense model).
+        self.expert_load: torch.Tensor | None = None
 
     def update(self) -> torch.Tensor:
         """After a step's backward: complete pending gradient sums, clip, update, drop the
-        gradients. Returns the gradient norm before clipping (a 0-d tensor)."""
+        gradients, and (with experts) read the step's expert load and move the balancing
+        biases. Returns the gradient norm before clipping (a 0-d tensor)."""
         finish_partial_grads(self.params)
         norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.experts:
+            self.expert_load = self._gather_expert_load()
+            for module in self.modules:
+                update_expert_bias(module)  # resets the counts for the next step
         return norm
+
+    def _gather_expert_load(self) -> torch.Tensor:
+        """Every block's expert load, from the stages that hold it (one all-reduce over the
+        pipeline ranks, whose stages hold different blocks)."""
+        device = self.params[0].device
+        load = torch.zeros(self.cfg.n_layer, self.cfg.experts, dtype=torch.int64, device=device)
+        for module in self.modules:
+            for name, counts in expert_load(module).items():
+                load[int(name.split(".")[1])] = counts  # "blocks.<i>.mlp"
+        if self.pipeline_group is not None:
+            group = self.pipeline_group
+            load = load.to(collective_device(group))
+            spmd.record("all_reduce", load, group, "the expert load")
+            spmd.wait(dist.all_reduce(load, group=group, async_op=True), "all_reduce of load")
+        return load.cpu()
 
 
 class _Session:
@@ -151,10 +188,26 @@ class _Session:
         # Read back only now, the step queued: one wait for the device per step.
         return global_mean(local, self.cfg), float(norm)
 
+    def expert_record(self) -> dict[str, Any]:
+        """The last step's expert load for its metrics record ({} for a dense model):
+        tokens per expert per block, and the worst block's max / mean."""
+        load = self.parts.expert_load
+        if load is None:
+            return {}
+        return {"expert_load": load.tolist(), "expert_imbalance": imbalance(load)}
+
     def validate(self) -> float:
-        losses = [
-            self.stepper.evaluate(*self.batch("val", i)) for i in range(self.cfg.eval_batches)
-        ]
+        # Evaluation mode: no dropout, and experts count no load (it is the training
+        # steps' load that balancing acts on and the metrics report).
+        for module in self.modules:
+            module.eval()
+        try:
+            losses = [
+                self.stepper.evaluate(*self.batch("val", i)) for i in range(self.cfg.eval_batches)
+            ]
+        finally:
+            for module in self.modules:
+                module.train()
         return global_mean(torch.stack(losses), self.cfg)
 
     def save(self, step: int) -> Path:
@@ -278,6 +331,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 "step_time": elapsed,
                 "tokens_per_s": tokens_per_step / elapsed,
                 "tokens": tokens_per_step * step,
+                **session.expert_record(),
             }
         )
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):

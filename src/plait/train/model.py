@@ -1,10 +1,13 @@
 """A small GPT-style decoder, defined once for the trainer, the benchmarks and the tests.
 
 Byte-level (vocabulary 256 by default), pre-norm blocks of causal self-attention and a GELU
-MLP, learned position embeddings. Blocks live in ``self.blocks`` (an ``nn.ModuleList``) so
-that parallelism recipes can wrap or split them by index. Attention has separate q, k and v
-projections and infers its head count from their width, so the tensor-parallel plan
-(:mod:`plait.train.parallelize`) can split them by heads.
+MLP, learned position embeddings. With ``experts`` > 0 each block's MLP is a mixture of
+experts instead (``plait.experts.MoE``: top-k routing, SwiGLU experts, optional shared
+experts, load balancing), which expert parallelism shards. Blocks live in
+``self.blocks`` (an ``nn.ModuleList``) so that parallelism recipes can wrap or split them
+by index. Attention has separate q, k and v projections and infers its head count from
+their width, so the tensor-parallel plan (:mod:`plait.train.parallelize`) can split them
+by heads.
 
 A pipeline stage is the same class with parts removed (``plait.pipeline.split_model``):
 parts outside the stage become falsy pass-through placeholders, and ``forward`` skips the
@@ -22,6 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from plait.experts import MoE
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -32,17 +37,33 @@ class GPTConfig:
     d_model: int = 128
     dropout: float = 0.0
     tie_weights: bool = False
+    # Mixture of experts (0 experts: a dense MLP in every block).
+    experts: int = 0
+    top_k: int = 2
+    shared_experts: int = 0
+    expert_hidden: int = 0  # 0: d_mlp // (top_k + shared_experts), as many active weights
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    bias_update_speed: float = 0.0  # 0: no auxiliary-loss-free bias
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
             )
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k ({self.top_k}) must be in 1..experts ({self.experts})")
 
     @property
     def d_mlp(self) -> int:
         """The MLP's hidden width."""
         return 4 * self.d_model
+
+    @property
+    def d_expert(self) -> int:
+        """Each expert's hidden width: a token's active MLP weights (its ``top_k`` experts
+        and the shared ones) match the dense MLP's unless ``expert_hidden`` says otherwise."""
+        return self.expert_hidden or max(1, self.d_mlp // (self.top_k + self.shared_experts))
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,13 +106,27 @@ class MLPBlock(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
+def moe_block(cfg: GPTConfig) -> MoE:
+    """The mixture-of-experts feed-forward of ``cfg`` (``cfg.experts`` > 0)."""
+    return MoE(
+        cfg.d_model,
+        cfg.d_expert,
+        cfg.experts,
+        cfg.top_k,
+        num_shared_experts=cfg.shared_experts,
+        aux_loss_coeff=cfg.aux_loss_coeff,
+        z_loss_coeff=cfg.z_loss_coeff,
+        bias_update_speed=cfg.bias_update_speed or None,
+    )
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLPBlock(cfg)
+        self.mlp: nn.Module = moe_block(cfg) if cfg.experts else MLPBlock(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -125,7 +160,7 @@ class GPT(nn.Module):
                     nn.init.ones_(p)  # LayerNorm gains
                 else:
                     nn.init.zeros_(p)
-            elif name.endswith("proj.weight"):
+            elif name.endswith(("proj.weight", "w2", "w2.weight")):  # into the residual
                 nn.init.normal_(p, std=residual_std)
             else:
                 nn.init.normal_(p, std=0.02)

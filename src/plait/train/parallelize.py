@@ -7,19 +7,34 @@
    ``torch.distributed.tensor.parallel`` with the plan below (:func:`tensor_parallel_plan`):
    parameters become DTensors on the tp mesh, and the loss runs under ``loss_parallel``
    (:func:`loss_context`).
-3. **Activation checkpointing** (``--ac``) per block: ``full`` recomputes a block in
+3. **Expert parallelism** (``--ep``, with ``--experts``): every block's routed experts are
+   sharded over the ``ep`` dimension of the experts' mesh (``dp_shard`` split into
+   ``(efsdp, ep)``: :meth:`plait.layout.Layout.expert_mesh`), tokens sent to them by
+   all-to-all (:func:`plait.experts.expert_parallel`). Every MoE balances its load over
+   the data-parallel ranks, which hold different tokens.
+4. **Activation checkpointing** (``--ac``) per block: ``full`` recomputes a block in
    backward, ``selective`` keeps its matmul outputs and recomputes the rest, ``offload``
    parks what backward needs in host memory.
-4. **Data parallelism** per block, then the stage's root: ``fully_shard`` over the
+5. **Data parallelism** per block, then the stage's root: ``fully_shard`` over the
    ``dp_shard`` mesh dimension, or over the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP:
    sharded inside a group, replicated across groups); ``replicate`` over ``dp_replicate``
-   when nothing is sharded. Mixed precision and CPU offload are ``fully_shard`` policies;
-   without ``fully_shard``, bf16 runs the forward under autocast (:func:`forward_context`).
+   when nothing is sharded. A block's expert-parallel experts are a parameter group of
+   their own in the block's unit, sharded over ``efsdp`` (and replicated over
+   ``dp_replicate``): torchtitan's layout. Mixed precision and CPU offload are
+   ``fully_shard`` policies; without ``fully_shard``, bf16 runs the forward under
+   autocast (:func:`forward_context`).
 
 The order matters: tensor parallelism first, so that what checkpointing recomputes and what
 ``fully_shard`` shards over the data-parallel ranks are the tensor-parallel pieces;
 checkpointing wraps the block's forward next, so ``fully_shard``'s hooks run outside it and
 a recomputation in backward finds the block already unsharded.
+
+A mixture-of-experts block under tensor parallelism: the MoE runs on the whole sequence
+(gathered on entry, its output cut back to this rank's positions with sequence
+parallelism), its shared experts split like the dense MLP, and the router and the routed
+experts replicated over the tp ranks: they compute the same routing and the same expert
+rows, so their gradients agree without communication (experts split by ``tp`` as well,
+Megatron's expert-tensor parallelism, are left out).
 
 The tensor-parallel plan (torchtitan's and Megatron's): in each block, attention's q, k
 and v column-wise (each rank computes ``n_head / tp`` heads) and its output projection
@@ -46,6 +61,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -53,8 +69,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plait.checkpoint import checkpoint
-from plait.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from plait.layout import DATA_PARALLEL, DP_REPLICATE, DP_SHARD, PP, TP
+from plait.experts import MoE, expert_parallel, set_load_balance_mesh
+from plait.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardPlacement,
+    fully_shard,
+)
+from plait.layout import DATA_PARALLEL, DP_REPLICATE, EFSDP, EP, PP, TP
 from plait.mesh import mesh_coordinate
 from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_rank
 from plait.replicate import replicate
@@ -63,6 +86,7 @@ from plait.train.model import GPT, Block
 
 __all__ = [
     "Stage",
+    "build_expert_mesh",
     "build_mesh",
     "forward_context",
     "loss_context",
@@ -100,6 +124,12 @@ def build_mesh(cfg: TrainConfig) -> DeviceMesh | None:
     return cfg.layout.mesh(cfg.device)
 
 
+def build_expert_mesh(cfg: TrainConfig) -> DeviceMesh | None:
+    """The routed experts' mesh (:meth:`plait.layout.Layout.expert_mesh`): ``(pp,
+    dp_replicate, efsdp, ep, tp)``; None without expert parallelism."""
+    return cfg.layout.expert_mesh(cfg.device)
+
+
 def _split(model: GPT, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
     if cfg.pp == 1:
         return [Stage(0, 1, model)]
@@ -120,15 +150,31 @@ def tensor_parallel_plan(module: GPT, sequence_parallel: bool) -> dict[str, Para
         "attn.k": ColwiseParallel(),
         "attn.v": ColwiseParallel(),
         "attn.proj": RowwiseParallel(output_layouts=between),
+    }
+    mlp: dict[str, ParallelStyle] = {
         "mlp.fc": ColwiseParallel(),
         "mlp.proj": RowwiseParallel(output_layouts=between),
     }
+    shared = {  # a MoE's shared experts, split as the MLP; its output stays replicated
+        "mlp.shared_experts.w1": ColwiseParallel(),
+        "mlp.shared_experts.w3": ColwiseParallel(),
+        "mlp.shared_experts.w2": RowwiseParallel(),
+    }
+    moe: dict[str, ParallelStyle] = {}
     if sequence_parallel:
         # Norms on sequence shards; attention and the MLP gather the sequence on entry (their
         # row-wise outputs reduce-scatter it back: ``between`` is Shard(1)).
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        block |= {"ln1": SequenceParallel(), "ln2": SequenceParallel()}
-        block |= {"attn": gather, "mlp": gather}
+        block |= {"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather}
+        mlp["mlp"] = gather
+        # A MoE's output is whole and the same on every tp rank: each keeps its positions.
+        moe["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+        )
     plan: dict[str, ParallelStyle] = {}
     if module.tok_emb:  # falsy on pipeline stages without it
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
@@ -136,8 +182,12 @@ def tensor_parallel_plan(module: GPT, sequence_parallel: bool) -> dict[str, Para
         # Its output, (T, C), has the sequence on dim 0: each rank adds its positions.
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
     for i, b in enumerate(module.blocks):
-        if isinstance(b, Block):
-            plan |= {f"blocks.{i}.{name}": style for name, style in block.items()}
+        if not isinstance(b, Block):
+            continue
+        styles = block | mlp
+        if isinstance(b.mlp, MoE):
+            styles = block | moe | (shared if b.mlp.shared_experts is not None else {})
+        plan |= {f"blocks.{i}.{name}": style for name, style in styles.items()}
     if module.ln_f and sequence_parallel:
         plan["ln_f"] = SequenceParallel()
     if module.head:
@@ -167,12 +217,43 @@ def _checkpoint(module: GPT, ac: str) -> None:
         checkpoint(block, **options.get(ac, {}))  # "full": no options
 
 
-def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh) -> None:
-    dp_dims = DATA_PARALLEL if cfg.dp_replicate > 1 else (DP_SHARD,)
+def _dp_dims(cfg: TrainConfig) -> tuple[str, ...]:
+    """The data-parallel dims of the layout's mesh (those of size > 1)."""
+    return tuple(d for d in DATA_PARALLEL if getattr(cfg, d) > 1)
+
+
+def _moe(
+    module: GPT, cfg: TrainConfig, mesh: DeviceMesh | None, experts: DeviceMesh | None
+) -> None:
+    """Expert parallelism and load balancing of ``module``'s MoE blocks (recipe step 3)."""
+    dp = mesh[_dp_dims(cfg)] if mesh is not None and cfg.dp > 1 else None
+    if experts is not None:
+        expert_parallel(module, experts[EP], load_balance_mesh=dp)
+    else:
+        set_load_balance_mesh(module, dp)
+    for m in module.modules():
+        if isinstance(m, MoE):
+            # Each microbatch's loss is scaled by 1/microbatches (both steppers): so is the
+            # auxiliary losses' gradient.
+            m.aux_loss_scale = 1.0 / cfg.microbatches
+
+
+def _expert_placement(block: Block, cfg: TrainConfig, experts: DeviceMesh | None) -> Any:
+    """``shard_placement_fn`` of ``block``'s unit: its expert-parallel experts in a group on
+    ``efsdp`` (HSDP: ``(dp_replicate, efsdp)``), the rest on the unit's mesh."""
+    if experts is None or not isinstance(block.mlp, MoE):
+        return None
+    dims = (DP_REPLICATE, EFSDP) if cfg.dp_replicate > 1 else (EFSDP,)
+    placement = ShardPlacement(Shard(0), experts[dims])
+    own = {id(p) for p in block.mlp.experts.parameters()}
+    return lambda p: placement if id(p) in own else None
+
+
+def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh | None) -> None:
     bf16 = cfg.mp == "bf16"
     shard = functools.partial(
         fully_shard,
-        mesh=mesh[dp_dims],
+        mesh=mesh[_dp_dims(cfg)],
         mp_policy=MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
@@ -180,22 +261,28 @@ def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh) -> None:
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     )
     for block in _blocks(module):
-        shard(block, reshard_after_forward=cfg.reshard_after_forward)
+        placement = _expert_placement(block, cfg, experts)
+        shard(block, reshard_after_forward=cfg.reshard_after_forward, shard_placement_fn=placement)
     shard(module)  # the root: embeddings, head, and what runs at the end of backward
 
 
-def parallelize(model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None) -> list[Stage]:
-    """Apply the recipe (module docstring) to ``model``; returns this rank's stages."""
+def parallelize(
+    model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None, experts: DeviceMesh | None = None
+) -> list[Stage]:
+    """Apply the recipe (module docstring) to ``model``; returns this rank's stages.
+    ``experts``: the experts' mesh (:func:`build_expert_mesh`; None without ``--ep``)."""
     stages = _split(model, cfg, mesh_coordinate(mesh, PP))  # 1. pipeline split
     for stage in stages:
         if cfg.tp > 1:  # 2. tensor parallelism
             assert mesh is not None
             plan = tensor_parallel_plan(stage.module, cfg.sequence_parallel)
             parallelize_module(stage.module, mesh[TP], plan)
-        _checkpoint(stage.module, cfg.ac)  # 3. activation checkpointing per block
-        if cfg.dp_shard > 1:  # 4. data parallelism per block, then the root
+        if cfg.experts:  # 3. expert parallelism, load balancing over the dp ranks
+            _moe(stage.module, cfg, mesh, experts)
+        _checkpoint(stage.module, cfg.ac)  # 4. activation checkpointing per block
+        if cfg.dp_shard > 1:  # 5. data parallelism per block, then the root
             assert mesh is not None
-            _shard(stage.module, cfg, mesh)
+            _shard(stage.module, cfg, mesh, experts)
         elif cfg.dp_replicate > 1:
             assert mesh is not None
             replicate(stage.module, mesh=mesh[DP_REPLICATE])

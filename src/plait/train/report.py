@@ -8,7 +8,7 @@ from typing import Any
 
 from plait.train.config import TrainConfig
 
-__all__ = ["plot_loss_curve", "summary_table"]
+__all__ = ["expert_rows", "imbalance", "plot_loss_curve", "summary_table"]
 
 LOSS_CURVE = "loss.png"
 
@@ -17,9 +17,36 @@ def _layout(cfg: TrainConfig) -> str:
     """The mesh, every dimension shown (outermost first), e.g. ``pp=2 x dp_replicate=1 x
     dp_shard=1 x tp=2, sequence parallel``."""
     mesh = " x ".join(f"{name}={size}" for name, size in cfg.mesh_dims.items())
+    if cfg.ep > 1:
+        mesh += f", experts over ep={cfg.ep} x efsdp={cfg.dp_shard // cfg.ep}"
     if cfg.tp > 1:
         mesh += ", sequence parallel" if cfg.sequence_parallel else ", no sequence parallelism"
     return mesh
+
+
+def imbalance(load: Any) -> float:
+    """The worst block's load imbalance: max over blocks of (most tokens an expert got) /
+    (mean per expert); 1.0 is perfect balance. ``load``: tokens per expert per block, a
+    ``(blocks, experts)`` tensor or nested lists."""
+    rows = load.tolist() if hasattr(load, "tolist") else load
+    return max((max(r) / (sum(r) / len(r)) if sum(r) else 1.0) for r in rows)
+
+
+#: Up to this many experts a summary row lists every count; beyond, min / max only.
+_LISTED_EXPERTS = 16
+
+
+def expert_rows(load: list[list[int]]) -> list[tuple[str, str]]:
+    """Summary rows of a step's expert load: per block, tokens per expert and max / mean."""
+    rows = []
+    for i, counts in enumerate(load):
+        shown = (
+            " ".join(str(c) for c in counts)
+            if len(counts) <= _LISTED_EXPERTS
+            else f"min {min(counts)}, max {max(counts)}"
+        )
+        rows.append((f"expert load, block {i}", f"{shown} (max/mean {imbalance([counts]):.2f})"))
+    return rows
 
 
 def _mib(n: int) -> str:
@@ -55,6 +82,9 @@ def summary_table(
                 f"{last['val_loss']:.4f} (step {last['step']})",
             )
         )
+    loads = [r for r in session_steps if "expert_load" in r]
+    if loads:  # tokens per expert in the last step
+        rows += expert_rows(loads[-1]["expert_load"])
     rows += [(f"{memory_kind}, rank {r}", _mib(b)) for r, b in enumerate(peak_memory)]
     rows.append(("run directory", str(run_dir)))
     width = max(len(name) for name, _ in rows)
