@@ -34,7 +34,7 @@ from plait.experts import (
     set_load_balance_mesh,
     update_expert_bias,
 )
-from plait.experts.balance import balance_loss, z_loss
+from plait.experts.balance import balance_loss, sequence_balance_loss, z_loss
 from plait.experts.dispatch import regroup
 from plait.replicate import replicate
 
@@ -104,6 +104,38 @@ def test_aux_losses_join_the_backward_of_the_output() -> None:
     # perfectly balanced routing gives a balance loss of exactly coeff
     uniform = torch.full((6, EXPERTS), 1.0 / EXPERTS)
     assert balance_loss(uniform, torch.full((EXPERTS,), 3), 0.5).item() == pytest.approx(0.5)
+
+
+def test_sequence_balance_loss_is_per_sequence() -> None:
+    """DeepSeek-V3's sequence-wise loss: each sequence's f and P (checked by a loop), their
+    mean; the same whatever the batch is cut into; exactly coeff at perfect balance; and
+    what ``MoE(aux_loss_type="sequence")`` attaches to its output."""
+    seqs, seq_len = 3, 4
+    probs = torch.rand(seqs * seq_len, EXPERTS).softmax(-1)
+    picks = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(seqs * seq_len)])
+    want = 0.0
+    for s in range(seqs):
+        rows = slice(s * seq_len, (s + 1) * seq_len)
+        counts = torch.bincount(picks[rows].flatten(), minlength=EXPERTS).float()
+        f = counts * EXPERTS / (TOP_K * seq_len)
+        want += float((f * probs[rows].mean(0)).sum()) * 0.1 / seqs
+    got = sequence_balance_loss(probs, picks, seq_len, 0.1)
+    assert got.item() == pytest.approx(want, rel=1e-6)
+    halves = [sequence_balance_loss(probs[i::2], picks[i::2], 1, 0.1) for i in range(2)]
+    whole = sequence_balance_loss(probs, picks, 1, 0.1)
+    torch.testing.assert_close((halves[0] + halves[1]) / 2, whole)  # any split: the mean
+    uniform = torch.full((EXPERTS, EXPERTS), 1.0 / EXPERTS)
+    one_each = torch.arange(EXPERTS).view(EXPERTS // TOP_K, TOP_K).repeat_interleave(TOP_K, 0)
+    balanced = sequence_balance_loss(uniform, one_each, EXPERTS, 0.5)
+    assert balanced.item() == pytest.approx(0.5)
+    moe = _moe(aux_loss_coeff=0.01, aux_loss_type="sequence", z_loss_coeff=0.0)
+    x = torch.randn(seqs, seq_len, DIM)
+    moe(x)
+    route = moe.router(x.reshape(-1, DIM))
+    expected = sequence_balance_loss(route.probs, route.experts, seq_len, 0.01)
+    torch.testing.assert_close(moe.aux_loss, expected.detach())
+    with pytest.raises(ValueError, match="aux_loss_type 'token'"):
+        _moe(aux_loss_type="token")
 
 
 def test_expert_bias_step_and_load_counting() -> None:

@@ -20,7 +20,13 @@ Applying it::
 """
 
 from plait.experts.all_to_all import all_to_all
-from plait.experts.moe import MoE, expert_load, set_load_balance_mesh, update_expert_bias
+from plait.experts.moe import (
+    AuxLossType,
+    MoE,
+    expert_load,
+    set_load_balance_mesh,
+    update_expert_bias,
+)
 from plait.experts.parallel import (
     ExpertParallel,
     ExpertParallelState,
@@ -31,6 +37,7 @@ from plait.experts.router import Routing, TopKRouter
 from plait.experts.swiglu import GroupedExperts, SwiGLU
 
 __all__ = [
+    "AuxLossType",
     "ExpertParallel",
     "ExpertParallelState",
     "GroupedExperts",

@@ -10,7 +10,9 @@ changes where expert rows are computed, nothing else.
 Load balancing (see ``plait.experts.balance`` for the formulas and why they do not depend
 on the layout):
 
-* ``aux_loss_coeff`` / ``z_loss_coeff``: the balance loss and router z-loss. They join the
+* ``aux_loss_coeff`` / ``z_loss_coeff``: the balance loss (``aux_loss_type``: ``"global"``
+  over the global batch of each forward, or DeepSeek-V3's ``"sequence"``-wise loss, whose
+  value does not depend on how the batch is split) and router z-loss. They join the
   loss without the caller adding them: backward through the layer's output gives them a
   gradient of ``aux_loss_scale`` (1 by default; set it to the factor the training loss is
   scaled by, e.g. ``1 / microbatches`` under gradient accumulation). ``moe.aux_loss`` holds
@@ -31,19 +33,28 @@ when the experts are not sharded, as one process does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from plait.experts.balance import balance_loss, bias_step, global_counts, z_loss
+from plait.experts.balance import (
+    balance_loss,
+    bias_step,
+    global_counts,
+    sequence_balance_loss,
+    z_loss,
+)
 from plait.experts.router import Routing, ScoreFunc, TopKRouter
 from plait.experts.swiglu import GroupedExperts, SwiGLU
 from plait.hooks import in_backward
 
-__all__ = ["MoE", "expert_load", "set_load_balance_mesh", "update_expert_bias"]
+__all__ = ["AuxLossType", "MoE", "expert_load", "set_load_balance_mesh", "update_expert_bias"]
+
+#: The balance losses (``plait.experts.balance``).
+AuxLossType = Literal["global", "sequence"]
 
 
 class MoE(nn.Module):
@@ -58,6 +69,8 @@ class MoE(nn.Module):
         num_shared_experts: shared experts every token goes through (one SwiGLU of
             ``hidden * num_shared_experts``); 0 for none.
         aux_loss_coeff: weight of the balance loss; 0 turns it off.
+        aux_loss_type: ``"global"`` (over each forward's tokens on all data-parallel ranks)
+            or ``"sequence"`` (per sequence, the input's second-to-last dim; DeepSeek-V3).
         z_loss_coeff: weight of the router z-loss; 0 turns it off.
         bias_update_speed: the auxiliary-loss-free bias's step (DeepSeek-V3's gamma,
             e.g. 1e-3); ``None`` for no bias.
@@ -78,6 +91,7 @@ class MoE(nn.Module):
         route_scale: float = 1.0,
         num_shared_experts: int = 0,
         aux_loss_coeff: float = 0.0,
+        aux_loss_type: AuxLossType = "global",
         z_loss_coeff: float = 0.0,
         bias_update_speed: float | None = None,
     ) -> None:
@@ -94,7 +108,10 @@ class MoE(nn.Module):
         self.shared_experts = (
             SwiGLU(dim, hidden * num_shared_experts) if num_shared_experts > 0 else None
         )
+        if aux_loss_type not in ("global", "sequence"):
+            raise ValueError(f"aux_loss_type {aux_loss_type!r}: use 'global' or 'sequence'")
         self.aux_loss_coeff = aux_loss_coeff
+        self.aux_loss_type = aux_loss_type
         self.z_loss_coeff = z_loss_coeff
         self.aux_loss_scale = 1.0
         self.bias_update_speed = bias_update_speed
@@ -122,7 +139,8 @@ class MoE(nn.Module):
         rows = rows * weights.to(rows.dtype)
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
         out = out.index_add(0, token, rows)  # (N, dim): each token sums its k outputs
-        out = self._balance(out, route, load)
+        seq_len = shape[-2] if len(shape) > 2 else shape[0]  # (N, dim): one sequence
+        out = self._balance(out, route, load, seq_len)
         return out.view(shape)
 
     def _balance_mesh(self) -> DeviceMesh | None:
@@ -133,13 +151,17 @@ class MoE(nn.Module):
         weight = self.experts.w1
         return weight.device_mesh if isinstance(weight, DTensor) else None
 
-    def _balance(self, out: torch.Tensor, route: Routing, load: torch.Tensor) -> torch.Tensor:
+    def _balance(
+        self, out: torch.Tensor, route: Routing, load: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
         """Count the load and attach the auxiliary losses to ``out``'s backward."""
         recompute = in_backward()  # a checkpoint's recompute: this forward already counted
         if self.training and not recompute:
             self.tokens_per_expert += load
         aux: torch.Tensor | None = None
-        if self.aux_loss_coeff:
+        if self.aux_loss_coeff and self.aux_loss_type == "sequence":
+            aux = sequence_balance_loss(route.probs, route.experts, seq_len, self.aux_loss_coeff)
+        elif self.aux_loss_coeff:
             aux = balance_loss(route.probs, load, self.aux_loss_coeff)
         if self.z_loss_coeff:
             z = z_loss(route.logits, self.z_loss_coeff)

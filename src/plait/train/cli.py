@@ -81,7 +81,12 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         ("top_k", "experts each token goes to (dropless: no capacity, none dropped)"),
         ("shared_experts", "experts every token goes through, beside its routed ones"),
         ("expert_hidden", f"each expert's hidden width ({_AUTO}: 4 x d_model / (top_k + shared))"),
-        ("aux_loss_coeff", "weight of the load-balancing loss, over the global batch (0: off)"),
+        ("aux_loss_coeff", "weight of the load-balancing loss (0: off)"),
+        (
+            "aux_loss_type",
+            "balance per sequence (DeepSeek-V3: the same at any layout and microbatching) or "
+            "over each microbatch's global tokens",
+        ),
         ("z_loss_coeff", "weight of the router z-loss (0: off)"),
         ("bias_update_speed", "step of the auxiliary-loss-free balancing bias (0: off)"),
     ],
@@ -96,7 +101,11 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         ("seed", "seed of weights, data order and dropout"),
     ],
     "parallelism": [
-        ("nproc", f"local worker processes ({_AUTO}: 4 on CPU, one per GPU)"),
+        (
+            "nproc",
+            f"local worker processes ({_AUTO}: the layout's ranks when --dp-shard is given, "
+            "else 4 on CPU, one per GPU)",
+        ),
         ("device", "where to train (default: cuda if available, else cpu)"),
         (DP_REPLICATE, "data-parallel replicas (replicate, or HSDP's outer dim)"),
         (DP_SHARD, f"ranks sharding each replica with fully_shard ({_AUTO}: the rest)"),

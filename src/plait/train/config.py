@@ -29,6 +29,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 __all__ = [
     "AC_MODES",
+    "AUX_LOSS_TYPES",
     "CHOICES",
     "DEFAULTS",
     "DEVICES",
@@ -43,6 +44,7 @@ __all__ = [
 AC_MODES = ("none", "full", "selective", "offload")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda")
+AUX_LOSS_TYPES = ("sequence", "global")
 
 
 class ConfigError(ValueError):
@@ -66,6 +68,7 @@ class TrainConfig:
     shared_experts: int = 0
     expert_hidden: int = 0  # auto: 4 * d_model / (top_k + shared_experts)
     aux_loss_coeff: float = 0.01
+    aux_loss_type: str = "sequence"
     z_loss_coeff: float = 0.001
     bias_update_speed: float = 0.0  # 0: no auxiliary-loss-free balancing bias
     # optimisation
@@ -78,7 +81,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0: no clipping
     seed: int = 0
     # parallelism
-    nproc: int = 0  # auto: 4 on CPU, the number of GPUs on CUDA (or WORLD_SIZE under torchrun)
+    # auto: the layout's product when dp_shard is given, else 4 on CPU, the number of GPUs
+    # on CUDA (WORLD_SIZE under torchrun)
+    nproc: int = 0
     device: str = ""  # auto: cuda when available, else cpu
     dp_replicate: int = 1
     dp_shard: int = 0  # auto: whatever nproc / (pp * dp_replicate * tp) leaves
@@ -143,7 +148,12 @@ class TrainConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 DEFAULTS = TrainConfig()
 #: The fields that take one of a few values (besides the default: ``device`` "" is auto).
-CHOICES: dict[str, tuple[str, ...]] = {"ac": AC_MODES, "mp": PRECISIONS, "device": DEVICES}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "ac": AC_MODES,
+    "mp": PRECISIONS,
+    "device": DEVICES,
+    "aux_loss_type": AUX_LOSS_TYPES,
+}
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -11,6 +11,7 @@ settings outside the layout.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -29,7 +30,8 @@ def default_device() -> str:
 
 
 def default_nproc(device: str) -> int:
-    """Workers on this machine when ``--nproc`` is not given: 4 on CPU, one per GPU."""
+    """Workers on this machine when neither ``--nproc`` nor ``--dp-shard`` is given: 4 on
+    CPU, one per GPU."""
     return max(1, torch.cuda.device_count()) if device == "cuda" else _CPU_WORKERS
 
 
@@ -62,7 +64,9 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     _refuse(rules.check_tp(shape, cfg.tp, cfg.sequence_parallel))
     device = cfg.device or default_device()
     _check_device(device)
-    nproc = cfg.nproc or default_nproc(device)
+    # Every mesh size given (--dp-shard too): as many workers as the layout has ranks.
+    nproc = cfg.nproc or (math.prod(cfg.mesh_dims.values()) if cfg.dp_shard else 0)
+    nproc = nproc or default_nproc(device)
     if world_size is None:
         _check_local_gpus(device, nproc)
     size = world_size if world_size is not None else nproc

@@ -64,7 +64,7 @@ MODEL_SETTINGS = (
 )
 
 #: Load-balancing settings: they change training, not the shape of the weights.
-BALANCE_SETTINGS = ("aux_loss_coeff", "z_loss_coeff", "bias_update_speed")
+BALANCE_SETTINGS = ("aux_loss_coeff", "aux_loss_type", "z_loss_coeff", "bias_update_speed")
 
 
 @dataclass

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from plait.experts import MoE
+from plait.experts import AuxLossType, MoE
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class GPTConfig:
     shared_experts: int = 0
     expert_hidden: int = 0  # 0: d_mlp // (top_k + shared_experts), as many active weights
     aux_loss_coeff: float = 0.0
+    aux_loss_type: AuxLossType = "sequence"
     z_loss_coeff: float = 0.0
     bias_update_speed: float = 0.0  # 0: no auxiliary-loss-free bias
 
@@ -115,6 +116,7 @@ def moe_block(cfg: GPTConfig) -> MoE:
         cfg.top_k,
         num_shared_experts=cfg.shared_experts,
         aux_loss_coeff=cfg.aux_loss_coeff,
+        aux_loss_type=cfg.aux_loss_type,
         z_loss_coeff=cfg.z_loss_coeff,
         bias_update_speed=cfg.bias_update_speed or None,
     )
