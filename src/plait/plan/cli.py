@@ -2,23 +2,33 @@
 
 The model is a preset (``--preset llama3-8b``), a Hugging Face ``config.json``
 (``--hf-config``) or plait's GPT from ``plait train``'s flags (``--n-layer``, ``--n-head``,
-``--d-model``). Layout flags are ``plait train``'s: each one given is fixed, the others
-are searched. Exit status 2, with a message naming the flag, for input that cannot be
-planned (sizes that do not divide the devices, a ``--tp`` the model does not divide, a
-model that fits in no layout).
+``--d-model``). ``--experts`` (with ``--top-k``, ``--shared-experts``, ``--expert-hidden``,
+``--dense-layers``) makes any of them a mixture of experts, whose expert-parallel size
+``--ep`` is searched unless given. Layout flags are ``plait train``'s: each one given is
+fixed, the others are searched. Exit status 2, with a message naming the flag, for input
+that cannot be planned (sizes that do not divide the devices, a ``--tp`` the model does
+not divide, an ``--ep`` the experts do not divide, a model that fits in no layout).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from plait.layout import LAYOUT_FIELDS, flag
+from plait.layout import EP, LAYOUT_FIELDS, flag
 from plait.plan.devices import DEVICES, device, override
-from plait.plan.models import PRESETS, from_hf_config, gpt, param_counts, preset
+from plait.plan.models import (
+    PRESETS,
+    expert_hidden_default,
+    from_hf_config,
+    gpt,
+    param_counts,
+    preset,
+)
 from plait.plan.report import format_plan, size, to_json
 from plait.plan.search import AC_SEARCHED, Candidate, PlanError, describe, plan
 from plait.plan.spec import LAYOUT_DIMS, DeviceSpec, ModelSpec, Workload
@@ -40,6 +50,7 @@ examples:
   plait plan --hf-config config.json --gpus 64 --device h200
   plait plan --n-layer 4 --d-model 128 --gpus 4 --device cpu
   plait plan --n-layer 32 --n-head 32 --d-model 4096 --seq-len 4096 --gpus 1024 --dry-run
+  plait plan --n-layer 16 --d-model 2048 --n-head 16 --experts 64 --top-k 4 --gpus 64
 """
 
 
@@ -63,6 +74,21 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
             default=default,
             help=f"plait's GPT: {what} (default: {default})",
         )
+    moe = p.add_argument_group(
+        "mixture of experts (plait train's flags; --experts 0: dense; with --preset or "
+        "--hf-config, replaces the MLP of every block after --dense-layers)"
+    )
+    moe.add_argument("--experts", type=int, help="routed experts per MoE block")
+    moe.add_argument("--top-k", type=int, help="experts each token goes to (default: 2)")
+    moe.add_argument("--shared-experts", type=int, help="experts every token goes through")
+    moe.add_argument(
+        "--expert-hidden",
+        type=int,
+        help="each expert's hidden width (default: the MLP's width / (top-k + shared))",
+    )
+    moe.add_argument(
+        "--dense-layers", type=int, help="leading blocks that keep a dense MLP (default: 0)"
+    )
     work = p.add_argument_group("work")
     work.add_argument(
         "--seq-len",
@@ -111,6 +137,9 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
     layout = p.add_argument_group("layout (plait train's flags; given ones are fixed)")
     for name in (*LAYOUT_DIMS, "stages_per_rank", "microbatches"):
         layout.add_argument(flag(name), type=int)
+    layout.add_argument(
+        flag(EP), type=int, help="expert-parallel ranks, taken from dp_shard (with --experts)"
+    )
     layout.add_argument("--schedule", help="a pipeline schedule (default: all searched)")
     layout.add_argument("--ac", choices=AC_SEARCHED)
     layout.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction)
@@ -128,12 +157,60 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
     return p
 
 
+_MOE_FLAGS = ("experts", "top_k", "shared_experts", "expert_hidden", "dense_layers")
+
+
 def _model(args: argparse.Namespace, seq_len: int) -> ModelSpec:
-    if args.preset:
-        return preset(args.preset)
-    if args.hf_config:
-        return from_hf_config(args.hf_config)
-    return gpt(args.n_layer, args.n_head, args.d_model, seq_len)
+    """The model the flags describe; ValueError for MoE flags that do not fit it."""
+    moe = {name: getattr(args, name) for name in _MOE_FLAGS if getattr(args, name) is not None}
+    for name, value in moe.items():
+        least = 1 if name in ("top_k", "expert_hidden") else 0
+        if value < least:
+            raise PlanError(f"{flag(name)} {value}: must be at least {least}")
+    if args.preset or args.hf_config:
+        base = preset(args.preset) if args.preset else from_hf_config(args.hf_config)
+    elif moe.get("dense_layers"):
+        raise PlanError(
+            "--dense-layers: plait's GPT has MoE blocks only; use --preset or --hf-config"
+        )
+    else:
+        return _gpt(args, seq_len, moe)
+    if not moe:
+        return base
+    if moe.get("experts") == 0 and not any(moe.get(n) for n in ("shared_experts", "dense_layers")):
+        return dataclasses.replace(base, experts=0, dense_layers=0)  # --experts 0: dense
+    if not moe.get("experts", base.experts):
+        raise PlanError(f"{', '.join(flag(n) for n in moe)}: a dense model; add --experts")
+    top_k = moe.get("top_k", base.top_k if base.experts else 2)
+    shared = moe.get("shared_experts", base.shared_experts)
+    default_hidden = base.expert_hidden or expert_hidden_default(base.ffn_hidden, top_k, shared)
+    fields = {
+        "experts": moe.get("experts", base.experts),
+        "top_k": top_k,
+        "shared_experts": shared,
+        "expert_hidden": moe.get("expert_hidden", default_hidden),
+        "dense_layers": moe.get("dense_layers", base.dense_layers),
+    }
+    return dataclasses.replace(base, name=f"{base.name}-moe{fields['experts']}", **fields)
+
+
+def _gpt(args: argparse.Namespace, seq_len: int, moe: dict[str, int]) -> ModelSpec:
+    """plait's GPT from the flags (dense without --experts; plait train's MoE defaults)."""
+    if not moe.get("experts"):
+        others = [flag(name) for name in moe if name != "experts" and moe[name]]
+        if others:
+            raise PlanError(f"{', '.join(others)}: a dense model; add --experts")
+        return gpt(args.n_layer, args.n_head, args.d_model, seq_len)
+    return gpt(
+        args.n_layer,
+        args.n_head,
+        args.d_model,
+        seq_len,
+        experts=moe["experts"],
+        top_k=moe.get("top_k", DEFAULTS.top_k),
+        shared_experts=moe.get("shared_experts", DEFAULTS.shared_experts),
+        expert_hidden=moe.get("expert_hidden", DEFAULTS.expert_hidden),
+    )
 
 
 def _measured_cpu(gpus: int, model: ModelSpec, work: Workload, dev: DeviceSpec) -> DeviceSpec:
@@ -203,6 +280,10 @@ def _dry_run(args: argparse.Namespace, ranked: list[Candidate], work: Workload) 
     """``--dry-run``: measure the best layout without a pipeline (the dry run has none)."""
     if args.preset or args.hf_config:
         print("plait plan: error: --dry-run runs plait's GPT (--n-layer, ...)", file=sys.stderr)
+        return 2
+    moe = args.experts or args.ep not in (None, 1)
+    if moe:
+        print("plait plan: error: --dry-run does not run MoE models yet", file=sys.stderr)
         return 2
     candidates = [c for c in ranked if c.layout.pp == 1]
     if not candidates:

@@ -21,19 +21,44 @@ elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch)
   one exchange each way.
 * ``pp``: per microbatch and stage boundary, the activation forward and its gradient back
   (``n x d``, split by tp under sequence parallelism).
+
+Mixture-of-experts blocks (``E`` routed experts, ``k`` per token), with ``ep`` ranks taken
+from ``dp_shard`` (the experts' mesh is ``(pp, dp_replicate, efsdp, ep, tp)``,
+``efsdp = dp_shard / ep``):
+
+* ``ep``: per MoE block and microbatch, the forward dispatches the block's ``n k`` routed
+  rows of ``d`` to their experts' ranks and combines them back (two all-to-alls), backward
+  retraces both, and checkpointing's recompute (``--ac full`` or ``selective``: both rerun
+  the block's forward) repeats the forward's. A rank keeps the rows of its own experts:
+  with balanced routing ``1 / ep`` of them, so it sends ``n k d e (ep - 1) / ep`` bytes per
+  all-to-all. Each forward also exchanges the ``E`` row counts (int64) and all-reduces
+  them over the data-parallel ranks (the load): latency, no bandwidth to speak of.
+* ``efsdp``: with ``ep`` > 1 the experts are a parameter group of their own, gathered and
+  reduced over ``efsdp`` (their ``E / ep`` experts only) as the rest of the block is over
+  ``dp_shard``; with ``ep`` = 1 they are part of the block's ``dp_shard`` collectives.
+* ``dp_replicate``: the experts' shards join the all-reduce (``1 / dp_shard`` of all of
+  them, as of the dense parameters).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from plait.layout import DP_REPLICATE, DP_SHARD, MESH_DIMS, PP, TP
+from plait.layout import DP_REPLICATE, DP_SHARD, EFSDP, EP, MESH_DIMS, PP, TP
 from plait.plan.schedule import RankLoad
-from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params
+from plait.plan.shards import RankParams, compute_bytes, microbatch_tokens, moe_rows, rank_params
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 
-__all__ = ["Collective", "communication", "link_bandwidth", "ring"]
+__all__ = [
+    "Collective",
+    "all_to_all_bytes",
+    "all_to_all_passes",
+    "communication",
+    "link_bandwidth",
+    "ring",
+]
 
 
 @dataclass(frozen=True)
@@ -66,11 +91,38 @@ def _inner(layout: Layout, dim: str) -> int:
     return math.prod(getattr(layout, d) for d in inside)
 
 
-def link_bandwidth(dim: str, layout: Layout, device: DeviceSpec) -> float:
-    """Bandwidth per rank of ``dim``'s collectives: NVLink inside a node, else the network."""
+def _span(dim: str, layout: Layout) -> int:
+    """Consecutive ranks one group of ``dim`` spans (``ep`` and ``efsdp``: of the experts'
+    mesh, ``ep`` just outside ``tp``, ``efsdp`` outside ``ep``: as ``dp_shard``)."""
+    if dim == EP:
+        return layout.ep * layout.tp
+    if dim == EFSDP:
+        return layout.dp_shard * layout.tp
     size = getattr(layout, dim) if dim != PP else 2  # point-to-point: neighbours
-    span = size * _inner(layout, dim)
+    return size * _inner(layout, dim)
+
+
+def link_bandwidth(dim: str, layout: Layout, device: DeviceSpec) -> float:
+    """Bandwidth per rank of ``dim``'s collectives: NVLink inside a node, else the network
+    (an all-to-all whose ep group spans nodes runs at the network's rate)."""
+    span = _span(dim, layout)
     return device.intra_node_bw if span <= device.gpus_per_node else device.inter_node_bw
+
+
+def all_to_all_passes(layout: Layout) -> int:
+    """All-to-alls of routed rows per MoE block and microbatch: dispatch and combine in
+    forward, their reverse in backward, and the forward's again when checkpointing
+    recomputes the block."""
+    return 6 if layout.ac != "none" else 4
+
+
+def all_to_all_bytes(model: ModelSpec, layout: Layout, work: Workload) -> float:
+    """Bytes one rank sends in one all-to-all of one MoE block (module docstring): its
+    routed rows less the ``1 / ep`` that stay on it; 0 without expert parallelism."""
+    if layout.ep == 1:
+        return 0.0
+    share = (layout.ep - 1) / layout.ep
+    return moe_rows(model, layout, work) * model.d_model * compute_bytes(work) * share
 
 
 def tp_bytes_per_block(model: ModelSpec, layout: Layout, work: Workload) -> float:
@@ -78,6 +130,9 @@ def tp_bytes_per_block(model: ModelSpec, layout: Layout, work: Workload) -> floa
     n = microbatch_tokens(layout, work)
     e = compute_bytes(work)
     return 4 * ring("all_gather", layout.tp) * n * model.d_model * e  # 2 AG + 2 RS (or 2 AR)
+
+
+_Add = Callable[[str, str, float, int], None]
 
 
 def communication(
@@ -96,13 +151,27 @@ def communication(
     units = p.blocks + (1 if p.root else 0)
     if ds > 1:
         if layout.pp > 1:
-            gathers, block_gathers = 1, p.blocks
+            gathers, per_block = 1, 1
         else:
-            per_block = 2 if layout.reshard_after_forward else 1
-            gathers, block_gathers = m, m * per_block * p.blocks
-        gathered = (p.root * gathers + p.block * block_gathers) * e
-        add(DP_SHARD, "all_gather", gathered * ring("all_gather", ds), gathers + block_gathers)
-        add(DP_SHARD, "reduce_scatter", p.total * 4 * ring("reduce_scatter", ds), units)
+            gathers, per_block = m, m * (2 if layout.reshard_after_forward else 1)
+        # ep > 1: the experts are a group of their own, on efsdp; else part of the block's.
+        own = p.expert_total if layout.ep == 1 else 0.0
+        gathered = (
+            (p.root * gathers + (p.sharded_blocks + own) * per_block) * e * ring("all_gather", ds)
+        )
+        add(DP_SHARD, "all_gather", gathered, gathers + per_block * p.blocks)
+        reduced = (p.sharded_blocks + own + p.root) * 4 * ring("reduce_scatter", ds)
+        add(DP_SHARD, "reduce_scatter", reduced, units)
+        eg = layout.efsdp
+        if layout.ep > 1 and eg > 1:
+            experts = p.expert_total * per_block * e * ring("all_gather", eg)
+            add(EFSDP, "all_gather", experts, per_block * p.moe_blocks)
+            add(
+                EFSDP,
+                "reduce_scatter",
+                p.expert_total * 4 * ring("reduce_scatter", eg),
+                p.moe_blocks,
+            )
     if dr > 1:
         add(DP_REPLICATE, "all_reduce", p.total / ds * 4 * ring("all_reduce", dr), units)
     if tp > 1:
@@ -117,4 +186,23 @@ def communication(
         hop = microbatch_tokens(layout, work) * model.d_model / sp * e
         stages = layout.stages_per_rank
         add(PP, "send_recv", 2 * m * stages * hop, 2 * m * stages)
+    if p.moe_blocks:
+        _add_moe(add, model, layout, work, p)
     return out
+
+
+def _add_moe(add: _Add, model: ModelSpec, layout: Layout, work: Workload, p: RankParams) -> None:
+    """The expert-parallel exchanges and the load counts of ``p``'s MoE blocks."""
+    m = layout.microbatches
+    forwards = m * p.moe_blocks * (2 if layout.ac != "none" else 1)  # recompute included
+    if layout.ep > 1:
+        passes = all_to_all_passes(layout)
+        rows = all_to_all_bytes(model, layout, work) * passes * m * p.moe_blocks
+        add(EP, "all_to_all", rows, passes * m * p.moe_blocks)
+        # the row counts of each forward: E int64, all but 1 / ep of them sent
+        counts = model.experts * 8 * ring("all_gather", layout.ep)
+        add(EP, "all_to_all(counts)", counts * forwards, forwards)
+    if layout.dp > 1:  # the load: E int64 summed over the data-parallel ranks per forward
+        dim = DP_SHARD if layout.dp_shard > 1 else DP_REPLICATE
+        load = model.experts * 8 * ring("all_reduce", layout.dp) * forwards
+        add(dim, "all_reduce(load)", load, forwards)

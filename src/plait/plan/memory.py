@@ -43,6 +43,22 @@ parallelism saves the all-gathered input):
   ``2f/tp + d`` (SwiGLU) or ``f/tp + d``.
 * ``--ac full``: the block input ``d`` only.
 
+A mixture-of-experts block (``E`` experts, ``k`` per token, width ``h``, ``s`` shared):
+its attention saves as above; in place of the MLP, per token, the router's scores ``2E``
+(gate output and probabilities) and the shared experts' ``4 h s / tp``; per routed row
+(``k`` per token; tensor parallelism does not split them: every tp rank routes the whole
+sequence) the expert's input ``d``, its SwiGLU ``4h`` and its output ``d`` (kept for the
+routing weight). ``--ac selective`` keeps the matmul outputs: gate ``E``, per row ``2h +
+d``, shared ``2 h s / tp + d``. With expert parallelism the rows a rank saves are the
+ones its experts receive (``n k`` with balanced routing) and one all-to-all's send and
+receive buffers (``2 n k d``) are alive at a time (``extra["dispatch"]``).
+
+Memory per rank under expert parallelism (``ep`` ranks of ``dp_shard``, experts sharded
+over ``efsdp = dp_shard / ep``): parameters, gradients and optimizer states of the experts
+are ``1 / dp_shard`` of all of them, like the dense ones; the *unsharded* working set of a
+block holds only its ``E / ep`` experts, so ``ep`` shrinks ``unsharded``, the gradient
+staging (``buffers``) and the accumulated gradients, not the states.
+
 Not modelled: the allocator's fragmentation and caching, CUDA context and library
 workspaces (the search leaves headroom for them), dropout masks, attention's per-row
 statistics, the root unit's gradient staging at the very end of backward (when activations
@@ -52,23 +68,32 @@ are already freed), and the optimizer step's temporaries.
 from __future__ import annotations
 
 from plait.plan.schedule import PipelineShape, RankLoad, layout_shape
-from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params
+from plait.plan.shards import compute_bytes, microbatch_tokens, moe_rows, rank_params
 from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
 
 __all__ = ["activation_elems_per_token", "peak_memory", "predict_memory", "rank_memory"]
 
 
-def activation_elems_per_token(model: ModelSpec, layout: Layout, ac: str | None = None) -> float:
-    """Elements one block saves per token under ``ac`` (default: the layout's), per rank."""
+def activation_elems_per_token(
+    model: ModelSpec, layout: Layout, ac: str | None = None, *, moe: bool = False
+) -> float:
+    """Elements one block saves per token under ``ac`` (default: the layout's), per rank:
+    a dense block, or with ``moe`` a mixture-of-experts block (module docstring)."""
     d, f, tp = model.d_model, model.ffn_hidden, layout.tp
     k = model.kv_heads * (d // model.heads)
     norm = tp if layout.sequence_parallel and tp > 1 else 1
     mode = ac or layout.ac
+    h, shared, rows = model.expert_hidden, model.expert_hidden * model.shared_experts, model.top_k
     if mode == "none":
         mlp = (4 if model.gated else 2) * f / tp
+        if moe:
+            mlp = 2 * model.experts + 4 * shared / tp + rows * (2 * d + 4 * h)
         return 2 * d / norm + 2 * d + (d + 2 * k) / tp + d / tp + mlp
     if mode == "selective":
         mlp = (2 if model.gated else 1) * f / tp + d
+        if moe:
+            kept_shared = 2 * shared / tp + d if shared else 0.0
+            mlp = model.experts + kept_shared + rows * (2 * h + d)
         return d / norm + (d + 2 * k) / tp + d + mlp
     if mode == "full":
         return d / norm
@@ -92,17 +117,29 @@ def rank_memory(
 
     if ds > 1:
         gathered_blocks = load.layers if (pipelined or not layout.reshard_after_forward) else 2
-        unsharded = (p.root + min(gathered_blocks, load.layers) * p.block) * e
+        unsharded = (p.root + p.largest_blocks(gathered_blocks)) * e
     elif bf16:  # autocast's cache: a bf16 copy of every matrix, forward to backward
         head = model.vocab * model.d_model / tp if load.head else 0.0
-        unsharded = (load.layers * p.block_matmul + head) * 2
+        # Not of the routed experts: they multiply slices of their stacked weights, which
+        # autocast does not cache (it caches leaf parameters only).
+        moe_cached = p.moe_matmul - model.top_k * p.expert
+        matrices = p.dense_blocks * p.dense_matmul + p.moe_blocks * moe_cached
+        unsharded = (matrices + head) * 2
     else:
         unsharded = 0.0
 
-    per_token = activation_elems_per_token(model, layout)
     norm_part = model.d_model / (tp if sp else 1) * (1 if layout.ac != "none" else 2)
-    block_bytes = (per_token - norm_part) * e + norm_part * e_res
-    per_microbatch = n * block_bytes * load.stage_layers  # one stage, one microbatch
+
+    def saved_bytes(moe: bool) -> float:  # one block, one token
+        per_token = activation_elems_per_token(model, layout, moe=moe)
+        return (per_token - norm_part) * e + norm_part * e_res
+
+    # The stage's dense blocks and MoE blocks (the dense ones lead: see shards.py).
+    stage_dense = min(p.dense_blocks, load.stage_layers)
+    kinds = [(False, stage_dense), (True, load.stage_layers - stage_dense)]
+    kinds = [(moe, count) for moe, count in kinds if count]
+    per_microbatch = n * sum(saved_bytes(moe) * count for moe, count in kinds)
+    block_bytes = max(saved_bytes(moe) for moe, _ in kinds)  # the largest block
     if pipelined and not load.head:
         # A stage's output is the root its backward starts from: kept until then.
         per_microbatch += n * model.d_model / (tp if sp else 1) * e_res
@@ -114,11 +151,11 @@ def rank_memory(
         extra["logits"] = n * v * (4 * max(load.head_in_flight, 1) + e + 4)
         extra["logits"] += n * model.d_model * (e_res / (tp if sp else 1) + e)  # ln_f, head in
     if layout.ac != "none":
-        full = activation_elems_per_token(model, layout, "none")
+        full = max(activation_elems_per_token(model, layout, "none", moe=m) for m, _ in kinds)
         extra["recompute"] = n * full * e
     accumulating = pipelined or layout.microbatches > 1
     if ds > 1 and accumulating:
-        extra["accumulated_grads"] = p.total * 4
+        extra["accumulated_grads"] = p.gathered * 4  # of the rank's ep shard of experts
 
     buffers = p.block * (e + 4) if ds > 1 else 0.0
     grads = 4 * sharded
@@ -137,7 +174,11 @@ def rank_memory(
     one_block = n * block_bytes  # one block's saved activations, one microbatch
     # Inside a block's backward, gradients of activations: the output's (whole sequence
     # once tensor parallelism gathered it) and the MLP's hidden one.
-    flowing = n * (model.d_model + model.ffn_hidden / tp) * e
+    hidden = model.ffn_hidden / tp
+    if p.moe_blocks:  # the routed rows' gradients and their experts' hidden ones
+        routed = model.top_k * (model.d_model + model.expert_hidden)
+        hidden = max(hidden, routed + model.expert_hidden * model.shared_experts / tp)
+    flowing = n * (model.d_model + hidden) * e
     after = per_microbatch * load.in_flight_after_backward
     moments = (
         activations + logits,
@@ -154,6 +195,8 @@ def rank_memory(
     extra["not_at_peak"] = max(moments) - counted
     if pipelined:  # send / receive buffers live through the whole step
         buffers += 2 * n * model.d_model / (tp if sp else 1) * e
+    if p.moe_blocks and layout.ep > 1:  # one all-to-all's send and receive buffers
+        extra["dispatch"] = 2 * moe_rows(model, layout, work) * model.d_model * e
     return MemoryBreakdown(
         params=4 * sharded,
         grads=grads,

@@ -10,10 +10,19 @@ FLOPs follow the usual convention (PaLM, Megatron, torchtitan): a training token
 ``6 N`` for the matrix multiplications of the ``N`` non-embedding parameters (the head
 included, tied or not) plus ``12 L d T`` for attention scores and values (``L`` layers,
 attention width ``d``, sequence ``T``; causal masking not discounted). MFU uses this count.
+For a mixture of experts ``N`` is the *active* count: a token goes through its ``top_k``
+routed experts, the shared ones and the router, not through all experts.
+
+A mixture-of-experts block (``plait.experts.MoE`` in place of the MLP) is counted in three
+parts: what tensor parallelism splits (attention, the shared experts), what it replicates
+(norms, the attention's row-wise bias, the router's gate: plait's recipe leaves the router
+and the routed experts whole on every tp rank) and the routed experts, which expert
+parallelism splits instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +35,7 @@ __all__ = [
     "PRESETS",
     "ParamCounts",
     "attention_flops_per_token",
+    "expert_hidden_default",
     "flops_per_token",
     "from_hf_config",
     "gpt",
@@ -48,15 +58,46 @@ def preset(name: str) -> ModelSpec:
     return PRESETS[name.lower()]
 
 
+def expert_hidden_default(ffn_hidden: int, top_k: int, shared_experts: int) -> int:
+    """Each expert's width when not given: as many active MLP weights per token as the dense
+    MLP of width ``ffn_hidden`` (``plait train``'s rule, ``GPTConfig.d_expert``)."""
+    return max(1, ffn_hidden // (top_k + shared_experts))
+
+
 def gpt(
-    n_layer: int, n_head: int, d_model: int, seq_len: int, vocab: int = 256, tied: bool = False
+    n_layer: int,
+    n_head: int,
+    d_model: int,
+    seq_len: int,
+    vocab: int = 256,
+    tied: bool = False,
+    *,
+    experts: int = 0,
+    top_k: int = 2,
+    shared_experts: int = 0,
+    expert_hidden: int = 0,
 ) -> ModelSpec:
     """plait's GPT (:mod:`plait.train.model`) from ``plait train``'s flags: GELU MLP of
-    width ``4 d_model``, biased linears, LayerNorm, learned positions, byte vocabulary."""
+    width ``4 d_model``, biased linears, LayerNorm, learned positions, byte vocabulary.
+    With ``experts`` > 0 every block's MLP is a mixture of experts as ``plait train
+    --experts`` builds it (``expert_hidden`` 0: :func:`expert_hidden_default`)."""
     if n_head < 1 or d_model % n_head:
         raise ValueError(f"--d-model {d_model} must be a positive multiple of --n-head {n_head}")
+    moe: dict[str, int] = {}
+    name = f"gpt-{n_layer}x{d_model}"
+    if experts:
+        hidden = expert_hidden or expert_hidden_default(4 * d_model, top_k, shared_experts)
+        moe = {
+            "experts": experts,
+            "top_k": top_k,
+            "shared_experts": shared_experts,
+            "expert_hidden": hidden,
+        }
+        name += f"-moe{experts}x{hidden}-top{top_k}" + (
+            f"+{shared_experts}" if shared_experts else ""
+        )
     return ModelSpec(
-        name=f"gpt-{n_layer}x{d_model}",
+        name=name,
         layers=n_layer,
         d_model=d_model,
         heads=n_head,
@@ -68,6 +109,7 @@ def gpt(
         bias=True,
         norm_bias=True,
         positions=seq_len,
+        **moe,
     )
 
 
@@ -85,7 +127,9 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
 
     Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads`` (default: no grouped-query attention), ``intermediate_size``,
-    ``vocab_size`` and ``tie_word_embeddings`` (default false). ValueError names a missing key.
+    ``vocab_size`` and ``tie_word_embeddings`` (default false), and the routed experts of a
+    mixture of experts where the config has them (:func:`_hf_moe`; attention is read as
+    Llama's, so DeepSeek's latent attention is not exact). ValueError names a missing key.
     """
     if isinstance(config, Mapping):
         values, name = dict(config), str(config.get("_name_or_path", "hf-config"))
@@ -105,7 +149,7 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
             f"{', '.join(_HF_KEYS.values())}"
         )
     n = {field: int(values[key]) for field, key in _HF_KEYS.items()}
-    return ModelSpec(
+    spec = ModelSpec(
         name=name,
         layers=n["layers"],
         d_model=n["d_model"],
@@ -115,11 +159,42 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
         vocab=n["vocab"],
         tied=bool(values.get("tie_word_embeddings", False)),
     )
+    return dataclasses.replace(spec, **_hf_moe(values, n["ffn_hidden"]))
+
+
+def _hf_moe(values: Mapping[str, Any], ffn_hidden: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json, when it has routed experts: Mixtral's
+    ``num_local_experts`` (experts as wide as ``intermediate_size``), Qwen-MoE's
+    ``num_experts`` / DeepSeek's ``n_routed_experts`` with ``moe_intermediate_size``,
+    ``num_experts_per_tok``, DeepSeek's ``n_shared_experts`` and ``first_k_dense_replace``."""
+    experts = next(
+        (
+            int(values[k])
+            for k in ("num_local_experts", "n_routed_experts", "num_experts")
+            if values.get(k)
+        ),
+        0,
+    )
+    if not experts:
+        return {}
+    return {
+        "experts": experts,
+        "top_k": int(values.get("num_experts_per_tok") or 1),
+        "shared_experts": int(values.get("n_shared_experts") or 0),
+        "expert_hidden": int(values.get("moe_intermediate_size") or ffn_hidden),
+        "dense_layers": int(values.get("first_k_dense_replace") or 0),
+    }
 
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameter counts by how plait's recipe treats them (numbers of elements)."""
+    """Parameter counts by how plait's recipe treats them (numbers of elements).
+
+    ``block_*``: a block with a dense MLP; ``moe_*``: a mixture-of-experts block without
+    its routed experts; ``expert``: one routed expert (``experts`` of them per MoE block,
+    ``top_k`` active per token); blocks from ``dense_layers`` on are MoE blocks when
+    ``experts`` > 0.
+    """
 
     block_split: int  # one block's matrices (and column-wise biases): split by tp
     block_replicated: int  # one block's norms and row-wise output biases: whole on every tp rank
@@ -127,10 +202,46 @@ class ParamCounts:
     positions: int  # learned positions (split by position under sequence parallelism)
     final_norm: int
     head: int  # 0 when tied to the embedding
+    moe_split: int = 0  # attention and shared experts (their matrices, column-wise biases)
+    moe_replicated: int = 0  # norms, row-wise bias, the router's gate
+    router: int = 0  # of moe_replicated: the gate (d_model x experts), a matrix
+    expert: int = 0  # one routed expert's three matrices
+    experts: int = 0
+    top_k: int = 0
+    dense_layers: int = 0
+
+    def split_layers(self, layers: int) -> tuple[int, int]:
+        """``(dense, moe)`` blocks among the first ``layers``."""
+        if not self.experts:
+            return layers, 0
+        dense = min(self.dense_layers, layers)
+        return dense, layers - dense
+
+    @property
+    def moe_block(self) -> int:
+        """One MoE block, all its routed experts included."""
+        return self.moe_split + self.moe_replicated + self.experts * self.expert
 
     def total(self, layers: int) -> int:
+        """All parameters of a model of the first ``layers`` blocks."""
+        dense, moe = self.split_layers(layers)
         block = self.block_split + self.block_replicated
-        return layers * block + self.embedding + self.positions + self.final_norm + self.head
+        root = self.embedding + self.positions + self.final_norm + self.head
+        return dense * block + moe * self.moe_block + root
+
+    def active(self, layers: int) -> int:
+        """Parameters one token goes through (its ``top_k`` routed experts of each MoE
+        block, not all of them); :meth:`total` for a dense model."""
+        _, moe = self.split_layers(layers)
+        return self.total(layers) - moe * (self.experts - self.top_k) * self.expert
+
+    def matmul_per_token(self, layers: int) -> int:
+        """Matrix elements a token multiplies in ``layers`` blocks (the ``N`` of ``6 N``
+        without the head): tp-split matrices, the router and ``top_k`` experts."""
+        dense, moe = self.split_layers(layers)
+        return dense * self.block_split + moe * (
+            self.moe_split + self.router + self.top_k * self.expert
+        )
 
 
 def param_counts(m: ModelSpec) -> ParamCounts:
@@ -142,6 +253,21 @@ def param_counts(m: ModelSpec) -> ParamCounts:
     split_bias = (d + 2 * kv + f) if m.bias else 0  # q, k, v and the first MLP linear
     replicated_bias = 2 * d if m.bias else 0  # the two row-wise output projections
     norm = d * (2 if m.norm_bias else 1)
+    moe: dict[str, int] = {}
+    if m.experts:
+        # plait.experts: a bias-free gate and bias-free SwiGLU experts (shared ones: one
+        # SwiGLU as wide as all of them); the attention keeps its biases.
+        h = m.expert_hidden
+        attn_bias = (d + 2 * kv) if m.bias else 0
+        moe = {
+            "moe_split": attn + attn_bias + 3 * d * h * m.shared_experts,
+            "moe_replicated": (d if m.bias else 0) + 2 * norm + d * m.experts,
+            "router": d * m.experts,
+            "expert": 3 * d * h,
+            "experts": m.experts,
+            "top_k": m.top_k,
+            "dense_layers": m.dense_layers,
+        }
     return ParamCounts(
         block_split=attn + mlp + split_bias,
         block_replicated=replicated_bias + 2 * norm,
@@ -149,6 +275,7 @@ def param_counts(m: ModelSpec) -> ParamCounts:
         positions=m.positions * d,
         final_norm=norm,
         head=0 if m.tied else m.vocab * d,
+        **moe,
     )
 
 
@@ -158,7 +285,8 @@ def attention_flops_per_token(m: ModelSpec, seq_len: int) -> float:
 
 
 def flops_per_token(m: ModelSpec, seq_len: int) -> float:
-    """Training FLOPs per token (module docstring): ``6 N + 12 L d T``."""
+    """Training FLOPs per token (module docstring): ``6 N + 12 L d T``, ``N`` the active
+    matrices."""
     c = param_counts(m)
-    matmul = m.layers * c.block_split + m.vocab * m.d_model  # the head, tied or not
+    matmul = c.matmul_per_token(m.layers) + m.vocab * m.d_model  # the head, tied or not
     return 6.0 * matmul + 3 * m.layers * attention_flops_per_token(m, seq_len)

@@ -1,17 +1,28 @@
 """How a plan is shown: a table of the best layouts, the command lines that launch the
-best one, and a JSON form for programs (sizes in bytes, times in seconds)."""
+best one, and a JSON form for programs (sizes in bytes, times in seconds). For a mixture
+of experts the header gives total and active parameters and the table the bytes each rank
+sends per step in expert parallelism's all-to-alls."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from plait.layout import flag
+from plait.layout import EP, flag
+from plait.plan.comm import Collective
 from plait.plan.models import flops_per_token, param_counts
 from plait.plan.search import Candidate, describe
 from plait.plan.spec import LAYOUT_DIMS, DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
 
-__all__ = ["format_plan", "memory_parts", "size", "to_json", "torchrun_command", "train_command"]
+__all__ = [
+    "all_to_all_per_step",
+    "format_plan",
+    "memory_parts",
+    "size",
+    "to_json",
+    "torchrun_command",
+    "train_command",
+]
 
 _GIB = 2.0**30
 
@@ -38,12 +49,27 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def all_to_all_per_step(collectives: tuple[Collective, ...]) -> float:
+    """Bytes one rank sends per step in expert parallelism's all-to-alls of routed rows."""
+    return sum(k.bytes for k in collectives if k.dim == EP and k.op == "all_to_all")
+
+
 def _model_flags(model: ModelSpec) -> list[str]:
-    return [f"--n-layer {model.layers}", f"--n-head {model.heads}", f"--d-model {model.d_model}"]
+    flags = [f"--n-layer {model.layers}", f"--n-head {model.heads}", f"--d-model {model.d_model}"]
+    if model.experts:
+        flags += [
+            f"--experts {model.experts}",
+            f"--top-k {model.top_k}",
+            f"--shared-experts {model.shared_experts}",
+            f"--expert-hidden {model.expert_hidden}",
+        ]
+    return flags
 
 
 def _layout_flags(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
     flags = [f"{flag(name)} {getattr(layout, name)}" for name in LAYOUT_DIMS]
+    if layout.ep > 1:
+        flags.append(f"--ep {layout.ep}")
     if layout.pp > 1:
         flags += [f"--schedule {layout.schedule}", f"--stages-per-rank {layout.stages_per_rank}"]
     flags += [
@@ -101,6 +127,7 @@ def to_json(c: Candidate, model: ModelSpec, work: Workload, device: DeviceSpec) 
         "exposed_comm_s": c.timing.exposed_comm,
         "tokens_per_s_per_device": c.timing.tokens_per_s_per_device,
         "mfu": c.timing.mfu,
+        "all_to_all_bytes_per_step": all_to_all_per_step(c.timing.collectives),
         "command": train_command(c.layout, model, work, device),
         "torchrun": torchrun_command(c.layout, model, work, device),
     }
@@ -110,15 +137,30 @@ def format_plan(
     candidates: list[Candidate], model: ModelSpec, work: Workload, device: DeviceSpec, gpus: int
 ) -> str:
     """The header, a table of ``candidates`` (best first) and the best one's commands."""
-    params = param_counts(model).total(model.layers)
+    counts = param_counts(model)
+    params = _count(counts.total(model.layers))
+    if model.experts:
+        moe = f"{model.experts} experts, top-{model.top_k}"
+        moe += f" + {model.shared_experts} shared" if model.shared_experts else ""
+        moe += f", {model.dense_layers} dense layers" if model.dense_layers else ""
+        params += f" ({_count(counts.active(model.layers))} active; {moe})"
     lines = [
-        f"{model.name}: {_count(params)} parameters, {flops_per_token(model, work.seq_len):.3g} "
+        f"{model.name}: {params} parameters, {flops_per_token(model, work.seq_len):.3g} "
         f"FLOPs/token; {work.global_batch} x {work.seq_len} tokens per step, {work.precision}; "
         f"{gpus} x {device.name} ({device.memory / _GIB:.0f} GiB, {device.gpus_per_node} per node)",
         "",
     ]
-    head = ("#", "layout", "peak memory", "step s", "tokens/s/dev", "MFU", "bubble", "exposed s")
-    rows = [
+    head: tuple[str, ...] = (
+        "#",
+        "layout",
+        "peak memory",
+        "step s",
+        "tokens/s/dev",
+        "MFU",
+        "bubble",
+        "exposed s",
+    )
+    rows: list[tuple[str, ...]] = [
         (
             str(i),
             describe(c.layout),
@@ -131,6 +173,12 @@ def format_plan(
         )
         for i, c in enumerate(candidates, 1)
     ]
+    if model.experts:  # expert parallelism's all-to-alls, per rank and step
+        head += ("all-to-all/step",)
+        rows = [
+            (*row, size(all_to_all_per_step(c.timing.collectives)))
+            for row, c in zip(rows, candidates, strict=True)
+        ]
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
     for row in [head, *rows]:
         cells = [row[1].ljust(widths[1])] + [
@@ -146,7 +194,7 @@ def format_plan(
         "  " + train_command(best.layout, model, work, device),
         "  " + torchrun_command(best.layout, model, work, device),
     ]
-    if model.gated or model.kv_heads != model.heads:
+    if model.gated or model.kv_heads != model.heads or model.dense_layers:
         lines.append(
             f"  (plait train builds its GPT; {model.name}'s exact blocks need your own model "
             "with the same layout flags)"

@@ -8,8 +8,10 @@ dividing the heads, widths and vocabulary, and the sequence under sequence paral
 on); for pipelines every schedule with a few microbatch counts
 (the fewest the schedule takes, then doubling up to one sequence per microbatch); without
 one, gradient accumulation over a few microbatch counts; checkpointing none / selective /
-full; ``reshard_after_forward`` both ways under ``fully_shard``. Fixed flags pin their
-field. A layout fits when its peak rank's memory is at most ``memory_fraction`` of the
+full; ``reshard_after_forward`` both ways under ``fully_shard``; for a model with routed
+experts, every expert-parallel size ``ep`` that divides both ``dp_shard`` and the experts
+(``ep`` takes its ranks from ``dp_shard``: :func:`plait.layout.check_ep`). Fixed flags pin
+their field. A layout fits when its peak rank's memory is at most ``memory_fraction`` of the
 device's (the rest: allocator, CUDA context, workspaces). Memory is predicted first and
 timing only for what fits, and the pipeline's figures are closed-form where exact and
 cached (:mod:`plait.plan.schedule`), so 10,240 devices take about a second.
@@ -18,11 +20,14 @@ cached (:mod:`plait.plan.schedule`), so 10,240 devices take about a second.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from plait.layout import (
+    DP_SHARD,
+    EP,
     LAYOUT_FIELDS,
     PP,
     TP,
@@ -32,6 +37,7 @@ from plait.layout import (
     World,
     check,
     check_batch,
+    check_ep,
     check_microbatches,
     check_schedule,
     check_sizes,
@@ -72,9 +78,18 @@ class Candidate:
 
 
 def model_shape(model: ModelSpec, work: Workload) -> ModelShape:
-    """What the layout rules need of ``model`` running ``work``."""
+    """What the layout rules need of ``model`` running ``work``.
+
+    The MLP width tensor parallelism must divide: a MoE block's is its shared experts'
+    (its routed experts are split by ``ep``, not ``tp``; without shared experts none, as
+    ``plait train`` states it), the dense blocks' as well when there are some."""
     m = model
-    return ModelShape(m.layers, m.heads, m.kv_heads, m.d_model, m.ffn_hidden, m.vocab, work.seq_len)
+    ffn = m.ffn_hidden
+    if m.experts:
+        shared = m.expert_hidden * m.shared_experts or m.d_model
+        ffn = math.gcd(shared, m.ffn_hidden) if m.dense_layers else shared
+    shape = (m.layers, m.heads, m.kv_heads, m.d_model, ffn, m.vocab, work.seq_len)
+    return ModelShape(*shape, experts=m.experts)
 
 
 def evaluate(
@@ -146,7 +161,16 @@ def _layouts(
         # What every variant of this grid shares: a grid that breaks it is skipped whole.
         if check_tp(shape, base.tp, sp) or check_batch(work.global_batch, base):
             continue
-        yield from _variants(shape, work, world, base, pinned)
+        for ep in _ep_options(shape, base.dp_shard, pinned):
+            yield from _variants(shape, work, world, dataclasses.replace(base, ep=ep), pinned)
+
+
+def _ep_options(shape: ModelShape, dp_shard: int, pinned: _Pinned) -> list[int]:
+    """Expert-parallel sizes to try on a grid of ``dp_shard``: the fixed one, else every
+    divisor of ``dp_shard`` that divides the experts (1 for a dense model)."""
+    if pinned.given(EP):
+        return [pinned.layout.ep]
+    return [d for d in range(1, dp_shard + 1) if not check_ep(shape, d, dp_shard)]
 
 
 def _variants(
@@ -191,7 +215,9 @@ def _options(layout: Layout, pinned: _Pinned) -> Iterator[Layout]:
 
 def _check_pinned(model: ModelSpec, shape: ModelShape, world: World, pinned: _Pinned) -> None:
     """PlanError for fixed fields no layout can have."""
-    counts = {name: getattr(pinned.layout, name) for name in ("stages_per_rank", "microbatches")}
+    counts = {
+        name: getattr(pinned.layout, name) for name in ("stages_per_rank", "microbatches", EP)
+    }
     sizes = {**pinned.sizes, **{k: v for k, v in counts.items() if pinned.given(k)}}
     _refuse(check_sizes({"gpus": world.size, **sizes}) or check_world(pinned.sizes, world))
     if pinned.given(TP):
@@ -208,6 +234,28 @@ def _check_pinned(model: ModelSpec, shape: ModelShape, world: World, pinned: _Pi
         _refuse(check_schedule(SCHEDULES, pinned.layout.schedule))
     if pinned.given(PP):
         _refuse(_pipeline_reasons(shape, pinned))
+    if pinned.given(EP):
+        _refuse(_ep_reasons(shape, world, pinned))
+
+
+def _ep_reasons(shape: ModelShape, world: World, pinned: _Pinned) -> list[Reason]:
+    """What rules out a fixed ``ep``: the experts it must split, and the ``dp_shard`` it
+    takes its ranks from (fixed, or at most what the devices leave)."""
+    ep = pinned.layout.ep
+    if pinned.given(DP_SHARD):
+        return check_ep(shape, ep, pinned.layout.dp_shard)
+    others = math.prod(size or 1 for d, size in pinned.sizes.items() if d != DP_SHARD)
+    room = world.size // others if world.size % others == 0 else world.size
+    reasons = check_ep(shape, ep, room)
+    if shape.experts and shape.experts % ep == 0 and room % ep:
+        # Not check_ep's message: dp_shard is searched, there is no --dp-shard to change.
+        message = (
+            f"--ep {ep} takes its ranks from dp_shard, but the {world.size} devices leave "
+            f"dp_shard {room} (or a divisor of it), not a multiple of {ep}: use an --ep "
+            f"that divides {room}"
+        )
+        reasons = [Reason(EP, message)]
+    return reasons
 
 
 def _pipeline_reasons(shape: ModelShape, pinned: _Pinned) -> list[Reason]:
@@ -294,6 +342,8 @@ def plan(
 def describe(layout: Layout) -> str:
     """A one-line summary of ``layout``, e.g. ``dp_shard=128 tp=8 ac=selective``."""
     parts = [f"{name}={size}" for name, size in layout.sizes.items() if size > 1]
+    if layout.ep > 1:
+        parts.append(f"ep={layout.ep}")
     if layout.pp > 1:
         parts.append(f"{layout.schedule}x{layout.stages_per_rank}")
     if layout.microbatches > 1:

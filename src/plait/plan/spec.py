@@ -25,6 +25,14 @@ class ModelSpec:
     rather than two (GPT); ``kv_heads``: grouped-query attention (``heads`` for none);
     ``tied``: the head shares the embedding's weight; ``bias`` / ``norm_bias``: linear and
     norm layers have biases (GPT: LayerNorm and biased linears; Llama: RMSNorm, none).
+
+    Mixture of experts (``experts`` > 0, plait's ``plait.experts.MoE``): every block after
+    the first ``dense_layers`` replaces its MLP by a router (a bias-free ``d_model x
+    experts`` gate), ``experts`` routed SwiGLU experts of width ``expert_hidden`` (each
+    token goes to ``top_k`` of them, dropless) and ``shared_experts`` shared ones (one
+    SwiGLU of width ``expert_hidden x shared_experts`` every token goes through). The
+    leading dense blocks keep the MLP of ``ffn_hidden`` / ``gated``. Without experts the
+    other MoE fields are ignored.
     """
 
     name: str
@@ -39,6 +47,32 @@ class ModelSpec:
     bias: bool = False
     norm_bias: bool = False
     positions: int = 0  # rows of a learned position embedding (plait's GPT: seq_len), else 0
+    experts: int = 0  # routed experts per MoE block; 0: a dense model
+    top_k: int = 1
+    shared_experts: int = 0
+    expert_hidden: int = 0
+    dense_layers: int = 0  # leading blocks with a dense MLP (DeepSeek-V3: 3)
+
+    def __post_init__(self) -> None:
+        if self.experts < 0 or self.shared_experts < 0 or self.dense_layers < 0:
+            raise ValueError(f"{self.name}: experts, shared experts and dense layers must be >= 0")
+        if self.experts:
+            if not 1 <= self.top_k <= self.experts:
+                raise ValueError(
+                    f"{self.name}: --top-k {self.top_k} must be in 1..--experts {self.experts}"
+                )
+            if self.expert_hidden < 1:
+                raise ValueError(f"{self.name}: --expert-hidden must be at least 1 with experts")
+            if self.dense_layers >= self.layers:
+                raise ValueError(
+                    f"{self.name}: --dense-layers {self.dense_layers} leaves no MoE block of "
+                    f"{self.layers}: use fewer than {self.layers}"
+                )
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts (0 for a dense model)."""
+        return self.layers - self.dense_layers if self.experts else 0
 
 
 @dataclass(frozen=True)

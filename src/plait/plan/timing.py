@@ -26,6 +26,16 @@ overlaps it:
   the cores to the others: the pipeline then takes the longer of its busiest rank's work
   without a bubble and the makespan run up to ``oversubscription`` times faster.
 
+**Mixture of experts.** A MoE block's compute is its attention, router and shared experts
+and, per token, its ``top_k`` experts (whole on every tp rank: plait's recipe does not
+split routed experts by tp). Its expert-parallel all-to-alls sit between the router and
+the experts and between the experts and the residual: nothing runs beside them, so they
+are exposed whole, like tensor parallelism's, per MoE block and microbatch: dispatch and
+combine in forward, both again in backward, and the forward's in a recompute; each
+forward also pays the latency of its row-count exchange and load all-reduce. The experts'
+all-gathers and reduce-scatters over ``efsdp`` run beside the block's own over
+``dp_shard``, overlapped as those are (their times add up per block).
+
 On a device whose communication shares the compute's cores (a measured CPU,
 :class:`~plait.plan.spec.DeviceSpec` with ``overlap=False``: gloo's threads run on
 the cores that compute), nothing is hidden: every collective's time adds to the compute,
@@ -58,8 +68,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.layout import DP_REPLICATE, DP_SHARD, PP, TP
-from plait.plan.comm import Collective, communication, link_bandwidth, ring, tp_bytes_per_block
+from plait.layout import DP_REPLICATE, DP_SHARD, EFSDP, EP, PP, TP
+from plait.plan.comm import (
+    Collective,
+    all_to_all_bytes,
+    communication,
+    link_bandwidth,
+    ring,
+    tp_bytes_per_block,
+)
 from plait.plan.devices import compute_peak
 from plait.plan.models import attention_flops_per_token, flops_per_token
 from plait.plan.schedule import PipelineShape, RankLoad
@@ -139,6 +156,14 @@ def _rank_times(
         t_tp = _seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
     passes = 2 if layout.ac != "none" else 1
     fwd, bwd = forward + t_tp, 2 * forward + recompute + passes * t_tp
+    if p.moe_blocks:  # exposed exchanges of the MoE blocks, spread over the rank's blocks
+        share = p.moe_blocks / p.blocks
+        one = _seconds(all_to_all_bytes(model, layout, work), EP, layout, device, 0)
+        latency = device.latency * ((3 if layout.ep > 1 else 0) + (1 if layout.dp > 1 else 0))
+        exchange = 2 * one + latency  # forward: counts, dispatch, combine (and the load)
+        back = 2 * one + (2 * device.latency if layout.ep > 1 else 0.0)
+        fwd += share * exchange
+        bwd += share * (back + (exchange if layout.ac != "none" else 0.0))
     head = n * 2 * model.vocab * model.d_model / tp / rate if load.head else 0.0
     ends = int(load.embedding) + int(load.head)
     head_f, head_b = head + ends * t_tp / 4, 2 * head + ends * t_tp / 4
@@ -147,27 +172,45 @@ def _rank_times(
     def dp(nbytes: float, dim: str, op: str, group: int) -> float:
         return _seconds(nbytes * ring(op, group), dim, layout, device, 1) if group > 1 else 0.0
 
-    def reduce(elems: float) -> float:  # reduce-scatter, then HSDP's / replicate's all-reduce
-        rs = dp(elems * 4, DP_SHARD, "reduce_scatter", ds)
-        return rs + dp(elems / ds * 4, DP_REPLICATE, "all_reduce", dr)
+    # With ep > 1 the routed experts are a group of their own over efsdp; else they join
+    # the block's group over dp_shard.
+    eg = layout.efsdp if layout.ep > 1 else ds
+
+    def groups(dense: float, experts: float) -> tuple[float, float]:
+        return (dense, experts) if layout.ep > 1 else (dense + experts, 0.0)
+
+    def gather(dense: float, experts: float = 0.0) -> float:
+        dense, experts = groups(dense, experts)
+        ag = dp(dense * e, DP_SHARD, "all_gather", ds)
+        return ag + (dp(experts * e, EFSDP, "all_gather", eg) if experts else 0.0)
+
+    def reduce(dense: float, experts: float = 0.0) -> float:
+        # reduce-scatters, then HSDP's / replicate's all-reduce of the shards
+        dense, experts = groups(dense, experts)
+        rs = dp(dense * 4, DP_SHARD, "reduce_scatter", ds)
+        rs += dp(experts * 4, EFSDP, "reduce_scatter", eg) if experts else 0.0
+        return rs + dp((dense / ds + experts / eg) * 4, DP_REPLICATE, "all_reduce", dr)
 
     host = _update_seconds(layout, device, p.total)
     if ds > 1:  # fully_shard's host work per unit (measured devices; else 0)
         host += m * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
+    held = (p.sharded_blocks + p.root, p.expert_total)  # gathered: dense part, experts
     if layout.pp > 1:
-        gather = dp(p.total * e, DP_SHARD, "all_gather", ds)
-        return _RankTimes(fwd, bwd, head_f, head_b, compute, 0.0, gather + reduce(p.total), host)
-    gather_block = dp(p.block * e, DP_SHARD, "all_gather", ds)
-    gather_root = dp(p.root * e, DP_SHARD, "all_gather", ds)
+        around = gather(*held) + reduce(*held)
+        return _RankTimes(fwd, bwd, head_f, head_b, compute, 0.0, around, host)
+    # Per block, the rank's average one (dense and MoE blocks alike).
+    block = (p.sharded_blocks / p.blocks, p.expert_total / p.blocks)
+    gather_block = gather(*block)
+    gather_root = gather(p.root)
     bwd_gather = gather_block if layout.reshard_after_forward else 0.0
     if not device.overlap:  # communication shares the cores: every second of it adds
         gathers = m * (gather_root + p.blocks * (gather_block + bwd_gather))
-        exposed = gathers + p.blocks * reduce(p.block) + reduce(p.root)
+        exposed = gathers + p.blocks * reduce(*block) + reduce(p.root)
         return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, host)
     uncovered = max(0.0, gather_block - fwd) * max(p.blocks - 1, 0)  # prefetch longer than compute
     exposed = m * (gather_root + gather_block + uncovered)
     exposed += (m - 1) * p.blocks * max(0.0, bwd_gather - bwd)  # microbatches without sync
-    exposed += p.blocks * max(0.0, bwd_gather + reduce(p.block) - bwd) + reduce(p.root)
+    exposed += p.blocks * max(0.0, bwd_gather + reduce(*block) - bwd) + reduce(p.root)
     return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, host)
 
 

@@ -7,12 +7,12 @@ import dataclasses
 
 from plait.plan.devices import device as device_preset
 from plait.plan.models import gpt
-from plait.plan.report import size
+from plait.plan.report import all_to_all_per_step, size
 from plait.plan.search import Candidate, describe, evaluate
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 from plait.train.config import TrainConfig
 
-__all__ = ["config_of_layout", "local_device", "plan_of_config", "plan_summary"]
+__all__ = ["config_of_layout", "local_device", "model_of_config", "plan_of_config", "plan_summary"]
 
 
 def local_device(kind: str) -> DeviceSpec:
@@ -29,10 +29,25 @@ def local_device(kind: str) -> DeviceSpec:
     return device_preset("h100")
 
 
+def model_of_config(cfg: TrainConfig) -> ModelSpec:
+    """The planner's description of the GPT ``plait train`` builds from ``cfg`` (its MoE
+    blocks included: same parameters as ``GPT(GPTConfig(...))``)."""
+    return gpt(
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.d_model,
+        cfg.seq_len,
+        experts=cfg.experts,
+        top_k=cfg.top_k,
+        shared_experts=cfg.shared_experts,
+        expert_hidden=cfg.expert_hidden,
+    )
+
+
 def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candidate:
     """Predict a resolved configuration (:func:`plait.train.layout.resolve`) on ``device``
     (default: :func:`local_device`). ValueError for ``--ac offload`` (not modelled)."""
-    model = gpt(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len)
+    model = model_of_config(cfg)
     layout = cfg.layout
     if cfg.ac not in ("none", "selective", "full"):
         raise ValueError(f"--plan: --ac {cfg.ac} is not modelled (none, selective, full are)")
@@ -43,9 +58,9 @@ def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candid
 def config_of_layout(model: ModelSpec, layout: Layout, work: Workload) -> TrainConfig:
     """The ``plait train`` configuration of ``layout`` for plait's GPT ``model`` (the
     inverse of :func:`plan_of_config`); ValueError for a model that is not plait's GPT."""
-    if model.gated or model.vocab != 256 or model.positions != work.seq_len:
+    if model.gated or model.vocab != 256 or model.positions != work.seq_len or model.dense_layers:
         raise ValueError(f"{model.name} is not plait's GPT: plait train cannot run it")
-    return TrainConfig(
+    cfg = TrainConfig(
         n_layer=model.layers,
         n_head=model.heads,
         d_model=model.d_model,
@@ -53,6 +68,15 @@ def config_of_layout(model: ModelSpec, layout: Layout, work: Workload) -> TrainC
         batch_size=work.global_batch,
         mp=work.precision,
         **dataclasses.asdict(layout),
+    )
+    if not model.experts:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        experts=model.experts,
+        top_k=model.top_k,
+        shared_experts=model.shared_experts,
+        expert_hidden=model.expert_hidden,
     )
 
 
@@ -76,6 +100,11 @@ def plan_summary(cfg: TrainConfig, device: DeviceSpec | None = None) -> str:
         f"  bubble {t.bubble:.1%}, step {t.step_time:.3g} s, "
         f"{t.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {t.mfu:.1%}",
     ]
+    if cfg.experts:
+        lines.append(
+            f"  experts: ep={c.layout.ep}, all-to-all {size(all_to_all_per_step(t.collectives))}"
+            " per rank per step"
+        )
     if not c.fits:
         lines.append(
             f"  warning: {size(m.total)} per rank will not fit in {dev.name}'s "

@@ -1,0 +1,207 @@
+"""The planner's model of mixture-of-experts blocks and expert parallelism (``plait plan
+--experts``, ``--ep``).
+
+* Parameter counts of plait's MoE GPT against ``GPT(GPTConfig(...))`` itself.
+* All-to-all bytes: the formula by hand, and against the rows a real 2-rank gloo run of
+  ``plait.experts`` sends to the other rank (routing made exactly balanced).
+* Memory: expert parallelism keeps the states' shards and shrinks the gathered working
+  set by the experts other ep ranks hold.
+* The search proposes only ``ep`` that divide both ``dp_shard`` and the experts; the
+  command line takes the MoE flags, prints all-to-all bytes and refuses a bad ``--ep``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from plait.checkpoint import checkpoint
+from plait.experts import MoE, expert_parallel
+from plait.plan import Layout, Workload, plan, predict_memory
+from plait.plan.cli import main
+from plait.plan.comm import all_to_all_bytes, all_to_all_passes
+from plait.plan.devices import device
+from plait.plan.models import from_hf_config, gpt, param_counts
+from plait.plan.train_plan import model_of_config, plan_of_config, plan_summary
+from plait.train.config import TrainConfig
+from plait.train.layout import resolve
+from plait.train.model import GPT, GPTConfig
+
+from harness import run_on_ranks
+
+MOE = {"experts": 4, "top_k": 2}
+
+
+@pytest.mark.parametrize(
+    "moe",
+    [MOE, {"experts": 4, "top_k": 1, "shared_experts": 1, "expert_hidden": 48}],
+)
+def test_moe_parameter_counts_match_the_real_module(moe: dict[str, int]) -> None:
+    cfg = TrainConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, **moe)
+    spec = model_of_config(cfg)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, **moe))
+    counts = param_counts(spec)
+    assert counts.total(spec.layers) == sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert routed == spec.layers * counts.experts * counts.expert
+    # a token goes through top_k of the experts of each block
+    unused = spec.layers * (counts.experts - counts.top_k) * counts.expert
+    assert counts.active(spec.layers) == counts.total(spec.layers) - unused
+
+
+def test_hf_config_reads_routed_experts() -> None:
+    mixtral = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 100,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
+    spec = from_hf_config(mixtral)
+    assert (spec.experts, spec.top_k, spec.expert_hidden, spec.dense_layers) == (8, 2, 96, 0)
+    c = param_counts(spec)
+    attn = 2 * 64 * 64 + 2 * 64 * 32  # q, o and the grouped k, v
+    block = attn + 2 * 64 + 64 * 8 + 8 * 3 * 64 * 96  # norms, router, experts
+    assert c.total(2) == 2 * block + 2 * 100 * 64 + 64
+
+
+def test_all_to_all_bytes_by_hand() -> None:
+    spec = gpt(2, 4, 64, 128, **MOE)  # expert width 4 x 64 / 2
+    work = Workload(seq_len=128, global_batch=8, precision="bf16")
+    layout = Layout(dp_shard=4, ep=2)
+    # 8 / 4 sequences of 128 tokens per rank, each token to 2 experts, half kept locally
+    assert all_to_all_bytes(spec, layout, work) == 2 * 128 * 2 * 64 * 2 * (1 / 2)
+    assert all_to_all_bytes(spec, Layout(dp_shard=4, ep=4), work) == 2 * 128 * 2 * 64 * 2 * 3 / 4
+    assert all_to_all_bytes(spec, Layout(dp_shard=4), work) == 0.0  # no ep: nothing moves
+    assert all_to_all_passes(layout) == 4  # dispatch, combine, and both in backward
+    assert all_to_all_passes(Layout(dp_shard=4, ep=2, ac="full")) == 6  # + the recompute
+
+
+DIM, HIDDEN, TOKENS = 8, 16, 32
+
+
+def _bytes_sent(ac: bool) -> tuple[float, int]:
+    """One forward and backward of a MoE on 2 ep ranks whose routing sends token ``t`` to
+    experts ``t % 4`` and ``(t + 1) % 4``: the float bytes each rank sends to the other."""
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    moe = MoE(DIM, HIDDEN, 4, 2)
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[:, :4] = torch.eye(4)
+    expert_parallel(moe, mesh["ep"])
+    layer = checkpoint(moe) if ac else moe
+    t = torch.arange(TOKENS)
+    x = torch.zeros(TOKENS, DIM)
+    x[t, t % 4] = 2.0
+    x[t, (t + 1) % 4] = 1.0
+    x.requires_grad_()
+    sent: list[float] = []
+    original = dist.all_to_all_single
+
+    def spy(out: torch.Tensor, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        splits = kwargs.get("input_split_sizes")
+        if inp.is_floating_point() and splits is not None:
+            me = dist.get_rank(kwargs.get("group"))
+            row = math.prod(inp.shape[1:]) * inp.element_size()
+            sent.append((sum(splits) - splits[me]) * row)
+        return original(out, inp, *args, **kwargs)
+
+    dist.all_to_all_single = spy  # plait looks collectives up at call time
+    try:
+        layer(x.view(1, TOKENS, DIM)).sum().backward()
+    finally:
+        dist.all_to_all_single = original
+    return sum(sent), len(sent)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_all_to_all_bytes_match_a_real_two_rank_exchange(ac: str) -> None:
+    spec = gpt(1, 1, DIM, TOKENS, expert_hidden=HIDDEN, **MOE)
+    layout = Layout(dp_shard=2, ep=2, ac=ac)
+    work = Workload(seq_len=TOKENS, global_batch=2, precision="fp32")
+    passes = all_to_all_passes(layout)
+    predicted = all_to_all_bytes(spec, layout, work) * passes
+    for nbytes, calls in run_on_ranks(2, _bytes_sent, ac == "full", timeout=60.0):
+        assert (nbytes, calls) == (predicted, passes)
+
+
+def test_ep_shrinks_the_gathered_experts_not_the_states() -> None:
+    spec = gpt(2, 4, 64, 32, **MOE)
+    work = Workload(seq_len=32, global_batch=2, precision="bf16")
+    one, two = (predict_memory(spec, Layout(dp_shard=2, ep=ep), work) for ep in (1, 2))
+    assert (two.params, two.grads, two.optimizer) == (one.params, one.grads, one.optimizer)
+    c = param_counts(spec)
+    half = c.experts // 2 * c.expert  # the experts the other ep rank holds, per block
+    # two blocks gathered at once (current and prefetched), bf16
+    assert one.unsharded - two.unsharded == pytest.approx(2 * half * 2)
+    assert one.buffers - two.buffers == pytest.approx(half * (2 + 4))  # gradient staging
+    assert two.extra["dispatch"] == 2 * 32 * 2 * 64 * 2  # send and receive, bf16
+    assert two.total < one.total
+
+
+def test_search_proposes_only_ep_that_divide_the_experts_and_dp_shard() -> None:
+    spec = gpt(4, 4, 128, 128, experts=4, top_k=2)
+    work = Workload(seq_len=128, global_batch=8, precision="fp32")
+    found = plan(spec, work, device("h100"), 8)
+    eps = {c.layout.ep for c in found}
+    assert eps >= {1, 2, 4}
+    for c in found:
+        assert c.layout.dp_shard % c.layout.ep == 0 and 4 % c.layout.ep == 0
+    fixed = plan(spec, work, device("h100"), 8, ep=2)
+    assert {c.layout.ep for c in fixed} == {2}
+    dense = plan(gpt(4, 4, 128, 128), work, device("h100"), 8)
+    assert {c.layout.ep for c in dense} == {1}
+
+
+ARGS = ["--n-layer", "2", "--d-model", "64", "--seq-len", "64", "--gpus", "4"]
+
+
+def test_command_takes_moe_flags_and_prints_all_to_all(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    moe = ["--experts", "4", "--top-k", "2", "--shared-experts", "1", "--expert-hidden", "32"]
+    assert main([*ARGS, *moe, "--ep", "2", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "all-to-all/step" in out and "ep=2" in out
+    assert "--ep 2" in out and "--experts 4 --top-k 2 --shared-experts 1" in out
+    fixed = ["--dp-shard", "4", "--ep", "2", "--ac", "none", "--microbatches", "1"]
+    assert main([*ARGS, *moe, *fixed, "--no-reshard-after-forward", "--json"]) == 0
+    (best,) = json.loads(capsys.readouterr().out)
+    # 4 / 4 sequences of 64 tokens, 2 rows each, half sent, bf16, 4 per block, 2 blocks
+    assert best["all_to_all_bytes_per_step"] == 64 * 2 * 64 * 2 / 2 * 4 * 2
+    ops = {(k["dim"], k["op"]) for k in best["communication"]}
+    assert {("ep", "all_to_all"), ("efsdp", "all_gather")} <= ops
+
+
+def test_command_refuses_an_ep_the_experts_do_not_divide(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*ARGS, "--experts", "4", "--ep", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep 3" in err and "does not divide 4" in err
+    assert main([*ARGS, "--ep", "2"]) == 2
+    assert "the model has none" in capsys.readouterr().err
+    assert main([*ARGS, "--top-k", "2"]) == 2
+    assert "add --experts" in capsys.readouterr().err
+
+
+def test_plait_train_plan_predicts_the_expert_parallel_layout() -> None:
+    cfg = resolve(
+        TrainConfig(
+            nproc=4, device="cpu", n_layer=2, d_model=64, seq_len=32, batch_size=8, ep=2, **MOE
+        )
+    )
+    c = plan_of_config(cfg)
+    assert (c.layout.dp_shard, c.layout.ep) == (4, 2)
+    summary = plan_summary(cfg)
+    assert "ep=2" in summary and "all-to-all" in summary
