@@ -14,17 +14,21 @@ overlaps timing).
 The report gives, per mode: median step time, min-max, tokens/s, ratio to ``single``, ratio
 to the torch counterpart, peak live MiB on the busiest rank, and the MiB all-gathered
 (received) and reduce-scattered (sent) per step by the busiest rank during the timed steps
-(``comm_bytes``); as JSON and Markdown.
+(``comm_bytes``); as JSON and Markdown. Modes that run all-to-alls (expert parallelism)
+also get the bytes each rank sends to its peers per step (:func:`count_all_to_all_bytes`),
+busiest rank and mean over ranks, beside the mode's ``all_to_all_formula`` when it has
+one; these columns appear only when some mode sends any.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -63,6 +67,41 @@ class Mode:
     # False for compiled modes: torch.compile refuses to run under the memory tracker (a
     # dispatch mode), so their peak memory is not measured.
     measure_memory: bool = True
+    # The all-to-all bytes one rank is expected to send to its peers per step (a model of
+    # the traffic, e.g. balanced routing), shown beside the measured bytes.
+    all_to_all_formula: Callable[[BenchConfig], float] | None = None
+
+
+@contextlib.contextmanager
+def count_all_to_all_bytes() -> Iterator[dict[str, int]]:
+    """Yield ``{"all_to_all": bytes}``: what this rank's ``all_to_all_single`` calls send to
+    the other ranks of their group (the share a rank keeps for itself is not counted),
+    from the split sizes when given, else the equal split. Wraps the c10d function the
+    way ``benchmarks.comm_bytes`` wraps all-gather and reduce-scatter: callers that look it
+    up on ``torch.distributed`` at call time (plait's expert dispatch) are all seen."""
+    totals = {"all_to_all": 0}
+    original = dist.all_to_all_single
+
+    def call(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        # c10d's order: output, input, output_split_sizes, input_split_sizes, group, async_op
+        if isinstance(input, torch.Tensor) and input.numel():
+            group = kwargs["group"] if "group" in kwargs else _arg(args, 2)
+            splits = kwargs["input_split_sizes"] if "input_split_sizes" in kwargs else _arg(args, 1)
+            me, size = dist.get_rank(group), dist.get_world_size(group)
+            rows = list(splits) if splits else [input.shape[0] // size] * size
+            row_bytes = input[0].numel() * input.element_size()
+            totals["all_to_all"] += (sum(rows) - rows[me]) * row_bytes
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = call
+    try:
+        yield totals
+    finally:
+        dist.all_to_all_single = original
+
+
+def _arg(args: tuple[Any, ...], index: int) -> Any:
+    return args[index] if len(args) > index else None
 
 
 def launch(cfg: BenchConfig, modes: list[Mode]) -> dict[str, Any]:
@@ -109,7 +148,8 @@ def _time_modes(
     cfg: BenchConfig, modes: list[Mode]
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, dict[str, float]]]:
     """Wall time and this thread's CPU time of every step, each the max over ranks, and the
-    bytes all-gathered and reduce-scattered per step (``count_comm_bytes``, max over ranks).
+    bytes all-gathered and reduce-scattered per step (``count_comm_bytes``, max over ranks)
+    and sent by all-to-all (``count_all_to_all_bytes``, max and mean over ranks).
 
     CPU time (``time.thread_time`` of the training thread) counts the library's own work
     and not time spent waiting for peers or for a core, so it stays meaningful on a busy
@@ -123,30 +163,39 @@ def _time_modes(
                 steps[m.name]()
     times: dict[str, list[float]] = {m.name: [] for m in modes}
     cpu: dict[str, list[float]] = {m.name: [] for m in modes}
-    comm = torch.zeros(len(modes), 2, dtype=torch.float64)
+    comm = torch.zeros(len(modes), 3, dtype=torch.float64)
     for round_ in range(cfg.repeats):
         shift = round_ % len(modes)
         for m in modes[shift:] + modes[:shift]:
             dist.barrier()
             local = torch.zeros(2, cfg.steps, dtype=torch.float64)
             if _runs_here(m):
-                with count_comm_bytes() as moved:
+                with count_comm_bytes() as moved, count_all_to_all_bytes() as sent:
                     for i in range(cfg.steps):
                         start, start_cpu = time.perf_counter(), time.thread_time()
                         steps[m.name]()
                         local[0, i] = time.perf_counter() - start
                         local[1, i] = time.thread_time() - start_cpu
                 comm[modes.index(m)] += torch.tensor(
-                    [moved["all_gather"], moved["reduce_scatter"]], dtype=torch.float64
+                    [moved["all_gather"], moved["reduce_scatter"], sent["all_to_all"]],
+                    dtype=torch.float64,
                 )
             dist.all_reduce(local, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
             times[m.name] += local[0].tolist()
             cpu[m.name] += local[1].tolist()
+    sent_total = comm[:, 2].clone()
+    dist.all_reduce(sent_total)
     dist.all_reduce(comm, op=dist.ReduceOp.MAX)
     comm /= cfg.repeats * cfg.steps
+    sent_total /= cfg.repeats * cfg.steps
     per_step = {
-        m.name: {"all_gather": float(row[0]), "reduce_scatter": float(row[1])}
-        for m, row in zip(modes, comm, strict=True)
+        m.name: {
+            "all_gather": float(row[0]),
+            "reduce_scatter": float(row[1]),
+            "all_to_all": float(row[2]),
+            "all_to_all_mean": float(total) / (1 if m.single_process else dist.get_world_size()),
+        }
+        for m, row, total in zip(modes, comm, sent_total, strict=True)
     }
     return times, cpu, per_step
 
@@ -199,6 +248,12 @@ def _report(
             "peak_mib_per_rank": peaks[m.name] / 2**20 if m.name in peaks else None,
             "all_gather_mib_per_step": comm[m.name]["all_gather"] / 2**20,
             "reduce_scatter_mib_per_step": comm[m.name]["reduce_scatter"] / 2**20,
+            # all-to-all bytes sent to peers per step: busiest rank, mean rank, the formula's
+            "all_to_all_bytes_per_step": comm[m.name]["all_to_all"],
+            "all_to_all_mean_bytes_per_step": comm[m.name]["all_to_all_mean"],
+            "all_to_all_formula_bytes": (
+                m.all_to_all_formula(cfg) if m.all_to_all_formula is not None else None
+            ),
             "step_times_s": times[m.name],
             "step_cpu_s": cpu[m.name],
         }
@@ -217,11 +272,51 @@ def _mib(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}"
 
 
+def _all_to_all_cells(r: dict[str, Any]) -> str:
+    """The all-to-all columns of row ``r``: MiB sent to peers per step by the busiest rank
+    and by the mean rank, the formula's MiB and mean / formula."""
+    formula = r.get("all_to_all_formula_bytes")
+    mean = r.get("all_to_all_mean_bytes_per_step", 0.0)
+    ratio = _ratio(mean / formula) if formula else "—"
+    shown = "—" if formula is None else f"{formula / 2**20:.3f}"
+    return (
+        f" {r.get('all_to_all_bytes_per_step', 0.0) / 2**20:.3f} | {mean / 2**20:.3f} | "
+        f"{shown} | {ratio} |"
+    )
+
+
+def _all_to_all_agreement(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per mode whose torch counterpart ran: are their all-to-all bytes equal?"""
+    by_name = {r["mode"]: r for r in rows}
+    lines = []
+    for r in rows:
+        other = by_name.get(r["torch_counterpart"] or "")
+        if other is None or not (
+            r["all_to_all_bytes_per_step"] or other["all_to_all_bytes_per_step"]
+        ):
+            continue
+        keys = ("all_to_all_bytes_per_step", "all_to_all_mean_bytes_per_step")
+        same = all(r[k] == other[k] for k in keys)
+        lines.append(
+            f"all-to-all bytes of {r['mode']} and {other['mode']}: "
+            + ("identical" if same else f"DIFFER ({r[keys[1]]:.0f} vs {other[keys[1]]:.0f})")
+        )
+    return lines
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    a2a = any(r.get("all_to_all_bytes_per_step") for r in rows)
     lines = [
         "| mode | median step (ms) | min-max (ms) | tokens/s | vs single | vs torch | "
-        "CPU ms/step | CPU vs torch | peak MiB/rank | mem vs torch | AG MiB/step | RS MiB/step |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "CPU ms/step | CPU vs torch | peak MiB/rank | mem vs torch | AG MiB/step | RS MiB/step |"
+        + (
+            " A2A MiB/step (max rank) | A2A MiB/step (mean rank) | A2A formula MiB | "
+            "mean / formula |"
+            if a2a
+            else ""
+        ),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + (" ---: | ---: | ---: | ---: |" if a2a else ""),
     ]
     for r in rows:
         versus = _ratio(r["vs_torch"])
@@ -233,6 +328,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"{_ratio(r['vs_single'])} | {versus} | {r['cpu_median_s'] * 1e3:.1f} | "
             f"{_ratio(r['cpu_vs_torch'])} | {_mib(r['peak_mib_per_rank'])} | "
             f"{_ratio(r.get('mem_vs_torch'))} | {r['all_gather_mib_per_step']:.3f} | "
-            f"{r['reduce_scatter_mib_per_step']:.3f} |"
+            f"{r['reduce_scatter_mib_per_step']:.3f} |" + (_all_to_all_cells(r) if a2a else "")
         )
+    if a2a:
+        lines += ["", *_all_to_all_agreement(rows)]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from benchmarks.harness import BenchConfig, Mode, Step
 from benchmarks.int8_weight import int8_gather_linears
+from benchmarks.moe_modes import MOE_MODES, MOE_SUITE
 from benchmarks.pipeline_modes import PIPELINE_MODES, PIPELINE_SUITE
 from benchmarks.tp_modes import TP_MODES, TP_SUITE
 from plait.checkpoint import checkpoint
@@ -276,6 +277,7 @@ MODES: dict[str, Mode] = {
 
 MODES.update(PIPELINE_MODES)
 MODES.update(TP_MODES)
+MODES.update(MOE_MODES)
 
 SUITES: dict[str, list[str]] = {
     "replicate": ["single", "replicate", "torch_ddp", "replicate_blocks", "torch_replicate_fsdp"],
@@ -312,4 +314,8 @@ SUITES: dict[str, list[str]] = {
     # --nproc 4: fully_shard over TP on a (dp_shard 2, tp 2) mesh beside torch's, with and
     # without sequence parallelism; --nproc 2: dp 1 x tp 2 (FSDP's overhead over TP)
     "tp": TP_SUITE,
+    # GPT with MoE blocks: expert parallel 2 x fully_shard (experts on efsdp, the rest on
+    # dp_shard) beside torch's fully_shard, and the ep 1 reference; --nproc 2 (efsdp 1) or
+    # --nproc 4 (efsdp 2). The table adds the all-to-all bytes and their formula.
+    "moe": MOE_SUITE,
 }
