@@ -199,3 +199,17 @@ def _describe_on_rank(cfg: TrainConfig) -> dict[str, Any]:
         "w1_mesh": w1.device_mesh.mesh_dim_names,
         "gate_mesh": gate.device_mesh.mesh_dim_names,
     }
+
+
+def test_summary_prints_the_last_steps_expert_load() -> None:
+    from plait.train.report import summary_table
+
+    cfg = MOE_TINY.replace(nproc=2, dp_shard=2, ep=2, experts=4)
+    steps = [
+        {"step": 1, "loss": 5.0, "step_time": 0.1, "expert_load": [[1, 1, 1, 1]] * 2},
+        {"step": 2, "loss": 4.0, "step_time": 0.1, "expert_load": [[4, 2, 1, 1], [2, 2, 2, 2]]},
+    ]
+    table = summary_table(cfg, steps, steps, [2**20, 2**20], "run")
+    assert "expert load, block 0  4 2 1 1 (max/mean 2.00)" in table
+    assert "expert load, block 1  2 2 2 2 (max/mean 1.00)" in table
+    assert "experts over ep=2 x efsdp=1" in table
