@@ -31,6 +31,7 @@ LAYERS = {
     "fsdp": APIS,
     "replicate": APIS,
     "experts": APIS,
+    "context": APIS,
     "pipeline": APIS,
     ROOT: APIS,
     # plait train, then plait plan (which predicts what train runs), then the command
