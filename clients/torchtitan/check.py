@@ -33,6 +33,7 @@ PP = "--parallelism.pipeline_parallel_degree"
 SHARD = "--parallelism.data_parallel_shard_degree"
 TP = "--parallelism.tensor_parallel_degree"
 EP = "--parallelism.expert_parallel_degree"
+CP = "--parallelism.context_parallel_degree"
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,17 @@ CONFIGS: tuple[Config, ...] = (
     ),
     Config("tp2-fsdp2", "TP 2 x dp_shard 2", 4, flags=(TP, "2", SHARD, "2")),
     Config("pp2-tp2", "PP 2 x TP 2 (1F1B)", 4, flags=(*_pp("1F1B"), TP, "2")),
+    Config("cp2", "CP 2 (FlexAttention, headtail load balancer)", 2, "cp", (CP, "2", SHARD, "1")),
+    Config(
+        "cp2-ptrr",
+        "CP 2, ptrr load balancer",
+        2,
+        "cp",
+        (CP, "2", SHARD, "1", "--parallelism.context_parallel_load_balancer", "ptrr"),
+    ),
+    Config("cp2-fsdp2", "CP 2 x dp_shard 2", 4, "cp", (CP, "2", SHARD, "2")),
+    Config("cp2-tp2", "CP 2 x TP 2", 4, "cp", (CP, "2", TP, "2", SHARD, "1")),
+    Config("cp2-pp2", "CP 2 x PP 2 (1F1B)", 4, "cp", (CP, "2", *_pp("1F1B"), SHARD, "1")),
     Config(
         "tp2-spmd-types",
         "TP 2 x dp_shard 2, spmd_types backend (dp_mesh_dims)",

@@ -89,3 +89,16 @@ def moe() -> Trainer.Config:
     config.model_spec = deepseek_v3_registry("debugmodel")
     config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
     return config
+
+
+def cp() -> Trainer.Config:
+    """``base`` for context parallelism (``--parallelism.context_parallel_degree``).
+
+    torch's CP sharding of a FlexAttention ``BlockMask`` needs the sequence length to be a
+    multiple of CP degree x 128 (flex's block size); 256 serves CP 2, and a local batch of
+    2 keeps about the base's tokens per step.
+    """
+    config = base()
+    config.training.seq_len = 256
+    config.training.local_batch_size = 2
+    return config
