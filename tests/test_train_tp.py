@@ -250,7 +250,7 @@ def test_tp3_on_four_heads_names_the_fix(
 
 def test_no_sequence_parallel_lifts_the_sequence_length_rule() -> None:
     cfg = resolve(TINY.replace(tp=2, seq_len=33, sequence_parallel=False), 2)
-    assert cfg.mesh_dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 2}
+    assert cfg.mesh_dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
 
 
 # ----------------------------------------------------------------------------------------

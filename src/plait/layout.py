@@ -28,10 +28,13 @@ from typing import Any, Protocol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
+    "CP",
+    "CP_METHODS",
     "DATA_PARALLEL",
     "DP",
     "DP_REPLICATE",
     "DP_SHARD",
+    "DP_SHARD_CP",
     "EFSDP",
     "EP",
     "EXPERT_MESH_DIMS",
@@ -49,6 +52,7 @@ __all__ = [
     "World",
     "check",
     "check_batch",
+    "check_cp",
     "check_ep",
     "check_microbatches",
     "check_schedule",
@@ -57,6 +61,7 @@ __all__ = [
     "check_stages_per_rank",
     "check_tp",
     "check_world",
+    "cp_shard",
     "default_microbatches",
     "default_stages_per_rank",
     "fewest_microbatches",
@@ -70,22 +75,32 @@ PP = "pp"
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 TP = "tp"
+#: Context parallelism: each sequence split over its ranks (``plait.context``), which share
+#: their batch; fully_shard shards over ``dp_shard x cp``.
+CP = "cp"
+#: ``dp_shard`` and ``cp`` as one dimension: what fully_shard shards over with context
+#: parallelism (each cp rank's gradients cover its own tokens), torchtitan's name.
+DP_SHARD_CP = "dp_shard_cp"
+#: How context-parallel attention sees the other ranks' keys and values: all-gathered,
+#: passed around a ring, or exchanged all-to-all by heads (Ulysses).
+CP_METHODS: tuple[str, ...] = ("allgather", "ring", "alltoall")
 #: Expert parallelism: the routed experts of every mixture-of-experts block split over its
-#: ranks (``plait.experts``). It takes its ranks from ``dp_shard`` (they hold different
-#: tokens, which all-to-all sends to their experts), so it is not a factor of the world.
+#: ranks (``plait.experts``). It takes its ranks from ``dp_shard x cp`` (they hold
+#: different tokens, which all-to-all sends to their experts), so it is not a factor of the
+#: world.
 EP = "ep"
-#: The experts' own fully_shard dimension: the ``dp_shard`` ranks holding the same experts
-#: (``dp_shard / ep`` of them), torchtitan's name.
+#: The experts' own fully_shard dimension: the ``dp_shard x cp`` ranks holding the same
+#: experts (``dp_shard x cp / ep`` of them), torchtitan's name.
 EFSDP = "efsdp"
 #: The data-parallel dims flattened into one (torch's and torchtitan's name for it).
 DP = "dp"
 
 #: The mesh dimensions, outermost first. The innermost communicate most: ``tp``
 #: (collectives inside every layer) between neighbouring ranks, which launchers place on
-#: one node, then ``dp_shard``.
-MESH_DIMS: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, TP)
-#: The mesh of the routed experts, outermost first: ``dp_shard`` split into ``(efsdp, ep)``,
-#: so the same ranks, in the same order, as :data:`MESH_DIMS`.
+#: one node, then ``cp`` (attention in every layer), then ``dp_shard``.
+MESH_DIMS: tuple[str, ...] = (PP, DP_REPLICATE, DP_SHARD, CP, TP)
+#: The mesh of the routed experts, outermost first: ``dp_shard x cp`` split into ``(efsdp,
+#: ep)``, so the same ranks, in the same order, as :data:`MESH_DIMS`.
 EXPERT_MESH_DIMS: tuple[str, ...] = (PP, DP_REPLICATE, EFSDP, EP, TP)
 #: The dimensions a global batch is split over.
 DATA_PARALLEL: tuple[str, ...] = (DP_REPLICATE, DP_SHARD)
@@ -110,8 +125,9 @@ class Layout:
     ``sequence_parallel``: with ``tp``, norms and activations split by sequence;
     ``reshard_after_forward``: as ``fully_shard``'s (``True`` frees parameters between
     forward and backward); ``ep``: expert parallelism, ranks taken from ``dp_shard`` (see
-    :data:`EP`). Nothing is checked on construction: :func:`check` says whether a layout
-    can run.
+    :data:`EP`); ``cp``: context parallelism, each sequence split over its ranks, and
+    ``cp_method`` its attention (:data:`CP_METHODS`). Nothing is checked on construction:
+    :func:`check` says whether a layout can run.
     """
 
     dp_replicate: int = 1
@@ -119,6 +135,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_method: str = "allgather"
     schedule: str = "1F1B"
     microbatches: int = 1
     ac: str = "none"
@@ -147,8 +165,8 @@ class Layout:
 
     @property
     def efsdp(self) -> int:
-        """The ranks of one ``ep`` rank's experts shard them (``dp_shard / ep``)."""
-        return self.dp_shard // self.ep
+        """The ranks of one ``ep`` rank's experts shard them (``dp_shard x cp / ep``)."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def expert_sizes(self) -> dict[str, int]:
@@ -169,9 +187,21 @@ class Layout:
         Collective: every rank of the default process group calls it."""
         return _mesh(device_type, self.sizes, keep=())
 
+    def shard_mesh(self, device_type: str) -> DeviceMesh | None:
+        """With context parallelism, the mesh tensor parallelism and fully_shard use: the
+        same ranks as :meth:`mesh`, ``dp_shard`` and ``cp`` as one dimension,
+        :data:`DP_SHARD_CP` (kept at any size), so parameters are sharded and gradients
+        reduced over both; None without context parallelism (:meth:`mesh` serves).
+        Collective, like :meth:`mesh`."""
+        if self.cp == 1:
+            return None
+        sizes = {PP: self.pp, DP_REPLICATE: self.dp_replicate}
+        sizes |= {DP_SHARD_CP: self.dp_shard * self.cp, TP: self.tp}
+        return _mesh(device_type, sizes, keep=(DP_SHARD_CP,))
+
     def expert_mesh(self, device_type: str) -> DeviceMesh | None:
         """The routed experts' mesh (:data:`EXPERT_MESH_DIMS`): the same ranks as
-        :meth:`mesh`, ``dp_shard`` split into ``(efsdp, ep)``, both kept even at size 1 (the
+        :meth:`mesh`, ``dp_shard x cp`` split into ``(efsdp, ep)``, both kept even at size 1 (the
         experts are sharded over ``ep`` and fully_shard over ``efsdp``); None without
         expert parallelism. Collective, like :meth:`mesh`."""
         if self.ep == 1:
@@ -283,8 +313,10 @@ def check(
     if reasons:
         return reasons  # the rules below divide by these
     reasons += check_world(layout.sizes, world)
-    reasons += check_tp(model, layout.tp, layout.sequence_parallel)
-    reasons += check_ep(model, layout.ep, layout.dp_shard)
+    reasons += check_cp(model, layout.cp, layout.cp_method, layout.tp)
+    if not reasons or layout.cp == 1:  # tp splits each cp rank's share of a sequence
+        reasons += check_tp(cp_shard(model, layout.cp), layout.tp, layout.sequence_parallel)
+    reasons += check_ep(model, layout.ep, layout.dp_shard * layout.cp)
     spec = find_schedule(schedules, layout.schedule)
     if spec is None:
         reasons += check_schedule(schedules, layout.schedule)
@@ -408,9 +440,51 @@ def check_tp(model: ModelShape, tp: int, sequence_parallel: bool) -> list[Reason
     return reasons
 
 
+def cp_shard(model: ModelShape, cp: int) -> ModelShape:
+    """``model`` as one ``cp`` rank sees it: each sequence ``cp`` times shorter."""
+    return dataclasses.replace(model, seq_len=model.seq_len // cp) if cp > 1 else model
+
+
+def check_cp(model: ModelShape, cp: int, method: str, tp: int = 1) -> list[Reason]:
+    """``cp`` splits every sequence into ``2 x cp`` equal chunks (each rank a head and a
+    tail chunk, so causal attention costs each the same); ``alltoall`` also splits the
+    heads (each tp rank's) ``cp`` ways."""
+    if method not in CP_METHODS:
+        return [
+            Reason(
+                "cp_method", f"--cp-method {method}: unknown; choose one of {', '.join(CP_METHODS)}"
+            )
+        ]
+    if cp == 1:
+        return []
+    reasons = []
+    if model.seq_len % (2 * cp):
+        fits = [c for c in _divisors(model.seq_len // 2) if c < cp] or [1]
+        seq = "--seq-len" if model.from_flags else "the sequence length"
+        message = (
+            f"--cp {cp} splits each sequence into {2 * cp} chunks (a head and a tail chunk per "
+            f"rank, for balanced causal attention), but {seq} {model.seq_len} does not divide "
+            f"by {2 * cp}: use a {seq} that is a multiple of {2 * cp}, or --cp {fits[-1]}"
+        )
+        reasons.append(Reason(CP, message))
+    if method == "alltoall":
+        for what, heads in (("attention heads", model.heads), ("KV heads", model.kv_heads)):
+            if heads % (cp * tp):
+                per = f"the {heads} {what}" + (f" over --tp {tp}" if tp > 1 else "")
+                message = (
+                    f"--cp-method alltoall splits {per} {cp} more ways (--cp {cp}), but "
+                    f"{heads} does not divide by {cp * tp}: use --cp-method ring or "
+                    f"allgather, or a --cp that divides {heads // math.gcd(heads, tp)}"
+                )
+                reasons.append(Reason("cp_method", message))
+                break
+    return reasons
+
+
 def check_ep(model: ModelShape, ep: int, dp_shard: int) -> list[Reason]:
     """``ep`` must split the model's routed experts into equal whole sets, and take its
-    ranks from ``dp_shard`` (the ranks that hold different tokens): it divides both."""
+    ranks from ``dp_shard`` (times ``cp``: the ranks that hold different tokens): it
+    divides both."""
     if ep == 1:
         return []
     if model.experts == 0:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from plait.layout import EP, LAYOUT_FIELDS, flag
+from plait.layout import CP, CP_METHODS, EP, LAYOUT_FIELDS, flag
 from plait.plan.devices import DEVICES, device, override
 from plait.plan.models import (
     PRESETS,
@@ -39,7 +39,7 @@ __all__ = ["add_parser", "main", "run"]
 
 _HELP = """\
 Plan a training run: for a model, a sequence length and batch, and N devices, list the
-layouts (dp_replicate x dp_shard x tp x pp, schedule, microbatches, checkpointing,
+layouts (dp_replicate x dp_shard x cp x tp x pp, schedule, microbatches, checkpointing,
 resharding) that fit in memory, fastest first, with per-rank memory by part,
 communication, pipeline bubble and predicted throughput (docs/plan.md: the cost model).
 Layout flags fix that part of the layout; the rest is searched.
@@ -51,6 +51,7 @@ examples:
   plait plan --n-layer 4 --d-model 128 --gpus 4 --device cpu
   plait plan --n-layer 32 --n-head 32 --d-model 4096 --seq-len 4096 --gpus 1024 --dry-run
   plait plan --n-layer 16 --d-model 2048 --n-head 16 --experts 64 --top-k 4 --gpus 64
+  plait plan --preset llama3-8b --gpus 64 --seq-len 65536 --cp 8 --cp-method ring
 """
 
 
@@ -135,8 +136,18 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
         help="usable fraction of device memory (default: 0.9)",
     )
     layout = p.add_argument_group("layout (plait train's flags; given ones are fixed)")
+    helps = {
+        CP: "context-parallel ranks: each sequence split over them (default: searched "
+        "from --seq-len 16384 on, else 1)"
+    }
     for name in (*LAYOUT_DIMS, "stages_per_rank", "microbatches"):
-        layout.add_argument(flag(name), type=int)
+        layout.add_argument(flag(name), type=int, help=helps.get(name))
+    layout.add_argument(
+        "--cp-method",
+        choices=CP_METHODS,
+        help="context-parallel attention: keys and values all-gathered, passed around a "
+        "ring, or exchanged all-to-all by heads (default: each searched with --cp > 1)",
+    )
     layout.add_argument(
         flag(EP), type=int, help="expert-parallel ranks, taken from dp_shard (with --experts)"
     )

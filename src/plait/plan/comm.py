@@ -3,13 +3,16 @@
 Ring algorithms (NCCL's and gloo's for large messages): an all-gather or reduce-scatter of
 ``X`` bytes over ``g`` ranks sends ``X (g - 1) / g`` per rank, an all-reduce twice that.
 A mesh dimension's group runs on NVLink when its ranks fit in one node, else on the
-inter-node network: the mesh is ``(pp, dp_replicate, dp_shard, tp)``, ``tp`` innermost, so
-a dimension's group spans ``size x (product of the inner sizes)`` consecutive ranks.
+inter-node network: the mesh is ``(pp, dp_replicate, dp_shard, cp, tp)``, ``tp`` innermost,
+so a dimension's group spans ``size x (product of the inner sizes)`` consecutive ranks
+(``cp``: ``cp x tp``, on NVLink while that is at most a node's devices).
 
 What plait communicates in one step (``m`` microbatches, ``P`` a rank's parameter
 elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch):
 
-* ``dp_shard``: all-gathers of every unit in the compute dtype, per microbatch (blocks twice
+* ``dp_shard`` (with context parallelism ``dp_shard_cp``: ``fully_shard`` shards over
+  ``dp_shard x cp``, :func:`~plait.plan.shards.fsdp_ranks`, and its collectives have that
+  many ranks): all-gathers of every unit in the compute dtype, per microbatch (blocks twice
   with ``reshard_after_forward``, forward and backward; the root once), or once per step
   under a pipeline; one fp32 reduce-scatter of every unit per step (gradient accumulation
   and pipelines reduce once, at the end).
@@ -21,10 +24,14 @@ elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch)
   one exchange each way.
 * ``pp``: per microbatch and stage boundary, the activation forward and its gradient back
   (``n x d``, split by tp under sequence parallelism).
+* ``cp``: per block and microbatch, attention's exchange of keys and values
+  (:func:`cp_traffic`; ``n`` is then the rank's ``seq_len / cp`` share of each sequence),
+  and the forward's again when checkpointing recomputes attention (``--ac full`` and
+  ``selective`` both do).
 
 Mixture-of-experts blocks (``E`` routed experts, ``k`` per token), with ``ep`` ranks taken
-from ``dp_shard`` (the experts' mesh is ``(pp, dp_replicate, efsdp, ep, tp)``,
-``efsdp = dp_shard / ep``):
+from ``dp_shard x cp`` (the experts' mesh is ``(pp, dp_replicate, efsdp, ep, tp)``,
+``efsdp = dp_shard x cp / ep``):
 
 * ``ep``: per MoE block and microbatch, the forward dispatches the block's ``n k`` routed
   rows of ``d`` to their experts' ranks and combines them back (two all-to-alls), backward
@@ -46,19 +53,35 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from plait.layout import DP_REPLICATE, DP_SHARD, EFSDP, EP, MESH_DIMS, PP, TP
+from plait.layout import CP, DP_REPLICATE, DP_SHARD, EFSDP, EP, MESH_DIMS, PP, TP
 from plait.plan.schedule import RankLoad
-from plait.plan.shards import RankParams, compute_bytes, microbatch_tokens, moe_rows, rank_params
+from plait.plan.shards import (
+    RankParams,
+    compute_bytes,
+    fsdp_ranks,
+    microbatch_tokens,
+    moe_rows,
+    rank_params,
+)
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 
 __all__ = [
+    "DP_SHARD_CP",
     "Collective",
+    "CpTraffic",
     "all_to_all_bytes",
     "all_to_all_passes",
     "communication",
+    "cp_per_step",
+    "cp_traffic",
+    "fsdp_dim",
     "link_bandwidth",
     "ring",
 ]
+
+#: ``fully_shard``'s group under context parallelism: ``dp_shard x cp`` (torchtitan's
+#: name), the dim its collectives are reported on when ``cp`` > 1.
+DP_SHARD_CP = "dp_shard_cp"
 
 
 @dataclass(frozen=True)
@@ -91,13 +114,20 @@ def _inner(layout: Layout, dim: str) -> int:
     return math.prod(getattr(layout, d) for d in inside)
 
 
+def fsdp_dim(layout: Layout) -> str:
+    """The dim ``fully_shard``'s collectives run on: ``dp_shard``, or with context
+    parallelism :data:`DP_SHARD_CP`."""
+    return DP_SHARD if layout.cp == 1 else DP_SHARD_CP
+
+
 def _span(dim: str, layout: Layout) -> int:
     """Consecutive ranks one group of ``dim`` spans (``ep`` and ``efsdp``: of the experts'
-    mesh, ``ep`` just outside ``tp``, ``efsdp`` outside ``ep``: as ``dp_shard``)."""
+    mesh, ``ep`` just outside ``tp``, ``efsdp`` outside ``ep``: as ``dp_shard x cp``;
+    ``dp_shard_cp``: the ``dp_shard`` and ``cp`` dims together)."""
     if dim == EP:
         return layout.ep * layout.tp
-    if dim == EFSDP:
-        return layout.dp_shard * layout.tp
+    if dim in (EFSDP, DP_SHARD_CP):
+        return layout.dp_shard * layout.cp * layout.tp
     size = getattr(layout, dim) if dim != PP else 2  # point-to-point: neighbours
     return size * _inner(layout, dim)
 
@@ -132,6 +162,68 @@ def tp_bytes_per_block(model: ModelSpec, layout: Layout, work: Workload) -> floa
     return 4 * ring("all_gather", layout.tp) * n * model.d_model * e  # 2 AG + 2 RS (or 2 AR)
 
 
+@dataclass(frozen=True)
+class CpTraffic:
+    """What one rank sends in one block's context-parallel attention for one microbatch:
+    bytes and calls of the forward and of the backward, and the collective's name."""
+
+    op: str
+    forward: float
+    forward_calls: int
+    backward: float
+    backward_calls: int
+
+
+def cp_traffic(model: ModelSpec, layout: Layout, work: Workload) -> CpTraffic:
+    """The exchange of :mod:`plait.context`'s attention per block and microbatch (zero
+    without context parallelism). ``n``: the rank's tokens (its ``seq_len / cp`` of each
+    sequence), ``k``: the key (and value) width of a tp rank, ``d`` the query width of a
+    tp rank, ``e`` the compute dtype's bytes:
+
+    * ``allgather``: one all-gather of the stacked keys and values (``2 n k e`` from each
+      rank, every rank receives the others': ``(cp - 1) 2 n k e`` sent per rank in a ring);
+      backward one reduce-scatter of their gradients, the same bytes.
+    * ``ring``: ``cp - 1`` shifts of the stacked key/value block (``2 n k e`` each: the same
+      bytes as the all-gather); backward the blocks go round again (``cp - 1`` shifts) with
+      their gradients' accumulators beside them (``cp`` shifts of ``2 n k`` in fp32, the
+      accumulation dtype), a little over twice the forward's bytes in bf16.
+    * ``alltoall`` (Ulysses): q, k, v exchanged from a sequence split to a head split and
+      the output back, each all-to-all sending ``(cp - 1) / cp`` of the rank's tensor: ``(2
+      d + 2 k) n e (cp - 1) / cp``; q, k and v go as one stacked exchange when k is as wide
+      as q (no grouped-query attention), else q and the stacked k, v separately. Backward:
+      the same all-to-alls reversed.
+    """
+    cp = layout.cp
+    if cp == 1:
+        return CpTraffic("", 0.0, 0, 0.0, 0)
+    n, e, tp = microbatch_tokens(layout, work), compute_bytes(work), layout.tp
+    d = model.d_model / tp
+    k = model.kv_heads * (model.d_model // model.heads) / tp
+    block = 2 * n * k * e  # a rank's stacked keys and values
+    if layout.cp_method == "allgather":
+        sent = (cp - 1) * block
+        return CpTraffic("all_gather+reduce_scatter", sent, 1, sent, 1)
+    if layout.cp_method == "ring":
+        back = (cp - 1) * block + cp * 2 * n * k * 4  # blocks, then the fp32 accumulators
+        return CpTraffic("send_recv", (cp - 1) * block, cp - 1, back, 2 * cp - 1)
+    if layout.cp_method == "alltoall":
+        sent = (2 * d + 2 * k) * n * e * (cp - 1) / cp
+        calls = 2 if k == d else 3
+        return CpTraffic("all_to_all", sent, calls, sent, calls)
+    raise ValueError(f"--cp-method {layout.cp_method}: not one of allgather, ring, alltoall")
+
+
+def cp_per_step(model: ModelSpec, layout: Layout, work: Workload, layers: int) -> tuple[float, int]:
+    """Bytes and calls one rank sends in context parallelism's attention over a step, for
+    ``layers`` blocks: per block and microbatch the forward, the backward, and the forward
+    again when checkpointing recomputes attention."""
+    t = cp_traffic(model, layout, work)
+    forwards = 2 if layout.ac != "none" else 1
+    per_block = forwards * t.forward + t.backward
+    calls = forwards * t.forward_calls + t.backward_calls
+    return layout.microbatches * layers * per_block, layout.microbatches * layers * calls
+
+
 _Add = Callable[[str, str, float, int], None]
 
 
@@ -140,9 +232,10 @@ def communication(
 ) -> list[Collective]:
     """What pipeline rank ``load`` sends in one step (module docstring), by dim and op."""
     e = compute_bytes(work)
-    m, ds, dr, tp = layout.microbatches, layout.dp_shard, layout.dp_replicate, layout.tp
+    m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
     p = rank_params(model, layout, load)
     out: list[Collective] = []
+    fsdp = fsdp_dim(layout)
 
     def add(dim: str, op: str, nbytes: float, calls: int) -> None:
         if nbytes > 0:
@@ -159,9 +252,9 @@ def communication(
         gathered = (
             (p.root * gathers + (p.sharded_blocks + own) * per_block) * e * ring("all_gather", ds)
         )
-        add(DP_SHARD, "all_gather", gathered, gathers + per_block * p.blocks)
+        add(fsdp, "all_gather", gathered, gathers + per_block * p.blocks)
         reduced = (p.sharded_blocks + own + p.root) * 4 * ring("reduce_scatter", ds)
-        add(DP_SHARD, "reduce_scatter", reduced, units)
+        add(fsdp, "reduce_scatter", reduced, units)
         eg = layout.efsdp
         if layout.ep > 1 and eg > 1:
             experts = p.expert_total * per_block * e * ring("all_gather", eg)
@@ -186,6 +279,9 @@ def communication(
         hop = microbatch_tokens(layout, work) * model.d_model / sp * e
         stages = layout.stages_per_rank
         add(PP, "send_recv", 2 * m * stages * hop, 2 * m * stages)
+    if layout.cp > 1:
+        cp_bytes, cp_calls = cp_per_step(model, layout, work, load.layers)
+        add(CP, cp_traffic(model, layout, work).op, cp_bytes, cp_calls)
     if p.moe_blocks:
         _add_moe(add, model, layout, work, p)
     return out

@@ -1,9 +1,10 @@
 """Peak memory of one rank under a layout: the parts, as plait's code allocates them.
 
 Per rank, with ``P`` the elements it holds after tensor parallelism
-(:func:`~plait.plan.shards.rank_params`), ``ds = dp_shard``, ``e`` the compute dtype's
-bytes (2 for bf16, 4 for fp32) and ``n`` the tokens of one microbatch on one data-parallel
-rank (``global_batch / dp / microbatches * seq_len``):
+(:func:`~plait.plan.shards.rank_params`), ``ds = dp_shard x cp`` (the ranks
+``fully_shard`` shards over), ``e`` the compute dtype's bytes (2 for bf16, 4 for fp32) and
+``n`` the tokens of one microbatch on one rank (``global_batch / dp / microbatches *
+seq_len / cp``: context parallelism's ranks share a batch and split its sequences):
 
 * **params, grads**: fp32 shards, ``4 P / ds`` each (``--mp bf16`` keeps fp32 shards and
   fp32 gradient reductions); **optimizer**: AdamW's two fp32 moments, ``8 P / ds``.
@@ -53,11 +54,31 @@ d``, shared ``2 h s / tp + d``. With expert parallelism the rows a rank saves ar
 ones its experts receive (``n k`` with balanced routing) and one all-to-all's send and
 receive buffers (``2 n k d``) are alive at a time (``extra["dispatch"]``).
 
-Memory per rank under expert parallelism (``ep`` ranks of ``dp_shard``, experts sharded
-over ``efsdp = dp_shard / ep``): parameters, gradients and optimizer states of the experts
-are ``1 / dp_shard`` of all of them, like the dense ones; the *unsharded* working set of a
-block holds only its ``E / ep`` experts, so ``ep`` shrinks ``unsharded``, the gradient
-staging (``buffers``) and the accumulated gradients, not the states.
+Context parallelism (``cp`` ranks, :mod:`plait.context`) divides every per-token part by
+``cp`` through ``n``, and its attention adds what :mod:`plait.context` keeps per block:
+
+* ``allgather``: SDPA saves the whole sequence's keys and values, expanded to the query
+  heads (``2 cp d / tp`` per local token, in place of the local ``2 k / tp``), and its
+  boolean mask of the rank's queries by the sequence's keys: ``T / cp x T`` bytes per
+  microbatch (one mask, broadcast over its sequences);
+* ``ring``: nothing beyond the local q, k, v, output (its custom backward recomputes the
+  blocks);
+* ``alltoall``: SDPA saves the head-split q and the expanded k, v (``3 d / tp`` per local
+  token in place of ``(d + 2 k) / tp``) and its output beside the local one (``d / tp``),
+  and one ``T x T`` boolean mask (balanced layouts need an explicit mask).
+
+Those are saved under ``--ac none``; under checkpointing they are rebuilt per block
+(``recompute``). ``extra["cp_attention"]`` is the working set of one block's attention
+in backward: the gradients of the gathered keys and values (``allgather``), of the
+head-split tensors (``alltoall``), or two travelling key/value blocks and their two fp32
+gradient accumulators (``ring``); with checkpointing, the recomputed mask too.
+
+Memory per rank under expert parallelism (``ep`` ranks of ``dp_shard x cp``, experts
+sharded over ``efsdp = dp_shard x cp / ep``): parameters, gradients and optimizer states
+of the experts are ``1 / (dp_shard x cp)`` of all of them, like the dense ones; the
+*unsharded* working set of a block holds only its ``E / ep`` experts, so ``ep`` shrinks
+``unsharded``, the gradient staging (``buffers``) and the accumulated gradients, not the
+states.
 
 Not modelled: the allocator's fragmentation and caching, CUDA context and library
 workspaces (the search leaves headroom for them), dropout masks, attention's per-row
@@ -68,10 +89,69 @@ are already freed), and the optimizer step's temporaries.
 from __future__ import annotations
 
 from plait.plan.schedule import PipelineShape, RankLoad, layout_shape
-from plait.plan.shards import compute_bytes, microbatch_tokens, moe_rows, rank_params
+from plait.plan.shards import (
+    compute_bytes,
+    fsdp_ranks,
+    microbatch_tokens,
+    moe_rows,
+    rank_params,
+)
 from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
 
-__all__ = ["activation_elems_per_token", "peak_memory", "predict_memory", "rank_memory"]
+__all__ = [
+    "activation_elems_per_token",
+    "cp_mask_bytes",
+    "cp_saved_elems_per_token",
+    "cp_working_set",
+    "peak_memory",
+    "predict_memory",
+    "rank_memory",
+]
+
+
+def _widths(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """A tp rank's query width and key (value) width."""
+    tp = layout.tp
+    return model.d_model / tp, model.kv_heads * (model.d_model // model.heads) / tp
+
+
+def cp_saved_elems_per_token(model: ModelSpec, layout: Layout) -> float:
+    """Elements one block's context-parallel attention saves per local token under ``--ac
+    none`` beyond the q, k, v and output counted without it (module docstring): 0 without
+    context parallelism and for ``ring``."""
+    if layout.cp == 1 or layout.cp_method == "ring":
+        return 0.0
+    d, k = _widths(model, layout)
+    if layout.cp_method == "allgather":  # the sequence's k, v at query heads, not the local
+        return 2 * layout.cp * d - 2 * k
+    return 3 * d - 2 * k  # alltoall: head-split q, k, v (expanded) and output, not local q, k, v
+
+
+def cp_mask_bytes(layout: Layout, work: Workload) -> float:
+    """Bytes of the boolean mask one block's context-parallel attention builds per
+    microbatch (balanced layouts cannot use SDPA's own causal mask): the rank's ``T / cp``
+    queries by the ``T`` keys (``allgather``), ``T x T`` (``alltoall``); 0 for ``ring``
+    (its masks are per block pair, built and dropped as the blocks pass) and without
+    context parallelism."""
+    t = work.seq_len
+    if layout.cp == 1 or layout.cp_method == "ring":
+        return 0.0
+    return t // layout.cp * t if layout.cp_method == "allgather" else float(t * t)
+
+
+def cp_working_set(model: ModelSpec, layout: Layout, work: Workload) -> float:
+    """Bytes one block's context-parallel attention adds while its backward runs, for one
+    microbatch (module docstring): 0 without context parallelism."""
+    if layout.cp == 1:
+        return 0.0
+    n, e = microbatch_tokens(layout, work), compute_bytes(work)
+    d, k = _widths(model, layout)
+    mask = cp_mask_bytes(layout, work) if layout.ac != "none" else 0.0  # else saved
+    if layout.cp_method == "allgather":  # gradients of the gathered, expanded k and v
+        return n * layout.cp * 2 * d * e + mask
+    if layout.cp_method == "ring":  # two k, v blocks and two fp32 gradient accumulators
+        return 2 * (2 * n * k) * (e + 4)
+    return n * 4 * d * e + mask  # alltoall: gradients of the head-split q, k, v, output
 
 
 def activation_elems_per_token(
@@ -88,7 +168,8 @@ def activation_elems_per_token(
         mlp = (4 if model.gated else 2) * f / tp
         if moe:
             mlp = 2 * model.experts + 4 * shared / tp + rows * (2 * d + 4 * h)
-        return 2 * d / norm + 2 * d + (d + 2 * k) / tp + d / tp + mlp
+        cp = cp_saved_elems_per_token(model, layout)
+        return 2 * d / norm + 2 * d + (d + 2 * k) / tp + d / tp + mlp + cp
     if mode == "selective":
         mlp = (2 if model.gated else 1) * f / tp + d
         if moe:
@@ -106,7 +187,7 @@ def rank_memory(
     """The memory of pipeline rank ``load`` (module docstring)."""
     e = compute_bytes(work)
     bf16 = work.precision == "bf16"
-    ds, tp = layout.dp_shard, layout.tp
+    ds, tp = fsdp_ranks(layout), layout.tp
     p = rank_params(model, layout, load)
     sharded = p.total / ds
     n = microbatch_tokens(layout, work)
@@ -139,6 +220,8 @@ def rank_memory(
     kinds = [(False, stage_dense), (True, load.stage_layers - stage_dense)]
     kinds = [(moe, count) for moe, count in kinds if count]
     per_microbatch = n * sum(saved_bytes(moe) * count for moe, count in kinds)
+    if layout.ac == "none":  # context-parallel attention's masks, one per block
+        per_microbatch += cp_mask_bytes(layout, work) * load.stage_layers
     block_bytes = max(saved_bytes(moe) for moe, _ in kinds)  # the largest block
     if pipelined and not load.head:
         # A stage's output is the root its backward starts from: kept until then.
@@ -153,6 +236,9 @@ def rank_memory(
     if layout.ac != "none":
         full = max(activation_elems_per_token(model, layout, "none", moe=m) for m, _ in kinds)
         extra["recompute"] = n * full * e
+    attention = cp_working_set(model, layout, work)
+    if attention:
+        extra["cp_attention"] = attention
     accumulating = pipelined or layout.microbatches > 1
     if ds > 1 and accumulating:
         extra["accumulated_grads"] = p.gathered * 4  # of the rank's ep shard of experts
@@ -188,10 +274,12 @@ def rank_memory(
         + extra.get("recompute", one_block)
         + flowing
         + held
+        + attention
         + (0.0 if pipelined or ds == 1 else p.block * 4),
         grads + buffers + held,
     )
     counted = activations + logits + extra.get("recompute", 0.0) + grads + buffers + held
+    counted += attention
     extra["not_at_peak"] = max(moments) - counted
     if pipelined:  # send / receive buffers live through the whole step
         buffers += 2 * n * model.d_model / (tp if sp else 1) * e

@@ -1,14 +1,15 @@
 """How a plan is shown: a table of the best layouts, the command lines that launch the
 best one, and a JSON form for programs (sizes in bytes, times in seconds). For a mixture
 of experts the header gives total and active parameters and the table the bytes each rank
-sends per step in expert parallelism's all-to-alls."""
+sends per step in expert parallelism's all-to-alls; with context parallelism the table
+gives the bytes each rank sends per step in attention's key/value exchange."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from plait.layout import EP, flag
+from plait.layout import CP, EP, flag
 from plait.plan.comm import Collective
 from plait.plan.models import flops_per_token, param_counts
 from plait.plan.search import Candidate, describe
@@ -16,6 +17,7 @@ from plait.plan.spec import LAYOUT_DIMS, DeviceSpec, Layout, MemoryBreakdown, Mo
 
 __all__ = [
     "all_to_all_per_step",
+    "cp_per_step",
     "format_plan",
     "memory_parts",
     "size",
@@ -54,6 +56,11 @@ def all_to_all_per_step(collectives: tuple[Collective, ...]) -> float:
     return sum(k.bytes for k in collectives if k.dim == EP and k.op == "all_to_all")
 
 
+def cp_per_step(collectives: tuple[Collective, ...]) -> float:
+    """Bytes one rank sends per step in context parallelism's attention exchange."""
+    return sum(k.bytes for k in collectives if k.dim == CP)
+
+
 def _model_flags(model: ModelSpec) -> list[str]:
     flags = [f"--n-layer {model.layers}", f"--n-head {model.heads}", f"--d-model {model.d_model}"]
     if model.experts:
@@ -67,7 +74,14 @@ def _model_flags(model: ModelSpec) -> list[str]:
 
 
 def _layout_flags(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
-    flags = [f"{flag(name)} {getattr(layout, name)}" for name in LAYOUT_DIMS]
+    # --cp only when used: the commands of layouts without it read as before
+    flags = [
+        f"{flag(name)} {getattr(layout, name)}"
+        for name in LAYOUT_DIMS
+        if name != CP or layout.cp > 1
+    ]
+    if layout.cp > 1:
+        flags.append(f"--cp-method {layout.cp_method}")
     if layout.ep > 1:
         flags.append(f"--ep {layout.ep}")
     if layout.pp > 1:
@@ -128,6 +142,7 @@ def to_json(c: Candidate, model: ModelSpec, work: Workload, device: DeviceSpec) 
         "tokens_per_s_per_device": c.timing.tokens_per_s_per_device,
         "mfu": c.timing.mfu,
         "all_to_all_bytes_per_step": all_to_all_per_step(c.timing.collectives),
+        "cp_bytes_per_step": cp_per_step(c.timing.collectives),
         "command": train_command(c.layout, model, work, device),
         "torchrun": torchrun_command(c.layout, model, work, device),
     }
@@ -177,6 +192,12 @@ def format_plan(
         head += ("all-to-all/step",)
         rows = [
             (*row, size(all_to_all_per_step(c.timing.collectives)))
+            for row, c in zip(rows, candidates, strict=True)
+        ]
+    if any(c.layout.cp > 1 for c in candidates):  # attention's exchange, per rank and step
+        head += ("cp/step",)
+        rows = [
+            (*row, size(cp_per_step(c.timing.collectives)))
             for row, c in zip(rows, candidates, strict=True)
         ]
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]

@@ -1,7 +1,7 @@
 """The layout search: enumerate what plait can run on ``gpus`` devices, keep what fits,
 rank by predicted tokens/s per device.
 
-Candidates: every factorisation ``pp x dp_replicate x dp_shard x tp`` of the devices with
+Candidates: every factorisation ``pp x dp_replicate x dp_shard x cp x tp`` of the devices with
 ``tp`` at most a node, that ``plait train`` runs (the rules of :mod:`plait.layout`: ``tp``
 dividing the heads, widths and vocabulary, and the sequence under sequence parallelism;
 ``pp x stages_per_rank`` at most the blocks; the global batch divisible by ``dp``, and so
@@ -9,9 +9,14 @@ on); for pipelines every schedule with a few microbatch counts
 (the fewest the schedule takes, then doubling up to one sequence per microbatch); without
 one, gradient accumulation over a few microbatch counts; checkpointing none / selective /
 full; ``reshard_after_forward`` both ways under ``fully_shard``; for a model with routed
-experts, every expert-parallel size ``ep`` that divides both ``dp_shard`` and the experts
-(``ep`` takes its ranks from ``dp_shard``: :func:`plait.layout.check_ep`). Fixed flags pin
-their field. A layout fits when its peak rank's memory is at most ``memory_fraction`` of the
+experts, every expert-parallel size ``ep`` that divides both ``dp_shard x cp`` and the experts
+(``ep`` takes its ranks from ``dp_shard x cp``: :func:`plait.layout.check_ep`); context
+parallelism ``cp`` over the divisors the sequence allows (:func:`plait.layout.check_cp`),
+only from :data:`CP_SEARCH_MIN_SEQ` tokens on and leaving each rank at least
+:data:`CP_MIN_TOKENS` of a sequence (else ``cp`` is 1 unless ``--cp`` is given: see
+there), searched with ``ring`` attention; the other methods (``--cp-method``) are then
+tried on the best layouts found (:func:`_other_cp_methods`). Fixed flags pin their field.
+A layout fits when its peak rank's memory is at most ``memory_fraction`` of the
 device's (the rest: allocator, CUDA context, workspaces). Memory is predicted first and
 timing only for what fits, and the pipeline's figures are closed-form where exact and
 cached (:mod:`plait.plan.schedule`), so 10,240 devices take about a second.
@@ -26,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.layout import (
+    CP,
+    CP_METHODS,
     DP_SHARD,
     EP,
     LAYOUT_FIELDS,
@@ -37,6 +44,7 @@ from plait.layout import (
     World,
     check,
     check_batch,
+    check_cp,
     check_ep,
     check_microbatches,
     check_schedule,
@@ -45,6 +53,7 @@ from plait.layout import (
     check_stages_per_rank,
     check_tp,
     check_world,
+    cp_shard,
     default_stages_per_rank,
     fewest_microbatches,
     find_schedule,
@@ -57,9 +66,34 @@ from plait.plan.schedule import layout_shape
 from plait.plan.spec import DeviceSpec, MemoryBreakdown, ModelSpec, Workload
 from plait.plan.timing import EFFICIENCY, Timing, predict_time
 
-__all__ = ["AC_SEARCHED", "Candidate", "PlanError", "evaluate", "model_shape", "plan"]
+__all__ = [
+    "AC_SEARCHED",
+    "CP_METHOD_RETRIES",
+    "CP_MIN_TOKENS",
+    "CP_SEARCH_MIN_SEQ",
+    "Candidate",
+    "PlanError",
+    "evaluate",
+    "model_shape",
+    "plan",
+]
 
 AC_SEARCHED = ("none", "selective", "full")
+#: The shortest sequence for which the search tries context parallelism unasked. Shorter
+#: sequences fit without it (activations are what cp divides, and at 8k tokens checkpointing
+#: and tp already hold them in a device's memory for the presets), its exchange costs more
+#: than it saves there, and each cp size multiplies the grids (three methods each): keeping
+#: cp at 1 below this keeps the search as fast as before and its answers for the usual
+#: sequence lengths unchanged. ``--cp`` (``plan(cp=...)``) asks for it at any length.
+CP_SEARCH_MIN_SEQ = 16384
+#: The fewest tokens of a sequence the search leaves a cp rank unasked (the size it tries
+#: goes up to ``seq_len / CP_MIN_TOKENS``): smaller shares make attention's blocks small,
+#: where kernels run below the calibrated efficiency (not modelled), and every cp size
+#: multiplies the grids searched.
+CP_MIN_TOKENS = 8192
+#: How many of the best layouts with context parallelism :func:`_other_cp_methods` tries
+#: the other attention methods on.
+CP_METHOD_RETRIES = 64
 _GIB = 2.0**30
 
 
@@ -158,11 +192,60 @@ def _layouts(
         base = Layout(sequence_parallel=sp).with_sizes(grid)
         if base.tp > per_node and not pinned.given(TP):
             continue
-        # What every variant of this grid shares: a grid that breaks it is skipped whole.
-        if check_tp(shape, base.tp, sp) or check_batch(work.global_batch, base):
+        # What every variant of this grid shares: a grid that breaks it is skipped whole
+        # (tp splits each cp rank's share of the sequence).
+        if check_cp(shape, base.cp, "ring") or check_batch(work.global_batch, base):
             continue
-        for ep in _ep_options(shape, base.dp_shard, pinned):
-            yield from _variants(shape, work, world, dataclasses.replace(base, ep=ep), pinned)
+        if not pinned.given(CP) and base.cp > 1 and work.seq_len < base.cp * CP_MIN_TOKENS:
+            continue
+        if check_tp(cp_shard(shape, base.cp), base.tp, sp):
+            continue
+        for method in _cp_methods(shape, base, pinned):
+            with_cp = dataclasses.replace(base, cp_method=method)
+            for ep in _ep_options(shape, base.dp_shard * base.cp, pinned):
+                layout = dataclasses.replace(with_cp, ep=ep)
+                yield from _variants(shape, work, world, layout, pinned)
+
+
+def _cp_methods(shape: ModelShape, base: Layout, pinned: _Pinned) -> list[str]:
+    """Context-parallel attention methods to search on grid ``base``: the fixed one, else
+    ``ring`` (any cp the sequence allows takes it). Ring saves nothing beyond the local q,
+    k, v and builds no whole-sequence mask, so it holds the least memory of the three, and
+    it hides its exchange behind attention: the best start. The others can still win
+    where their exchange is cheaper (all-to-all sends a share of the tokens that does not
+    grow with cp); :func:`_other_cp_methods` tries them on the best layouts found."""
+    if pinned.given("cp_method") or base.cp == 1:
+        return [pinned.layout.cp_method]
+    return ["ring"]
+
+
+def _other_cp_methods(
+    found: list[Candidate],
+    model: ModelSpec,
+    shape: ModelShape,
+    work: Workload,
+    device: DeviceSpec,
+    world: World,
+    budget: float,
+    efficiency: float,
+) -> list[Candidate]:
+    """The other attention methods on the first :data:`CP_METHOD_RETRIES` of ``found``
+    (fastest first) with context parallelism: those that the rules allow and that fit."""
+    tried = [c.layout for c in found if c.layout.cp > 1][:CP_METHOD_RETRIES]
+    more: list[Candidate] = []
+    for layout in tried:
+        for method in CP_METHODS:
+            other = dataclasses.replace(layout, cp_method=method)
+            if method == layout.cp_method or check(
+                other, shape, work.global_batch, world, SCHEDULES
+            ):
+                continue
+            pipeline = layout_shape(model, other)
+            memory = peak_memory(model, other, work, pipeline)
+            if memory.total <= budget:
+                timing = predict_time(model, other, work, device, pipeline, efficiency)
+                more.append(Candidate(other, memory, timing, True))
+    return more
 
 
 def _ep_options(shape: ModelShape, dp_shard: int, pinned: _Pinned) -> list[int]:
@@ -205,7 +288,8 @@ def _options(layout: Layout, pinned: _Pinned) -> Iterator[Layout]:
     """``layout`` with each checkpointing mode and each ``reshard_after_forward`` that
     matters (only ``fully_shard`` without a pipeline reshards between the passes)."""
     acs = [pinned.layout.ac] if pinned.given("ac") else AC_SEARCHED
-    reshards = [True] if layout.dp_shard == 1 or layout.pp > 1 else [True, False]
+    sharded = layout.dp_shard * layout.cp > 1  # fully_shard shards over dp_shard x cp
+    reshards = [True] if not sharded or layout.pp > 1 else [True, False]
     if pinned.given("reshard_after_forward"):
         reshards = [pinned.layout.reshard_after_forward]
     for ac in acs:
@@ -220,9 +304,16 @@ def _check_pinned(model: ModelSpec, shape: ModelShape, world: World, pinned: _Pi
     }
     sizes = {**pinned.sizes, **{k: v for k, v in counts.items() if pinned.given(k)}}
     _refuse(check_sizes({"gpus": world.size, **sizes}) or check_world(pinned.sizes, world))
+    if pinned.given(CP):
+        # The method's own rule only when it is fixed (else another method may do), with
+        # the tp it splits the heads with when that is fixed too.
+        method = pinned.layout.cp_method if pinned.given("cp_method") else "ring"
+        tp = pinned.layout.tp if pinned.given(TP) else 1
+        _refuse(check_cp(shape, pinned.layout.cp, method, tp))
     if pinned.given(TP):
         tp = pinned.layout.tp
-        for split in tp_splits(shape, pinned.layout.sequence_parallel and tp > 1):
+        local = cp_shard(shape, pinned.layout.cp)  # tp splits a cp rank's share
+        for split in tp_splits(local, pinned.layout.sequence_parallel and tp > 1):
             if split.size % tp:
                 raise PlanError(
                     f"--tp {tp} does not divide {split.what} of {model.name}: use a --tp "
@@ -243,7 +334,7 @@ def _ep_reasons(shape: ModelShape, world: World, pinned: _Pinned) -> list[Reason
     takes its ranks from (fixed, or at most what the devices leave)."""
     ep = pinned.layout.ep
     if pinned.given(DP_SHARD):
-        return check_ep(shape, ep, pinned.layout.dp_shard)
+        return check_ep(shape, ep, pinned.layout.dp_shard * pinned.layout.cp)
     others = math.prod(size or 1 for d, size in pinned.sizes.items() if d != DP_SHARD)
     room = world.size // others if world.size % others == 0 else world.size
     reasons = check_ep(shape, ep, room)
@@ -306,6 +397,8 @@ def plan(
     shape = model_shape(model, work)
     world = World(gpus, "--gpus", "devices", named=f"--gpus {gpus}")
     _check_pinned(model, shape, world, pinned)
+    if not pinned.given(CP) and work.seq_len < CP_SEARCH_MIN_SEQ:
+        pinned = _Pinned(pinned.layout, pinned.names | {CP})  # cp 1: see CP_SEARCH_MIN_SEQ
     fitting: list[Candidate] = []
     smallest: tuple[float, Layout] | None = None
     budget = memory_fraction * device.memory
@@ -336,12 +429,17 @@ def plan(
             " GiB): use more or larger devices, a shorter sequence or a smaller batch"
         )
     fitting.sort(key=lambda c: (-c.timing.tokens_per_s_per_device, c.memory.total))
+    if not pinned.given("cp_method"):
+        fitting += _other_cp_methods(fitting, model, shape, work, device, world, budget, efficiency)
+        fitting.sort(key=lambda c: (-c.timing.tokens_per_s_per_device, c.memory.total))
     return fitting
 
 
 def describe(layout: Layout) -> str:
     """A one-line summary of ``layout``, e.g. ``dp_shard=128 tp=8 ac=selective``."""
     parts = [f"{name}={size}" for name, size in layout.sizes.items() if size > 1]
+    if layout.cp > 1:  # cp=4 -> cp=4/ring
+        parts[parts.index(f"{CP}={layout.cp}")] += f"/{layout.cp_method}"
     if layout.ep > 1:
         parts.append(f"ep={layout.ep}")
     if layout.pp > 1:
@@ -349,6 +447,6 @@ def describe(layout: Layout) -> str:
     if layout.microbatches > 1:
         parts.append(f"mb={layout.microbatches}")
     parts.append(f"ac={layout.ac}")
-    if layout.dp_shard > 1 and not layout.reshard_after_forward:
+    if layout.dp_shard * layout.cp > 1 and not layout.reshard_after_forward:
         parts.append("no-reshard")
     return " ".join(parts) or "single device"

@@ -5,15 +5,17 @@ Tensor parallelism (plait's plan, :mod:`plait.train.parallelize`) splits each bl
 matrices and column-wise biases ``tp`` ways and keeps its norms and row-wise biases whole;
 it splits the token embedding and the head by vocabulary, and the learned positions by
 position under sequence parallelism. ``fully_shard`` then divides what is left
-``dp_shard`` ways: one unit per block, and the root unit (embeddings, final norm, head).
+``dp_shard x cp`` ways (:func:`fsdp_ranks`): one unit per block, and the root unit
+(embeddings, final norm, head).
 
 Mixture-of-experts blocks (plait's recipe, :mod:`plait.train.parallelize`): tensor
 parallelism splits the attention and the shared experts and leaves the router and the
 routed experts whole (every tp rank routes the whole sequence alike); expert parallelism
 gives each ``ep`` rank ``E / ep`` whole experts; ``fully_shard`` shards those over
-``efsdp = dp_shard / ep`` as a parameter group of their own in the block's unit, the rest of
-the block over ``dp_shard``. So a rank *stores* ``1 / dp_shard`` of all experts (as of the
-dense parameters) but *gathers* only its ``E / ep`` experts when the block runs.
+``efsdp = dp_shard x cp / ep`` as a parameter group of their own in the block's unit, the
+rest of the block over ``dp_shard x cp``. So a rank *stores* ``1 / (dp_shard x cp)`` of all
+experts (as of the dense parameters) but *gathers* only its ``E / ep`` experts when the
+block runs.
 
 Which blocks are dense: the model's first ``dense_layers``, on the rank that holds the
 embeddings (exact without interleaved stages, or when they fit the first stage; other
@@ -29,7 +31,14 @@ from plait.plan.models import ParamCounts, param_counts
 from plait.plan.schedule import RankLoad
 from plait.plan.spec import Layout, ModelSpec, Workload
 
-__all__ = ["RankParams", "compute_bytes", "microbatch_tokens", "moe_rows", "rank_params"]
+__all__ = [
+    "RankParams",
+    "compute_bytes",
+    "fsdp_ranks",
+    "microbatch_tokens",
+    "moe_rows",
+    "rank_params",
+]
 
 
 @dataclass(frozen=True)
@@ -88,8 +97,8 @@ class RankParams:
 
     @property
     def total(self) -> float:
-        """Elements stored, before ``dp_shard`` divides them: all ``E`` experts of each MoE
-        block count, since the ``ep x efsdp = dp_shard`` ranks split them."""
+        """Elements stored, before ``dp_shard x cp`` divides them: all ``E`` experts of each
+        MoE block count, since the ``ep x efsdp = dp_shard x cp`` ranks split them."""
         return self.sharded_blocks + self.expert_total * self.ep + self.root
 
     @property
@@ -138,13 +147,23 @@ def rank_params(model: ModelSpec, layout: Layout, load: RankLoad) -> RankParams:
 
 def moe_rows(model: ModelSpec, layout: Layout, work: Workload) -> float:
     """Rows one rank routes to experts per MoE block and microbatch: each token of the
-    microbatch ``top_k`` times (the whole sequence on every tp rank; 0 for a dense model)."""
+    microbatch ``top_k`` times (the rank's whole share of the sequence on every tp rank; 0
+    for a dense model)."""
     return microbatch_tokens(layout, work) * model.top_k if model.experts else 0.0
 
 
 def microbatch_tokens(layout: Layout, work: Workload) -> float:
-    """Tokens of one microbatch on one data-parallel rank."""
-    return work.global_batch / layout.dp / layout.microbatches * work.seq_len
+    """Tokens of one microbatch on one rank: its data-parallel rank's sequences, of which
+    context parallelism leaves each of its ``cp`` ranks ``seq_len / cp`` tokens (the cp
+    ranks of a data-parallel rank share its batch)."""
+    return work.global_batch / layout.dp / layout.microbatches * work.seq_len / layout.cp
+
+
+def fsdp_ranks(layout: Layout) -> int:
+    """The ranks ``fully_shard`` shards parameters over and reduces gradients over:
+    ``dp_shard x cp`` (the cp ranks hold the same parameters and different tokens, as the
+    dp_shard ranks do; torchtitan's ``dp_shard_cp``)."""
+    return layout.dp_shard * layout.cp
 
 
 def compute_bytes(work: Workload) -> int:

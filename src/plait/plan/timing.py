@@ -26,6 +26,24 @@ overlaps it:
   the cores to the others: the pipeline then takes the longer of its busiest rank's work
   without a bubble and the makespan run up to ``oversubscription`` times faster.
 
+**Context parallelism** (``cp`` ranks per sequence, :mod:`plait.context`): a rank computes
+its ``seq_len / cp`` tokens of each of its data-parallel rank's sequences, each attending
+to the whole sequence (so attention's FLOPs per rank fall by ``cp`` like the rest; the
+causal load balancing makes the ranks' shares equal). Its key/value exchange per block
+(:func:`~plait.plan.comm.cp_traffic`), on NVLink while ``cp x tp`` ranks fit a node:
+
+* ``allgather`` and ``alltoall``: exposed whole. The all-gather (its reduce-scatter in
+  backward) and the all-to-alls sit between the q, k, v projections and attention, and
+  between attention and the output projection: nothing of the block runs beside them.
+* ``ring``: overlapped with attention. Each shift starts before the current block's
+  attention runs, so per block only what exceeds the attention's compute (forward: the
+  forward's; backward: twice that) is exposed, latencies included. That assumes the
+  kernels run at the same rate beside the transfers and that no shift waits on one
+  another.
+
+Recomputation (``--ac full`` or ``selective``) repeats the forward's exchange. ``fully_shard``
+shards over ``dp_shard x cp`` and its collectives have that many ranks.
+
 **Mixture of experts.** A MoE block's compute is its attention, router and shared experts
 and, per token, its ``top_k`` experts (whole on every tp rank: plait's recipe does not
 split routed experts by tp). Its expert-parallel all-to-alls sit between the router and
@@ -68,11 +86,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.layout import DP_REPLICATE, DP_SHARD, EFSDP, EP, PP, TP
+from plait.layout import CP, DP_REPLICATE, EFSDP, EP, PP, TP
 from plait.plan.comm import (
     Collective,
     all_to_all_bytes,
     communication,
+    cp_traffic,
+    fsdp_dim,
     link_bandwidth,
     ring,
     tp_bytes_per_block,
@@ -80,7 +100,7 @@ from plait.plan.comm import (
 from plait.plan.devices import compute_peak
 from plait.plan.models import attention_flops_per_token, flops_per_token
 from plait.plan.schedule import PipelineShape, RankLoad
-from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params
+from plait.plan.shards import compute_bytes, fsdp_ranks, microbatch_tokens, rank_params
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 
 __all__ = ["EFFICIENCY", "Timing", "predict_time"]
@@ -114,7 +134,7 @@ def _update_seconds(layout: Layout, device: DeviceSpec, elements: float) -> floa
     if not device.update_rate:
         return 0.0
     scalars = 2 * device.latency if layout.world > 1 else 0.0
-    return elements / layout.dp_shard / device.update_rate + scalars
+    return elements / fsdp_ranks(layout) / device.update_rate + scalars
 
 
 @dataclass(frozen=True)
@@ -145,7 +165,7 @@ def _rank_times(
         efficiency = 1.0  # measured figures are achieved rates, not datasheet peaks
     rate = compute_peak(device, work.precision) * efficiency
     e = compute_bytes(work)
-    m, ds, dr, tp = layout.microbatches, layout.dp_shard, layout.dp_replicate, layout.tp
+    m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
     n = microbatch_tokens(layout, work)
     p = rank_params(model, layout, load)
     attention = attention_flops_per_token(model, work.seq_len) / tp
@@ -156,6 +176,10 @@ def _rank_times(
         t_tp = _seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
     passes = 2 if layout.ac != "none" else 1
     fwd, bwd = forward + t_tp, 2 * forward + recompute + passes * t_tp
+    if layout.cp > 1:  # attention's exchange (module docstring)
+        cp_fwd, cp_bwd = _cp_exposed(model, layout, work, device, n * attention / rate)
+        fwd += cp_fwd
+        bwd += cp_bwd + (cp_fwd if layout.ac != "none" else 0.0)
     if p.moe_blocks:  # exposed exchanges of the MoE blocks, spread over the rank's blocks
         share = p.moe_blocks / p.blocks
         one = _seconds(all_to_all_bytes(model, layout, work), EP, layout, device, 0)
@@ -181,13 +205,13 @@ def _rank_times(
 
     def gather(dense: float, experts: float = 0.0) -> float:
         dense, experts = groups(dense, experts)
-        ag = dp(dense * e, DP_SHARD, "all_gather", ds)
+        ag = dp(dense * e, fsdp_dim(layout), "all_gather", ds)
         return ag + (dp(experts * e, EFSDP, "all_gather", eg) if experts else 0.0)
 
     def reduce(dense: float, experts: float = 0.0) -> float:
         # reduce-scatters, then HSDP's / replicate's all-reduce of the shards
         dense, experts = groups(dense, experts)
-        rs = dp(dense * 4, DP_SHARD, "reduce_scatter", ds)
+        rs = dp(dense * 4, fsdp_dim(layout), "reduce_scatter", ds)
         rs += dp(experts * 4, EFSDP, "reduce_scatter", eg) if experts else 0.0
         return rs + dp((dense / ds + experts / eg) * 4, DP_REPLICATE, "all_reduce", dr)
 
@@ -259,6 +283,20 @@ def predict_time(
         collectives=tuple(communication(model, layout, work, device, busiest)),
         host=host,
     )
+
+
+def _cp_exposed(
+    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec, attention: float
+) -> tuple[float, float]:
+    """Seconds context parallelism's exchange adds to one block's forward and backward for
+    one microbatch (module docstring); ``attention``: the forward's attention compute,
+    which a ring's shifts run beside (the backward's is twice that)."""
+    t = cp_traffic(model, layout, work)
+    fwd = _seconds(t.forward, CP, layout, device, t.forward_calls)
+    bwd = _seconds(t.backward, CP, layout, device, t.backward_calls)
+    if layout.cp_method == "ring" and device.overlap:
+        return max(0.0, fwd - attention), max(0.0, bwd - 2 * attention)
+    return fwd, bwd
 
 
 def _microbatch_hop(model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec) -> float:

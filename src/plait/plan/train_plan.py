@@ -1,5 +1,8 @@
 """The plan of one ``plait train`` configuration: what ``plait train --plan`` prints before
-it starts workers (memory per rank, bubble, predicted tokens/s, and whether it fits)."""
+it starts workers (memory per rank, bubble, predicted tokens/s, and whether it fits).
+
+The layout goes both ways whole: :class:`~plait.train.config.TrainConfig`'s layout fields
+(``cp`` and ``cp_method`` among them) are :class:`~plait.layout.Layout`'s."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import dataclasses
 
 from plait.plan.devices import device as device_preset
 from plait.plan.models import gpt
-from plait.plan.report import all_to_all_per_step, size
+from plait.plan.report import all_to_all_per_step, cp_per_step, size
 from plait.plan.search import Candidate, describe, evaluate
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 from plait.train.config import TrainConfig
@@ -104,6 +107,12 @@ def plan_summary(cfg: TrainConfig, device: DeviceSpec | None = None) -> str:
         lines.append(
             f"  experts: ep={c.layout.ep}, all-to-all {size(all_to_all_per_step(t.collectives))}"
             " per rank per step"
+        )
+    if c.layout.cp > 1:
+        lines.append(
+            f"  context parallelism: cp={c.layout.cp} ({c.layout.cp_method}), each rank "
+            f"{cfg.seq_len // c.layout.cp} tokens of each sequence, "
+            f"{size(cp_per_step(t.collectives))} sent per rank per step in attention"
         )
     if not c.fits:
         lines.append(

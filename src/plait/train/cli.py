@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from plait.layout import DP_REPLICATE, DP_SHARD, EP, PP, TP
+from plait.layout import CP, DP_REPLICATE, DP_SHARD, EP, PP, TP
 from plait.pipeline import SCHEDULES
 from plait.train.checkpointing import (
     CheckpointDamaged,
@@ -112,6 +112,8 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         (PP, "pipeline-parallel ranks"),
         (TP, "tensor-parallel ranks (neighbouring ranks: keep them on one node)"),
         (EP, "expert-parallel ranks, taken from --dp-shard: the routed experts split over them"),
+        (CP, "context-parallel ranks: each sequence split over them"),
+        ("cp_method", "context-parallel attention: keys and values gathered, ringed or all-to-all"),
         ("sequence_parallel", "with --tp: norms and activations split by sequence"),
         ("schedule", f"pipeline schedule: {', '.join(SCHEDULES)}"),
         ("stages_per_rank", f"pipeline stages per rank ({_AUTO}: the schedule's)"),
@@ -257,7 +259,9 @@ def _resume_hint(cfg: TrainConfig) -> str:
 
 
 def _describe(cfg: TrainConfig) -> str:
-    dims = " ".join(f"{name}={size}" for name, size in cfg.mesh_dims.items())
+    dims = " ".join(
+        f"{name}={size}" for name, size in cfg.mesh_dims.items() if name != CP or size > 1
+    )
     pipe = f" schedule={cfg.schedule} microbatches={cfg.microbatches}" if cfg.pp > 1 else ""
     sp = f" sequence_parallel={cfg.sequence_parallel}" if cfg.tp > 1 else ""
     ep = f" ep={cfg.ep}" if cfg.ep > 1 else ""

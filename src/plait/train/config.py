@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.layout import LAYOUT_FIELDS, Layout, flag
+from plait.layout import CP_METHODS, LAYOUT_FIELDS, Layout, flag
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -90,6 +90,8 @@ class TrainConfig:
     pp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_method: str = "allgather"
     sequence_parallel: bool = True  # with tp > 1: norms and activations split by sequence
     schedule: str = "1F1B"
     stages_per_rank: int = 0  # auto: what the schedule holds (1, or 2 for looped schedules)
@@ -153,6 +155,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "mp": PRECISIONS,
     "device": DEVICES,
     "aux_loss_type": AUX_LOSS_TYPES,
+    "cp_method": CP_METHODS,
 }
 
 

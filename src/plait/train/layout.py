@@ -123,6 +123,7 @@ _AT_LEAST_ONE = (
     rules.PP,
     rules.TP,
     rules.EP,
+    rules.CP,
     "top_k",
     "keep",
     "eval_batches",
@@ -188,7 +189,13 @@ def _check_local_gpus(device: str, nproc: int) -> None:
 
 
 def _check_features(cfg: TrainConfig) -> None:
-    if cfg.cpu_offload and cfg.dp_shard == 1:
+    if cfg.cp > 1 and cfg.experts and cfg.aux_loss_coeff and cfg.aux_loss_type == "sequence":
+        raise ConfigError(
+            f"--aux-loss-type sequence balances each whole sequence, but --cp {cfg.cp} splits "
+            "every sequence over ranks: use --aux-loss-type global (over the global batch), "
+            "or --aux-loss-coeff 0"
+        )
+    if cfg.cpu_offload and cfg.dp_shard * cfg.cp == 1:
         raise ConfigError(
             "--cpu-offload keeps fully_shard's parameter shards in host memory, but "
             "--dp-shard is 1 (nothing is sharded): use --dp-shard 2 or more, or drop "

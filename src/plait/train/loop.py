@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait import spmd
+from plait.context import shard_sequence
 from plait.experts import expert_load, update_expert_bias
-from plait.layout import DP_REPLICATE, DP_SHARD, PP
+from plait.layout import CP, DP_REPLICATE, DP_SHARD, PP
 from plait.mesh import collective_device, mesh_coordinate
 from plait.train.checkpointing import (
     CheckpointDamaged,
@@ -42,7 +43,13 @@ from plait.train.optimizer import (
     lr_at,
     set_lr,
 )
-from plait.train.parallelize import Stage, build_expert_mesh, build_mesh, parallelize
+from plait.train.parallelize import (
+    Stage,
+    build_expert_mesh,
+    build_mesh,
+    build_shard_mesh,
+    parallelize,
+)
 from plait.train.progress import Progress
 from plait.train.report import imbalance, plot_loss_curve, summary_table
 from plait.train.step import Stepper, global_mean, make_stepper
@@ -105,7 +112,8 @@ class Trainable:
 
     def __init__(self, model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None) -> None:
         self.cfg = cfg
-        self.stages: list[Stage] = parallelize(model, cfg, mesh, build_expert_mesh(cfg))
+        experts, shard = build_expert_mesh(cfg), build_shard_mesh(cfg)
+        self.stages: list[Stage] = parallelize(model, cfg, mesh, experts, shard)
         self.modules = [s.module for s in self.stages]
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, cfg)
@@ -175,6 +183,9 @@ class _Session:
         x, y = global_batch(
             self.corpus, split, cfg.seed, index, cfg.batch_size, cfg.seq_len, self.dp_rank, cfg.dp
         )
+        if cfg.cp > 1:  # this rank's tokens of every sequence (the model knows their places)
+            assert self.mesh is not None
+            x, y = (shard_sequence(t, self.mesh[CP], dim=1) for t in (x, y))
         return x.to(cfg.device), y.to(cfg.device)
 
     def train_step(self, step: int) -> tuple[float, float]:

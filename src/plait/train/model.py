@@ -151,6 +151,9 @@ class GPT(nn.Module):
         if cfg.tie_weights:
             head.weight = tok_emb.weight
         self.head: nn.Linear | None = head
+        #: The global positions of the tokens ``forward`` gets, when they are not the first
+        #: ``T`` of a sequence (context parallelism: this rank's share of every sequence).
+        self.positions: torch.Tensor | None = None
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -177,7 +180,7 @@ class GPT(nn.Module):
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds seq_len={self.cfg.seq_len}")
         if self.tok_emb and self.pos_emb:  # falsy on stages without them (split_model)
-            pos = torch.arange(t, device=x.device)
+            pos = self.positions if self.positions is not None else torch.arange(t, device=x.device)
             x = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)

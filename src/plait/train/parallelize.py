@@ -7,20 +7,26 @@
    ``torch.distributed.tensor.parallel`` with the plan below (:func:`tensor_parallel_plan`):
    parameters become DTensors on the tp mesh, and the loss runs under ``loss_parallel``
    (:func:`loss_context`).
-3. **Expert parallelism** (``--ep``, with ``--experts``): every block's routed experts are
-   sharded over the ``ep`` dimension of the experts' mesh (``dp_shard`` split into
+3. **Context parallelism** (``--cp``): each sequence is split over the ``cp`` ranks (a head
+   and a tail chunk each: :mod:`plait.context`), which share their data-parallel rank's
+   batch; every attention runs over the whole sequence from the local tokens
+   (``--cp-method``: keys and values all-gathered, ringed, or all-to-all by heads), and
+   the position embedding takes the tokens' global positions.
+4. **Expert parallelism** (``--ep``, with ``--experts``): every block's routed experts are
+   sharded over the ``ep`` dimension of the experts' mesh (``dp_shard x cp`` split into
    ``(efsdp, ep)``: :meth:`plait.layout.Layout.expert_mesh`), tokens sent to them by
    all-to-all (:func:`plait.experts.expert_parallel`). Every MoE balances its load over
-   the data-parallel ranks, which hold different tokens.
-4. **Activation checkpointing** (``--ac``) per block: ``full`` recomputes a block in
+   the data-parallel (and context-parallel) ranks, which hold different tokens.
+5. **Activation checkpointing** (``--ac``) per block: ``full`` recomputes a block in
    backward, ``selective`` keeps its matmul outputs and recomputes the rest, ``offload``
    parks what backward needs in host memory.
-5. **Data parallelism** per block, then the stage's root: ``fully_shard`` over the
-   ``dp_shard`` mesh dimension, or over the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP:
-   sharded inside a group, replicated across groups); ``replicate`` over ``dp_replicate``
-   when nothing is sharded. A block's expert-parallel experts are a parameter group of
-   their own in the block's unit, sharded over ``efsdp`` (and replicated over
-   ``dp_replicate``): torchtitan's layout. Mixed precision and CPU offload are
+6. **Data parallelism** per block, then the stage's root: ``fully_shard`` over the
+   ``dp_shard`` mesh dimension (with ``--cp``, over ``dp_shard x cp``: each cp rank's
+   gradients cover its own tokens), or over the 2-D ``(dp_replicate, dp_shard)`` mesh
+   (HSDP: sharded inside a group, replicated across groups); ``replicate`` over
+   ``dp_replicate`` when nothing is sharded. A block's expert-parallel experts are a
+   parameter group of their own in the block's unit, sharded over ``efsdp`` (and
+   replicated over ``dp_replicate``): torchtitan's layout. Mixed precision and CPU offload are
    ``fully_shard`` policies; without ``fully_shard``, bf16 runs the forward under
    autocast (:func:`forward_context`).
 
@@ -69,6 +75,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plait.checkpoint import checkpoint
+from plait.context import Method, apply_context_parallel, sequence_positions
 from plait.experts import MoE, expert_parallel, set_load_balance_mesh
 from plait.fsdp import (
     CPUOffloadPolicy,
@@ -77,7 +84,7 @@ from plait.fsdp import (
     ShardPlacement,
     fully_shard,
 )
-from plait.layout import DATA_PARALLEL, DP_REPLICATE, EFSDP, EP, PP, TP
+from plait.layout import CP, DATA_PARALLEL, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EFSDP, EP, PP, TP
 from plait.mesh import mesh_coordinate
 from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_rank
 from plait.replicate import replicate
@@ -88,6 +95,7 @@ __all__ = [
     "Stage",
     "build_expert_mesh",
     "build_mesh",
+    "build_shard_mesh",
     "forward_context",
     "loss_context",
     "mesh_coordinate",
@@ -122,6 +130,12 @@ def build_mesh(cfg: TrainConfig) -> DeviceMesh | None:
     """The device mesh of ``cfg``'s layout (:meth:`plait.layout.Layout.mesh`): ``(pp,
     dp_replicate, dp_shard, tp)``, keeping only dimensions > 1; None for one process."""
     return cfg.layout.mesh(cfg.device)
+
+
+def build_shard_mesh(cfg: TrainConfig) -> DeviceMesh | None:
+    """With ``--cp``, the mesh of tensor parallelism and fully_shard
+    (:meth:`plait.layout.Layout.shard_mesh`: ``dp_shard x cp`` as one dimension)."""
+    return cfg.layout.shard_mesh(cfg.device)
 
 
 def build_expert_mesh(cfg: TrainConfig) -> DeviceMesh | None:
@@ -217,16 +231,24 @@ def _checkpoint(module: GPT, ac: str) -> None:
         checkpoint(block, **options.get(ac, {}))  # "full": no options
 
 
-def _dp_dims(cfg: TrainConfig) -> tuple[str, ...]:
-    """The data-parallel dims of the layout's mesh (those of size > 1)."""
-    return tuple(d for d in DATA_PARALLEL if getattr(cfg, d) > 1)
+def _shard_dims(cfg: TrainConfig) -> tuple[str, ...]:
+    """The dims fully_shard shards over (HSDP: replicates, then shards): of the layout's
+    mesh, or with context parallelism of its shard mesh (``dp_shard x cp`` as one)."""
+    shard = DP_SHARD_CP if cfg.cp > 1 else DP_SHARD
+    return (DP_REPLICATE, shard) if cfg.dp_replicate > 1 else (shard,)
+
+
+def _token_dims(cfg: TrainConfig) -> tuple[str, ...]:
+    """The dims of the layout's mesh whose ranks hold different tokens of a batch."""
+    return tuple(d for d in (*DATA_PARALLEL, CP) if getattr(cfg, d) > 1)
 
 
 def _moe(
     module: GPT, cfg: TrainConfig, mesh: DeviceMesh | None, experts: DeviceMesh | None
 ) -> None:
-    """Expert parallelism and load balancing of ``module``'s MoE blocks (recipe step 3)."""
-    dp = mesh[_dp_dims(cfg)] if mesh is not None and cfg.dp > 1 else None
+    """Expert parallelism and load balancing of ``module``'s MoE blocks (recipe step 4)."""
+    dims = _token_dims(cfg)
+    dp = mesh[dims] if mesh is not None and dims else None
     if experts is not None:
         expert_parallel(module, experts[EP], load_balance_mesh=dp)
     else:
@@ -253,7 +275,7 @@ def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh 
     bf16 = cfg.mp == "bf16"
     shard = functools.partial(
         fully_shard,
-        mesh=mesh[_dp_dims(cfg)],
+        mesh=mesh[_shard_dims(cfg)],
         mp_policy=MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
@@ -266,23 +288,40 @@ def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh 
     shard(module)  # the root: embeddings, head, and what runs at the end of backward
 
 
+def _context_parallel(module: GPT, cfg: TrainConfig, mesh: DeviceMesh) -> None:
+    """Every attention of ``module`` over the whole sequence from this rank's tokens, and
+    the position embedding at their global positions (recipe step 3)."""
+    apply_context_parallel(module, mesh[CP], method=cast(Method, cfg.cp_method))
+    module.positions = sequence_positions(cfg.seq_len, mesh[CP], device=cfg.device)
+
+
 def parallelize(
-    model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None, experts: DeviceMesh | None = None
+    model: GPT,
+    cfg: TrainConfig,
+    mesh: DeviceMesh | None,
+    experts: DeviceMesh | None = None,
+    shard: DeviceMesh | None = None,
 ) -> list[Stage]:
     """Apply the recipe (module docstring) to ``model``; returns this rank's stages.
-    ``experts``: the experts' mesh (:func:`build_expert_mesh`; None without ``--ep``)."""
+    ``mesh``: the layout's (:func:`build_mesh`); ``experts``: the experts' mesh
+    (:func:`build_expert_mesh`; None without ``--ep``); ``shard``: what tensor parallelism
+    and fully_shard use with ``--cp`` (:func:`build_shard_mesh`; default ``mesh``)."""
     stages = _split(model, cfg, mesh_coordinate(mesh, PP))  # 1. pipeline split
+    inner = shard if shard is not None else mesh
     for stage in stages:
         if cfg.tp > 1:  # 2. tensor parallelism
-            assert mesh is not None
+            assert inner is not None
             plan = tensor_parallel_plan(stage.module, cfg.sequence_parallel)
-            parallelize_module(stage.module, mesh[TP], plan)
-        if cfg.experts:  # 3. expert parallelism, load balancing over the dp ranks
-            _moe(stage.module, cfg, mesh, experts)
-        _checkpoint(stage.module, cfg.ac)  # 4. activation checkpointing per block
-        if cfg.dp_shard > 1:  # 5. data parallelism per block, then the root
+            parallelize_module(stage.module, inner[TP], plan)
+        if cfg.cp > 1:  # 3. context parallelism: sequences split, attention exact
             assert mesh is not None
-            _shard(stage.module, cfg, mesh, experts)
+            _context_parallel(stage.module, cfg, mesh)
+        if cfg.experts:  # 4. expert parallelism, load balancing over the dp ranks
+            _moe(stage.module, cfg, mesh, experts)
+        _checkpoint(stage.module, cfg.ac)  # 5. activation checkpointing per block
+        if cfg.dp_shard * cfg.cp > 1:  # 6. data parallelism per block, then the root
+            assert inner is not None
+            _shard(stage.module, cfg, inner, experts)
         elif cfg.dp_replicate > 1:
             assert mesh is not None
             replicate(stage.module, mesh=mesh[DP_REPLICATE])
@@ -291,6 +330,6 @@ def parallelize(
 
 def forward_context(cfg: TrainConfig) -> AbstractContextManager[Any]:
     """What the forward runs under: autocast to bf16 where no ``fully_shard`` casts."""
-    if cfg.mp == "bf16" and cfg.dp_shard == 1:
+    if cfg.mp == "bf16" and cfg.dp_shard * cfg.cp == 1:
         return torch.autocast(cfg.device, dtype=torch.bfloat16)
     return nullcontext()

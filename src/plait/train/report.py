@@ -16,7 +16,9 @@ LOSS_CURVE = "loss.png"
 def _layout(cfg: TrainConfig) -> str:
     """The mesh, every dimension shown (outermost first), e.g. ``pp=2 x dp_replicate=1 x
     dp_shard=1 x tp=2, sequence parallel``."""
-    mesh = " x ".join(f"{name}={size}" for name, size in cfg.mesh_dims.items())
+    mesh = " x ".join(
+        f"{name}={size}" for name, size in cfg.mesh_dims.items() if name != "cp" or size > 1
+    )
     if cfg.ep > 1:
         mesh += f", experts over ep={cfg.ep} x efsdp={cfg.dp_shard // cfg.ep}"
     if cfg.tp > 1:

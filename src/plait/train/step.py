@@ -55,11 +55,12 @@ def global_mean(local: torch.Tensor, cfg: TrainConfig) -> float:
     for equal local batches); ranks without a loss contribute zero. ``local`` may hold
     several losses, one per batch: the mean of the batches' global losses, for one
     collective and one wait for the device. The ``tp`` ranks of a data-parallel rank hold
-    the same loss (of the same batch), so the sum over all ranks counts it ``tp`` times."""
+    the same loss (of the same batch), so the sum over all ranks counts it ``tp`` times;
+    its ``cp`` ranks hold the losses of equal shares of its tokens, averaged alike."""
     total = local.detach().float().reshape(-1)
     copies = 1
     if dist.is_initialized() and dist.get_world_size() > 1:
-        world, copies = dist.group.WORLD, cfg.dp * cfg.tp
+        world, copies = dist.group.WORLD, cfg.dp * cfg.cp * cfg.tp
         total = total.to(collective_device(world)).clone()
         spmd.record("all_reduce", total, world, "the loss")
         spmd.wait(dist.all_reduce(total, group=world, async_op=True), "all_reduce of the loss")

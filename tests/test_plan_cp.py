@@ -1,0 +1,175 @@
+"""The planner's model of context parallelism (``plait plan --cp``, ``--cp-method``).
+
+* Memory: per-token activations fall as ``1 / cp``; parameter, gradient and optimizer
+  shards divide over ``dp_shard x cp``; all-gather attention keeps the whole sequence's
+  keys and values.
+* Bytes: each method's exchange per step against a hand computation, on the right link.
+* The search tries cp only for long sequences; the command line prints the cp bytes,
+  refuses a ``--cp`` the sequence or the heads do not divide, and ``plait train --plan``'s
+  summary says what cp does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from plait.plan import Layout, Workload, evaluate, plan, predict_memory
+from plait.plan.cli import main
+from plait.plan.comm import DP_SHARD_CP, cp_traffic
+from plait.plan.devices import device
+from plait.plan.models import gpt
+from plait.plan.report import cp_per_step
+from plait.plan.train_plan import config_of_layout, plan_summary
+from plait.train.config import TrainConfig
+
+LONG = 32768
+H100 = device("h100")
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_activations_per_rank_fall_with_cp(method: str) -> None:
+    spec = gpt(2, 16, 2048, LONG)
+    work = Workload(seq_len=LONG, global_batch=2, precision="bf16")
+    one = predict_memory(spec, Layout(dp_shard=2), work)  # fully_shard on in both
+    for cp in (2, 4):
+        mem = predict_memory(spec, Layout(dp_shard=2, cp=cp, cp_method=method), work)
+        ratio = mem.activations / one.activations
+        if method == "ring":  # nothing beyond the local tokens' activations
+            assert ratio == pytest.approx(1 / cp)
+        else:  # plus the gathered keys and values and the mask
+            assert 1 / cp < ratio < 1
+        assert mem.extra["logits"] == pytest.approx(one.extra["logits"] / cp)
+        assert mem.total < one.total
+
+
+def test_cp_attention_keeps_what_plait_context_saves() -> None:
+    spec = gpt(1, 4, 64, 1024)
+    work = Workload(seq_len=1024, global_batch=1, precision="bf16")
+    ring, gather, heads = (
+        predict_memory(spec, Layout(cp=4, cp_method=m), work)
+        for m in ("ring", "allgather", "alltoall")
+    )
+    # 256 local tokens; all-gather: SDPA saves 4 x 256 keys and values of width 64 instead
+    # of the local 256, and the (256 x 1024) boolean mask
+    assert gather.activations - ring.activations == 256 * (2 * 4 * 64 - 2 * 64) * 2 + 256 * 1024
+    # all-to-all: head-split q, k, v and output beside the local output, a 1024 x 1024 mask
+    assert heads.activations - ring.activations == 256 * (3 * 64 - 2 * 64) * 2 + 1024 * 1024
+    # in backward, ring's two key/value blocks and their two fp32 gradient accumulators
+    assert ring.extra["cp_attention"] == 2 * (2 * 256 * 64) * (2 + 4)
+
+
+def test_shards_divide_over_dp_shard_times_cp() -> None:
+    spec = gpt(2, 4, 64, 1024)
+    work = Workload(seq_len=1024, global_batch=2, precision="bf16")
+    four = predict_memory(spec, Layout(dp_shard=4), work)
+    mixed = predict_memory(spec, Layout(dp_shard=2, cp=2), work)
+    alone = predict_memory(spec, Layout(cp=2), work)
+    whole = predict_memory(spec, Layout(), work)
+    for part in ("params", "grads", "optimizer"):
+        assert getattr(mixed, part) == pytest.approx(getattr(four, part))
+        assert getattr(alone, part) == pytest.approx(getattr(whole, part) / 2)
+    c = evaluate(spec, Layout(dp_shard=2, cp=2), work, H100)
+    dims = {k.dim for k in c.timing.collectives}
+    assert DP_SHARD_CP in dims and "dp_shard" not in dims
+
+
+def _hand(method: str, cp: int, n: float, width: int, e: int) -> tuple[float, float]:
+    """Forward and backward bytes one rank sends per block (the docstring's formulas)."""
+    kv = 2 * n * width * e  # a rank's keys and values (GPT: as wide as the queries)
+    if method == "allgather":
+        return (cp - 1) * kv, (cp - 1) * kv
+    if method == "ring":
+        return (cp - 1) * kv, (cp - 1) * kv + cp * 2 * n * width * 4  # + fp32 accumulators
+    return 4 * n * width * e * (cp - 1) / cp, 4 * n * width * e * (cp - 1) / cp
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring", "alltoall"])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_cp_bytes_per_step_by_hand(method: str, ac: str) -> None:
+    spec = gpt(2, 4, 64, 1024)
+    work = Workload(seq_len=1024, global_batch=2, precision="bf16")
+    layout = Layout(cp=4, cp_method=method, ac=ac)
+    n = 2 * 1024 / 4  # both sequences, a quarter of each
+    fwd, bwd = _hand(method, 4, n, 64, 2)
+    t = cp_traffic(spec, layout, work)
+    assert (t.forward, t.backward) == (pytest.approx(fwd), pytest.approx(bwd))
+    c = evaluate(spec, layout, work, H100)
+    forwards = 2 if ac == "full" else 1  # checkpointing recomputes the forward's exchange
+    assert cp_per_step(c.timing.collectives) == pytest.approx(2 * (forwards * fwd + bwd))
+    (k,) = [k for k in c.timing.collectives if k.dim == "cp"]
+    assert k.bandwidth == H100.intra_node_bw  # cp x tp = 4 ranks: one node
+    across = evaluate(spec, Layout(cp=4, tp=4, cp_method=method, ac=ac), work, H100)
+    (k,) = [k for k in across.timing.collectives if k.dim == "cp"]
+    assert k.bandwidth == H100.inter_node_bw  # 16 consecutive ranks: two nodes
+
+
+def test_ring_hides_its_exchange_behind_attention() -> None:
+    spec = gpt(2, 8, 512, LONG)
+    work = Workload(seq_len=LONG, global_batch=1, precision="bf16")
+    ring, gather = (
+        evaluate(spec, Layout(cp=4, cp_method=m), work, H100).timing for m in ("ring", "allgather")
+    )
+    assert cp_per_step(ring.collectives) > cp_per_step(gather.collectives)
+    assert ring.step_time < gather.step_time
+
+
+def test_search_tries_cp_for_long_sequences_only() -> None:
+    spec = gpt(4, 8, 512, LONG)
+    long = plan(spec, Workload(seq_len=LONG, global_batch=2), H100, 8)
+    assert any(c.layout.cp > 1 for c in long)
+    assert {c.layout.cp_method for c in long if c.layout.cp > 1} >= {"ring", "allgather"}
+    for c in long:
+        assert LONG % (2 * c.layout.cp) == 0 and c.layout.world == 8
+    short = plan(gpt(4, 8, 512, 4096), Workload(seq_len=4096, global_batch=8), H100, 8)
+    assert {c.layout.cp for c in short} == {1}
+    asked = plan(gpt(4, 8, 512, 4096), Workload(seq_len=4096, global_batch=8), H100, 8, cp=2)
+    assert {c.layout.cp for c in asked} == {2}
+
+
+ARGS = ["--n-layer", "2", "--n-head", "4", "--d-model", "64", "--seq-len", "1024"]
+
+
+def test_command_plans_cp_and_reports_its_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*ARGS, "--gpus", "4", "--cp", "2", "--cp-method", "ring", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "cp=2/ring" in out and "cp/step" in out and "--cp 2 --cp-method ring" in out
+    fixed = ["--dp-shard", "2", "--ac", "none", "--microbatches", "1", "--no-reshard-after-forward"]
+    flags = [*ARGS, "--gpus", "4", "--cp", "2", "--cp-method", "ring", *fixed, "--json"]
+    assert main(flags) == 0
+    (best,) = json.loads(capsys.readouterr().out)
+    assert (best["layout"]["cp"], best["layout"]["cp_method"]) == (2, "ring")
+    fwd, bwd = _hand("ring", 2, 4 / 2 * 1024 / 2, 64, 2)  # 2 sequences per dp rank, half each
+    assert best["cp_bytes_per_step"] == pytest.approx(2 * (fwd + bwd))
+    assert {"dim": "cp", "op": "send_recv"}.items() <= best["communication"][-1].items()
+
+
+def test_command_refuses_a_cp_the_sequence_or_heads_do_not_divide(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    seq = ["--n-layer", "2", "--n-head", "4", "--d-model", "64", "--seq-len", "4096"]
+    assert main([*seq, "--gpus", "6", "--cp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp 3" in err and "does not divide by 6" in err
+    heads = ["--n-layer", "2", "--n-head", "6", "--d-model", "96", "--seq-len", "1024"]
+    assert main([*heads, "--gpus", "4", "--cp", "4", "--cp-method", "alltoall"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp-method alltoall" in err and "6 attention heads" in err
+    assert main([*heads, "--gpus", "4", "--cp", "4", "--cp-method", "ring"]) == 0
+    capsys.readouterr()
+
+
+def test_train_plan_carries_cp_both_ways() -> None:
+    spec = gpt(2, 4, 64, 1024)
+    work = Workload(seq_len=1024, global_batch=4, precision="fp32")
+    layout = Layout(dp_shard=2, cp=2, cp_method="alltoall")
+    cfg = config_of_layout(spec, layout, work)
+    assert (cfg.cp, cfg.cp_method) == (2, "alltoall") and cfg.layout == layout
+    cfg = TrainConfig(
+        nproc=4, device="cpu", n_layer=2, d_model=64, seq_len=1024, batch_size=4, dp_shard=2,
+        cp=2, cp_method="ring", microbatches=1, stages_per_rank=1,
+    )  # fmt: skip
+    summary = plan_summary(cfg)
+    assert "cp=2/ring" in summary
+    assert "context parallelism: cp=2 (ring), each rank 512 tokens of each sequence" in summary
