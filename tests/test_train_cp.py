@@ -13,30 +13,23 @@ averages gradients over ``dp_shard x cp``.
 from __future__ import annotations
 
 import functools
-import math
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from plait.train.cli import main
-from plait.train.config import TrainConfig
 from plait.train.loop import TrainResult
 
 from harness import run_on_ranks
-from train_helpers import TINY, forbid_launch, run_train
+from train_helpers import TINY, assert_losses_close, forbid_launch, run_train, train_on_rank
 
 #: Gradient clipping active, as in the TP tests; 32-token sequences split into 2 x cp chunks.
 CP_TINY = TINY.replace(grad_clip=0.5, steps=3)
 
 #: A few float32 roundings of a loss near 5.
 TOLERANCE = 5e-6
-
-
-def _train_on_rank(cfg: TrainConfig, run_dir: str) -> TrainResult:
-    return run_train(cfg, dist.get_world_size(), Path(run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +45,7 @@ def _reference(tmp: str, steps: int = CP_TINY.steps, **model: Any) -> TrainResul
 
 
 def _assert_close(actual: list[float], expected: list[float]) -> None:
-    assert len(actual) == len(expected)
-    for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
-        assert math.isclose(a, e, rel_tol=0, abs_tol=TOLERANCE), (step, a, e, actual, expected)
+    assert_losses_close(actual, expected, TOLERANCE)
 
 
 #: (world size, layout). The issue's acceptance layouts: cp 2 x dp_shard 2, cp 2 x tp 2,
@@ -75,7 +66,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 def test_cp_layout_matches_single_process(name: str, shared_tmp: str, tmp_path: Path) -> None:
     world, layout = LAYOUTS[name]
     layout.setdefault("dp_shard", 1)
-    results = run_on_ranks(world, _train_on_rank, CP_TINY.replace(**layout), str(tmp_path))
+    results = run_on_ranks(world, train_on_rank, CP_TINY.replace(**layout), str(tmp_path))
     expected = _reference(shared_tmp)
     for result in results:  # every rank reports the global loss
         _assert_close(result.losses, expected.losses)
@@ -87,7 +78,7 @@ def test_cp_with_expert_parallelism(shared_tmp: str, tmp_path: Path) -> None:
     the load is summed over them, and the balance loss is the global-batch one."""
     moe = {"experts": 4, "top_k": 2, "aux_loss_type": "global"}
     cfg = CP_TINY.replace(cp=2, ep=2, dp_shard=1, **moe)
-    results = run_on_ranks(2, _train_on_rank, cfg, str(tmp_path))
+    results = run_on_ranks(2, train_on_rank, cfg, str(tmp_path))
     expected = _reference(shared_tmp, **moe)
     for result in results:
         _assert_close(result.losses, expected.losses)
@@ -98,7 +89,7 @@ def test_checkpoint_at_cp2_resumes_at_cp1(shared_tmp: str, tmp_path: Path) -> No
     expected = _reference(shared_tmp, steps)
     saved = tmp_path / "run"
     cfg = CP_TINY.replace(steps=steps, stop_after=2, cp=2, dp_shard=1, cp_method="ring")
-    run_on_ranks(2, _train_on_rank, cfg, str(saved))
+    run_on_ranks(2, train_on_rank, cfg, str(saved))
     resumed = run_train(CP_TINY.replace(steps=steps, resume=True, cp=1, dp_shard=1), 1, saved)
     assert resumed.start_step == 2
     _assert_close(resumed.losses, expected.losses[2:])
@@ -112,6 +103,7 @@ REFUSALS = [
         "--cp-method alltoall splits the 1 attention heads",
     ),
     (["--cp", "0"], "--cp 0: must be at least 1"),
+    (["--cp", "2", "--dropout", "0.1", "--nproc", "2"], "--dropout 0.1 with --cp 2"),
     (
         ["--cp", "2", "--experts", "4", "--nproc", "2"],
         "--aux-loss-type sequence balances each whole sequence",

@@ -16,7 +16,6 @@ that sequence alone, however the batch is cut into microbatches.
 from __future__ import annotations
 
 import functools
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from plait.train.loop import TrainResult
 from plait.train.metrics import read_metrics
 
 from harness import run_on_ranks
-from train_helpers import TINY, forbid_launch, run_train
+from train_helpers import TINY, assert_losses_close, forbid_launch, run_train, train_on_rank
 
 #: 4 routed experts (top-2) and a shared one in each of 4 blocks; clipping active.
 MOE_TINY = TINY.replace(
@@ -40,10 +39,6 @@ MOE_TINY = TINY.replace(
 
 #: As ``test_train_tp``: a few float32 roundings of a loss near 5.
 TOLERANCE = 5e-6
-
-
-def _train_on_rank(cfg: TrainConfig, run_dir: str) -> TrainResult:
-    return run_train(cfg, dist.get_world_size(), Path(run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +59,7 @@ def _loads(run_dir: Path) -> list[Any]:
 
 
 def _assert_close(actual: list[float], expected: list[float]) -> None:
-    assert len(actual) == len(expected)
-    for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
-        assert math.isclose(a, e, rel_tol=0, abs_tol=TOLERANCE), (step, a, e, actual, expected)
+    assert_losses_close(actual, expected, TOLERANCE)
 
 
 #: (world size, layout). The issue's acceptance layouts: EP 2 x FSDP 2 (at 2 ranks the
@@ -87,7 +80,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_matches_single_process(name: str, shared_tmp: str, tmp_path: Path) -> None:
     world, layout = LAYOUTS[name]
-    results = run_on_ranks(world, _train_on_rank, MOE_TINY.replace(**layout), str(tmp_path))
+    results = run_on_ranks(world, train_on_rank, MOE_TINY.replace(**layout), str(tmp_path))
     expected, expected_loads = _reference(shared_tmp)
     for result in results:  # every rank reports the global loss
         _assert_close(result.losses, expected.losses)
@@ -124,14 +117,14 @@ def test_checkpoint_at_ep2_resumes_at_another_ep(
     saved = shared_tmp + "/saved-at-ep2"
     if not Path(saved).exists():  # the first parameter's run saves it, the second reuses it
         cfg = MOE_TINY.replace(steps=steps, stop_after=2, ep=2, dp_shard=2)
-        run_on_ranks(2, _train_on_rank, cfg, saved)
+        run_on_ranks(2, train_on_rank, cfg, saved)
     run_dir = tmp_path / "run"
     shutil.copytree(saved, run_dir)
     cfg = MOE_TINY.replace(steps=steps, resume=True, **layout)
     if world == 1:
         results = [run_train(cfg, 1, run_dir)]
     else:
-        results = run_on_ranks(world, _train_on_rank, cfg.replace(dp_shard=world), str(run_dir))
+        results = run_on_ranks(world, train_on_rank, cfg.replace(dp_shard=world), str(run_dir))
     for result in results:
         assert result.start_step == 2
         _assert_close(result.losses, expected.losses[2:])

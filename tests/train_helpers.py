@@ -3,9 +3,11 @@ and a launcher that must not be reached."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from plait.train.config import TrainConfig
 from plait.train.layout import resolve
@@ -40,3 +42,20 @@ def forbid_launch(monkeypatch: pytest.MonkeyPatch, reason: str) -> None:
         raise AssertionError(reason)
 
     monkeypatch.setattr("plait.train.cli.launch", no_launch)
+
+
+#: How far a loss may be from the single-process run's: a few float32 roundings of a loss
+#: near 5 (2.4e-7 apart). Enough to catch a gradient clipped wrongly in one step (1e-5).
+TOLERANCE = 3e-6
+
+
+def train_on_rank(cfg: TrainConfig, run_dir: str) -> TrainResult:
+    """Train ``cfg`` in a harness worker, over the worker processes' world."""
+    return run_train(cfg, dist.get_world_size(), Path(run_dir))
+
+
+def assert_losses_close(actual: list[float], expected: list[float], tol: float = TOLERANCE) -> None:
+    """Every loss within ``tol`` of the expected one, step by step."""
+    assert len(actual) == len(expected)
+    for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
+        assert math.isclose(a, e, rel_tol=0, abs_tol=tol), (step, a, e, actual, expected)

@@ -38,16 +38,20 @@ def default_nproc(device: str) -> int:
 def model_shape(cfg: TrainConfig) -> rules.ModelShape:
     """What the layout rules need of ``cfg``'s GPT (byte tokens, shaped by its flags)."""
     gpt = GPTConfig(
-        seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model
+        seq_len=cfg.seq_len,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        d_model=cfg.d_model,
+        experts=cfg.experts,
+        top_k=cfg.top_k,
+        shared_experts=cfg.shared_experts,
+        expert_hidden=cfg.expert_hidden,
     )
     heads = gpt.n_head  # no grouped-query attention: as many KV heads
     # Tensor parallelism splits a MoE block's shared experts as it splits a dense MLP (the
     # routed experts are split by expert parallelism instead); without shared experts,
     # nothing of the block's feed-forward is split but the model width, already listed.
-    mlp = gpt.d_mlp
-    if cfg.experts:
-        hidden = cfg.expert_hidden or max(1, gpt.d_mlp // (cfg.top_k + cfg.shared_experts))
-        mlp = hidden * cfg.shared_experts or gpt.d_model
+    mlp = (gpt.d_expert * gpt.shared_experts or gpt.d_model) if gpt.experts else gpt.d_mlp
     sizes = (gpt.n_layer, heads, heads, gpt.d_model, mlp, gpt.vocab_size, gpt.seq_len)
     return rules.ModelShape(*sizes, from_flags=True, tokens="byte tokens", experts=cfg.experts)
 
@@ -189,6 +193,11 @@ def _check_local_gpus(device: str, nproc: int) -> None:
 
 
 def _check_features(cfg: TrainConfig) -> None:
+    if cfg.cp > 1 and cfg.dropout:
+        raise ConfigError(
+            f"--dropout {cfg.dropout} with --cp {cfg.cp}: context-parallel attention has no "
+            "attention dropout (its masks span ranks): use --dropout 0, or --cp 1"
+        )
     if cfg.cp > 1 and cfg.experts and cfg.aux_loss_coeff and cfg.aux_loss_type == "sequence":
         raise ConfigError(
             f"--aux-loss-type sequence balances each whole sequence, but --cp {cfg.cp} splits "
