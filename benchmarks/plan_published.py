@@ -1,207 +1,266 @@
-"""``plait plan`` against published runs: torchtitan's Llama 3.1 tables on H100.
+"""``plait plan`` against published runs it was (mostly) not tuned on: issue 28's table.
 
-Every row of ``shared/reference/published_runs.md`` that the planner can express is
-evaluated with :func:`plait.plan.evaluate` at exactly the published layout, and printed as
-a Markdown table beside the published figures::
+Every run of :mod:`benchmarks.published_runs` (Megatron-LM on A100 and H100, torchtitan,
+llm-foundry, Meta's Llama 3) is evaluated with :func:`plait.plan.evaluate` at exactly its
+published layout, and printed as a Markdown table beside the published MFU, converted to
+plait's definition (:func:`benchmarks.published_runs.plait_mfu`), followed by the
+statistics over the validation rows::
 
     .venv/bin/python -m benchmarks.plan_published                 # print the table
     .venv/bin/python -m benchmarks.plan_published --update-readme # and rewrite it in README.md
 
-Source of the figures: pytorch/torchtitan, ``benchmarks/llama3_h100_202412_torchtitan.md``
-(Dec 2024), as copied into the reference file. Row 1 is the run the cost model's one
-constant is fitted to (:mod:`plait.plan.calibration`); every other row is a prediction.
+Rows marked ``calibration`` are those the cost model's constants may be fitted to; every
+``validation`` row is a prediction. Rows whose run used what the planner does not model
+(Float8, ``torch.compile``, async TP) are listed with the reason and left out of the
+statistics.
 
-The published hosts have H100s with 96 GB of HBM2e (500 W) rather than the 80 GB of the
-``h100`` preset, so the device is the preset with its memory overridden to 96 GiB
-(:func:`plait.plan.devices.override`); memory only decides whether a layout fits, not its
-predicted memory or speed. Published memory is torchtitan's peak *reserved* memory (the
-caching allocator's pool), which the planner does not model: it predicts the bytes of the
-tensors alive at the peak.
+Each run's device is its preset (``h100``: 989 TFLOP/s bf16; ``a100``: 312) with the
+published GPU's memory (:func:`plait.plan.devices.override`: memory only decides whether a
+layout fits, never the predicted speed). Data parallelism runs as the source ran it:
+FSDP as ``dp_shard``; DDP as ``dp_replicate``; Megatron's distributed optimizer as
+``dp_replicate`` with ZeRO-1 (a :class:`plait.plan.spec.PlanLayout`), and Megatron runs
+with Megatron's activation recipe.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.plan import Layout, Workload, device, evaluate, preset
-from plait.plan.devices import override
+from benchmarks.published_runs import (
+    MEGATRON,
+    RUNS,
+    PublishedRun,
+    plait_mfu,
+)
+from plait.layout import LAYOUT_FIELDS
+from plait.plan import evaluate
+from plait.plan.devices import device, override
+from plait.plan.models import param_counts
 from plait.plan.search import describe
-from plait.plan.spec import DeviceSpec
+from plait.plan.spec import DeviceSpec, Layout, PlanLayout
 
 __all__ = [
-    "DEVICE",
-    "PUBLISHED",
     "README_END",
     "README_START",
-    "SOURCE",
-    "Published",
     "Row",
+    "Series",
+    "Stats",
+    "format_report",
+    "format_stats",
     "format_table",
     "main",
+    "planner_device",
+    "planner_layout",
     "published_table",
+    "series_trends",
+    "stats",
     "update_readme",
 ]
 
 _GIB = 2.0**30
 
-SOURCE = (
-    "pytorch/torchtitan, `benchmarks/llama3_h100_202412_torchtitan.md` (Dec 2024), "
-    "tables 1 to 5, as copied in `shared/reference/published_runs.md`"
-)
 
-DEVICE: DeviceSpec = override(device("h100"), memory=96 * _GIB)
-"""The published hosts' H100: the preset (989 TFLOP/s bf16, NVLink 450 GB/s, 50 GB/s RDMA
-per GPU) with 96 GiB of memory instead of 80."""
-
-# Notes name what the run used that the planner does not model (README explains each).
-_COMPILE = "torch.compile"
-_FLOAT8 = "Float8"
-_ASYNC_TP = "async TP"
-_PP_DEFAULTS = "microbatches and stages per rank assumed (torchtitan's defaults)"
+def planner_device(run: PublishedRun) -> DeviceSpec:
+    """``run``'s device preset with the published GPU's memory."""
+    return override(device(run.device), memory=run.memory_gib * _GIB)
 
 
-@dataclass(frozen=True)
-class Published:
-    """One published configuration: what ran, and what it measured (per GPU)."""
-
-    run: str  # table and configuration, as the source names them
-    model: str  # a plait.plan preset
-    layout: Layout
-    work: Workload
-    tokens_per_s: float  # published tokens/s per GPU
-    memory_gib: float  # published peak memory (GiB, reserved)
-    notes: tuple[str, ...]  # what the run used that the planner does not model
+def planner_layout(run: PublishedRun) -> Layout:
+    """The layout the planner evaluates: ``run.layout``, as a
+    :class:`~plait.plan.spec.PlanLayout` with ZeRO and Megatron's activation recipe where
+    the run used them."""
+    megatron = run.code_base == MEGATRON
+    if not run.zero and not megatron:
+        return run.layout
+    fields = {name: getattr(run.layout, name) for name in LAYOUT_FIELDS}
+    return PlanLayout(**fields, zero=run.zero, recipe="megatron" if megatron else "plait")
 
 
 @dataclass(frozen=True)
 class Row:
-    """A published configuration and the planner's prediction for it."""
+    """A published run and the planner's prediction for it."""
 
-    published: Published
-    tokens_per_s: float  # predicted tokens/s per GPU
-    memory_gib: float  # predicted peak memory of the largest rank (GiB)
-    fits: bool  # the prediction fits in 90% of DEVICE's memory
-
-    @property
-    def tokens_diff(self) -> float:
-        """Prediction minus publication, in % of the publication."""
-        return 100.0 * (self.tokens_per_s / self.published.tokens_per_s - 1.0)
+    run: PublishedRun
+    mfu: float  # predicted, plait's definition
+    tokens_per_s: float  # predicted, per GPU
+    memory_gib: float  # predicted peak of the largest rank
+    fits: bool  # within 90% of the published GPU's memory
 
     @property
-    def memory_diff(self) -> float:
-        """Prediction minus publication, in % of the publication."""
-        return 100.0 * (self.memory_gib / self.published.memory_gib - 1.0)
+    def published_mfu(self) -> float:
+        return plait_mfu(self.run)
+
+    @property
+    def ratio(self) -> float:
+        """Predicted over published MFU (the same FLOP count on both sides)."""
+        return self.mfu / self.published_mfu
+
+    @property
+    def counted(self) -> bool:
+        """A validation row the planner models: one the statistics count."""
+        return self.run.role == "validation" and not self.run.excluded
 
 
-def _fsdp8_8b(run: str, tps: float, mem: float, notes: tuple[str, ...]) -> Published:
-    # Table 1: 8 GPUs, local batch 2 (global 16), selective checkpointing, sequence 8192.
-    layout = Layout(dp_shard=8, ac="selective")
-    return Published(run, "llama3-8b", layout, Workload(8192, 16), tps, mem, notes)
-
-
-def _fsdp128_8b(run: str, tps: float, mem: float, notes: tuple[str, ...]) -> Published:
-    # Table 3: 128 GPUs, local batch 2 (global 256), selective checkpointing.
-    layout = Layout(dp_shard=128, ac="selective")
-    return Published(run, "llama3-8b", layout, Workload(8192, 256), tps, mem, notes)
-
-
-def _fsdp_tp_70b(run: str, tps: float, mem: float, notes: tuple[str, ...]) -> Published:
-    # Table 4: 256 GPUs as FSDP 32 x TP 8, local batch 16 (global 512), full checkpointing.
-    layout = Layout(dp_shard=32, tp=8, ac="full")
-    return Published(run, "llama3-70b", layout, Workload(8192, 512), tps, mem, notes)
-
-
-_SELECTIVE = "calibration row; torchtitan's selective AC keeps attention's output"
-_T2 = "torch.compile, Float8; CP 1 of a CP run"
-_T45 = (_COMPILE, _FLOAT8)
-
-PUBLISHED: tuple[Published, ...] = (
-    _fsdp8_8b("T1 8B FSDP 8", 5762, 82.4, (_SELECTIVE,)),
-    _fsdp8_8b("T1 8B FSDP 8 + compile", 6667, 77.0, (_COMPILE,)),
-    _fsdp8_8b("T1 8B FSDP 8 + compile + Float8", 8532, 76.8, (_COMPILE, _FLOAT8)),
-    Published(
-        "T2 8B FSDP 8, CP 1",
-        "llama3-8b",
-        Layout(dp_shard=8, ac="full"),
-        Workload(32768, 8),
-        3890,
-        83.9,
-        (_T2,),
-    ),
-    _fsdp128_8b("T3 8B FSDP 128", 5605, 67.0, ()),
-    _fsdp128_8b("T3 8B FSDP 128 + compile", 6514, 62.0, (_COMPILE,)),
-    _fsdp128_8b("T3 8B FSDP 128 + compile + Float8", 8380, 61.8, (_COMPILE, _FLOAT8)),
-    _fsdp_tp_70b("T4 70B FSDP 32 x TP 8", 829, 71.9, _T45),
-    _fsdp_tp_70b("T4 70B FSDP 32 x TP 8 + async TP", 876, 67.6, (*_T45, _ASYNC_TP)),
-    Published(
-        "T5 405B PP 8 x FSDP 8 x TP 8, 1F1B",
-        "llama3-405b",
-        Layout(dp_shard=8, tp=8, pp=8, schedule="1F1B", microbatches=8, ac="full"),
-        Workload(8192, 256),
-        100,
-        82.5,
-        (*_T45, _ASYNC_TP, _PP_DEFAULTS),
-    ),
-    Published(
-        "T5 405B PP 8 x FSDP 8 x TP 8, interleaved 1F1B",
-        "llama3-405b",
-        Layout(
-            dp_shard=8,
-            tp=8,
-            pp=8,
-            schedule="Interleaved1F1B",
-            stages_per_rank=2,
-            microbatches=16,
-            ac="full",
-        ),
-        Workload(8192, 256),
-        128,
-        72.7,
-        (*_T45, _ASYNC_TP, _PP_DEFAULTS),
-    ),
-)
-"""Every configuration of tables 1 to 5 the planner can express (table 2's CP 2, 4 and 8
-rows need context parallelism, which it does not model)."""
-
-
-def published_table(rows: tuple[Published, ...] = PUBLISHED) -> list[Row]:
-    """The planner's prediction of each published configuration (``evaluate`` on
-    :data:`DEVICE`, the default efficiency)."""
+def published_table(runs: tuple[PublishedRun, ...] = RUNS) -> list[Row]:
+    """The planner's prediction of each run (``evaluate``, default efficiency)."""
     out = []
-    for p in rows:
-        got = evaluate(preset(p.model), p.layout, p.work, DEVICE)
-        out.append(Row(p, got.timing.tokens_per_s_per_device, got.memory.total / _GIB, got.fits))
+    for run in runs:
+        got = evaluate(run.model, planner_layout(run), run.work, planner_device(run))
+        t = got.timing
+        out.append(Row(run, t.mfu, t.tokens_per_s_per_device, got.memory.total / _GIB, got.fits))
     return out
 
 
-def _layout_text(p: Published) -> str:
-    gpus = p.layout.world
-    local = p.work.global_batch // p.layout.dp
-    return f"{gpus} GPUs: {describe(p.layout)}, local batch {local} x {p.work.seq_len}"
+@dataclass(frozen=True)
+class Series:
+    """One source's size series: the sign of the MFU change from its smallest model to its
+    largest, published and predicted."""
+
+    name: str
+    smallest: str
+    largest: str
+    published: float  # published MFU of the largest minus the smallest's
+    predicted: float
+
+    @property
+    def agrees(self) -> bool:
+        return (self.published > 0) == (self.predicted > 0)
+
+
+def _params(row: Row) -> float:
+    return float(param_counts(row.run.model).total(row.run.model.layers))
+
+
+def series_trends(rows: list[Row]) -> list[Series]:
+    """Every size series among the modelled rows (calibration rows included: the trend is
+    the cost model's shape, not a fit), smallest to largest model by parameter count."""
+    by_name: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.run.series and not r.run.excluded:
+            by_name.setdefault(r.run.series, []).append(r)
+    out = []
+    for name, members in by_name.items():
+        if len(members) < 2:
+            continue
+        small, large = min(members, key=_params), max(members, key=_params)
+        out.append(
+            Series(
+                name,
+                small.run.size,
+                large.run.size,
+                large.published_mfu - small.published_mfu,
+                large.mfu - small.mfu,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Stats:
+    """The validation rows' agreement (issue 28's acceptance measures)."""
+
+    rows: int
+    code_bases: tuple[str, ...]
+    median: float  # median |ratio - 1|
+    worst: float  # largest |ratio - 1|
+    worst_row: str
+    series: tuple[Series, ...]
+
+
+def stats(rows: list[Row]) -> Stats:
+    """Statistics over the counted rows (validation, modelled)."""
+    counted = [r for r in rows if r.counted]
+    errors = [abs(r.ratio - 1) for r in counted]
+    worst = max(counted, key=lambda r: abs(r.ratio - 1))
+    return Stats(
+        rows=len(counted),
+        code_bases=tuple(sorted({r.run.code_base for r in counted})),
+        median=statistics.median(errors),
+        worst=max(errors),
+        worst_row=worst.run.name,
+        series=tuple(series_trends(rows)),
+    )
+
+
+def _sources(rows: list[Row]) -> list[str]:
+    """The distinct sources, in row order (the table's footnotes)."""
+    out: list[str] = []
+    for r in rows:
+        if r.run.source not in out:
+            out.append(r.run.source)
+    return out
+
+
+def _layout_text(run: PublishedRun) -> str:
+    text = describe(run.layout)
+    if run.zero:
+        text = text.replace("dp_replicate", f"dp_replicate(ZeRO-{run.zero})")
+    if run.layout.tp > 1 and not run.layout.sequence_parallel:
+        text += " no-SP"
+    local = run.work.global_batch // run.layout.dp
+    return f"{text}, local batch {local} x {run.work.seq_len}"
+
+
+def _published_text(run: PublishedRun) -> str:
+    unit = {"tflops": "TFLOP/s", "tokens": "tok/s", "mfu": "MFU"}[run.metric]
+    value = f"{run.value:,.4g}" if run.metric != "tokens" else f"{run.value:,.0f}"
+    text = f"{value} {unit}"
+    if run.stated_mfu:
+        text += f" ({run.stated_mfu:.1%})"
+    return text
 
 
 def format_table(rows: list[Row]) -> str:
-    """``rows`` as a Markdown table (one line per row, a header, no trailing newline)."""
+    """``rows`` as a Markdown table, then its sources (no trailing newline)."""
+    sources = _sources(rows)
     lines = [
-        "| # | run | layout | published tok/s/GPU (GiB) | predicted tok/s/GPU (GiB) "
-        "| diff tok/s | diff memory | notes |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "| # | run | role | source | GPUs | layout | published (as stated) "
+        "| published MFU | predicted MFU | ratio | notes |",
+        "|---|---|---|---|---:|---|---|---:|---:|---:|---|",
     ]
     for i, r in enumerate(rows, 1):
-        p = r.published
-        notes = ", ".join(p.notes) or "-"
+        run = r.run
+        notes = []
+        if run.excluded:
+            notes.append(f"not modelled: {run.excluded}")
+        notes.append(f"{run.device} {run.memory_gib:.0f} GB, {run.dp_flavour}")
         if not r.fits:
-            notes += "; predicted over 90% of 96 GiB"
+            notes.append(f"predicted {r.memory_gib:.0f} GiB, over 90% of memory")
         lines.append(
-            f"| {i} | {p.run} | {_layout_text(p)} "
-            f"| {p.tokens_per_s:,.0f} ({p.memory_gib:.1f}) "
-            f"| {r.tokens_per_s:,.0f} ({r.memory_gib:.1f}) "
-            f"| {round(r.tokens_diff):+d}% | {round(r.memory_diff):+d}% | {notes} |"
+            f"| {i} | {run.name} | {run.role} | [{sources.index(run.source) + 1}] "
+            f"| {run.gpus:,} | {_layout_text(run)} | {_published_text(run)} "
+            f"| {r.published_mfu:.1%} | {r.mfu:.1%} | {r.ratio:.2f} | {'; '.join(notes)} |"
+        )
+    lines.append("")
+    lines.extend(f"{i}. {s}" for i, s in enumerate(sources, 1))
+    return "\n".join(lines)
+
+
+def format_stats(s: Stats) -> str:
+    """The statistics as Markdown (no trailing newline)."""
+    lines = [
+        f"Validation rows the planner models: {s.rows}, from {len(s.code_bases)} code bases "
+        f"({', '.join(s.code_bases)}). Median |predicted / published MFU - 1|: "
+        f"**{s.median:.2f}**; worst: **{s.worst:.2f}** ({s.worst_row}).",
+        "",
+        "| size series | smallest -> largest | published change | predicted change | sign |",
+        "|---|---|---:|---:|---|",
+    ]
+    for t in s.series:
+        lines.append(
+            f"| {t.name} | {t.smallest} -> {t.largest} | {t.published:+.1%} "
+            f"| {t.predicted:+.1%} | {'right' if t.agrees else 'wrong'} |"
         )
     return "\n".join(lines)
+
+
+def format_report(rows: list[Row]) -> str:
+    """The table, its sources and the statistics: what the README holds."""
+    return f"{format_table(rows)}\n\n{format_stats(stats(rows))}"
 
 
 README_START = "<!-- plan-published: start (python -m benchmarks.plan_published) -->"
@@ -224,7 +283,8 @@ def update_readme(path: Path, table: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the table; with ``--update-readme``, also write it into README.md."""
+    """Print the table and statistics; with ``--update-readme``, also write them into
+    README.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--update-readme",
@@ -232,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         help="rewrite the table between the plan-published markers of README.md",
     )
     args = parser.parse_args(argv)
-    table = format_table(published_table())
-    print(table)
+    report = format_report(published_table())
+    print(report)
     if args.update_readme:
         readme = Path(__file__).resolve().parent.parent / "README.md"
-        changed = update_readme(readme, table)
+        changed = update_readme(readme, report)
         print(f"{readme}: {'updated' if changed else 'already up to date'}", file=sys.stderr)
     return 0
 

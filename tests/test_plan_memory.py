@@ -94,9 +94,13 @@ def test_memory_within_5_percent_of_dry_runs(world: int, layout: dict[str, Any])
     )
 
 
-def test_dry_run_refuses_pipelines() -> None:
-    with pytest.raises(ValueError, match="--pp 2"):
-        dry_run(TrainConfig(**SMALL, pp=2), 4)
+def test_dry_run_refuses_pipelines_with_tensor_parallelism() -> None:
+    # Pipelines are dry-run (tests/test_plan_dryrun_pp.py), but not with tp's DTensor
+    # stage boundaries, nor with split backwards.
+    with pytest.raises(ValueError, match="--pp 2 with --tp 2"):
+        dry_run(TrainConfig(**SMALL, pp=2, tp=2), 8)
+    with pytest.raises(ValueError, match="full backwards"):
+        dry_run(TrainConfig(**SMALL, pp=2, schedule="ZBVZeroBubble"), 4)
 
 
 def test_live_tensors_counts_storages_once_and_follows_resizes() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from plait.layout import CP, CP_METHODS, EP, LAYOUT_FIELDS, flag
 from plait.plan.devices import DEVICES, device, override
+from plait.plan.memory import first_rank_memory
 from plait.plan.models import (
     PRESETS,
     expert_hidden_default,
@@ -31,7 +32,15 @@ from plait.plan.models import (
 )
 from plait.plan.report import format_plan, size, to_json
 from plait.plan.search import AC_SEARCHED, Candidate, PlanError, describe, plan
-from plait.plan.spec import LAYOUT_DIMS, DeviceSpec, ModelSpec, Workload
+from plait.plan.spec import (
+    LAYOUT_DIMS,
+    RECIPES,
+    DeviceSpec,
+    Layout,
+    ModelSpec,
+    PlanLayout,
+    Workload,
+)
 from plait.plan.timing import EFFICIENCY
 from plait.train.config import DEFAULTS, PRECISIONS
 
@@ -155,15 +164,35 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
     layout.add_argument("--ac", choices=AC_SEARCHED)
     layout.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction)
     layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
+    other = p.add_argument_group(
+        "other frameworks (predictions for published runs: plait train runs neither)"
+    )
+    other.add_argument(
+        "--zero",
+        type=int,
+        choices=(1, 2),
+        help="also search ZeRO-1 / ZeRO-2 data parallelism (DeepSpeed; Megatron-LM's "
+        "distributed optimizer is ZeRO-1): parameters replicated over dp_replicate x cp, "
+        "optimizer state (and ZeRO-2 gradients) sharded over them",
+    )
+    other.add_argument(
+        "--recipe",
+        choices=RECIPES,
+        default="plait",
+        help="whose activations the memory model counts: plait's (torch tensor "
+        "parallelism saves all-gathered linear inputs) or Megatron-LM's (Korthikanti et "
+        "al. 2022: sequence-parallel activations saved split; default: plait)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="layouts shown (0: all that fit)")
     out.add_argument("--json", action="store_true", help="a JSON list instead of the table")
     out.add_argument(
         "--dry-run",
         action="store_true",
-        help="plait's GPT only: also run plait's real training step for one rank of the "
-        "best layout without a pipeline (fake process group and tensors) and compare its "
-        "measured peak memory with the prediction",
+        help="plait's GPT only: also run plait's real training step for rank 0 of the "
+        "best layout plait can dry-run (fake process group and tensors; a pipeline: "
+        "without tensor parallelism, schedules with full backwards, rank 0's own "
+        "actions) and compare its measured peak memory with the prediction",
     )
     return p
 
@@ -272,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
             args.gpus,
             memory_fraction=args.memory_fraction,
             efficiency=args.efficiency,
+            zero=args.zero or 0,
+            recipe=args.recipe,
             **{name: getattr(args, name) for name in LAYOUT_FIELDS},
         )
     except ValueError as err:  # PlanError, and bad presets, configs or device values
@@ -282,13 +313,34 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([to_json(c, model, work, dev) for c in shown], indent=1))
     else:
         print(format_plan(shown, model, work, dev, args.gpus))
+        foreign = [c for c in shown if isinstance(c.layout, PlanLayout)]
+        if foreign:
+            print(
+                f"  note: {len(foreign)} layout(s) shown ({describe(foreign[0].layout)}, ...) "
+                "use ZeRO or another framework's recipe: predictions for other frameworks "
+                "(DeepSpeed, Megatron-LM); plait train does not run them"
+            )
     if args.dry_run:
         return _dry_run(args, ranked, work)
     return 0
 
 
+def _dry_runnable(layout: Layout) -> bool:
+    """Whether :func:`plait.plan.dryrun.dry_run` runs ``layout``: plait's own, and a
+    pipeline only without tensor parallelism and with a schedule of full backwards."""
+    from plait.pipeline.schedules import schedule_spec
+    from plait.plan.dryrun import DRY_RUN_SCHEDULES
+
+    if isinstance(layout, PlanLayout):
+        return False
+    if layout.pp == 1:
+        return True
+    return layout.tp == 1 and schedule_spec(layout.schedule).name in DRY_RUN_SCHEDULES
+
+
 def _dry_run(args: argparse.Namespace, ranked: list[Candidate], work: Workload) -> int:
-    """``--dry-run``: measure the best layout without a pipeline (the dry run has none)."""
+    """``--dry-run``: measure rank 0 of the best layout the dry run runs, and compare with
+    its prediction (rank 0's: with a pipeline, the first pipeline rank's)."""
     if args.preset or args.hf_config:
         print("plait plan: error: --dry-run runs plait's GPT (--n-layer, ...)", file=sys.stderr)
         return 2
@@ -296,18 +348,21 @@ def _dry_run(args: argparse.Namespace, ranked: list[Candidate], work: Workload) 
     if moe:
         print("plait plan: error: --dry-run does not run MoE models yet", file=sys.stderr)
         return 2
-    candidates = [c for c in ranked if c.layout.pp == 1]
+    candidates = [c for c in ranked if _dry_runnable(c.layout)]
     if not candidates:
-        print("plait plan: error: --dry-run: no layout without a pipeline fits", file=sys.stderr)
+        print("plait plan: error: --dry-run: no layout it runs fits", file=sys.stderr)
         return 2
     from plait.plan.dryrun import dry_run
     from plait.plan.train_plan import config_of_layout
 
     best = candidates[0]
     lay = best.layout
-    cfg = config_of_layout(gpt(args.n_layer, args.n_head, args.d_model, work.seq_len), lay, work)
+    model = gpt(args.n_layer, args.n_head, args.d_model, work.seq_len)
+    cfg = config_of_layout(model, lay, work)
     measured = dry_run(cfg, args.gpus)
     predicted = best.memory.total
+    if lay.pp > 1:
+        predicted = first_rank_memory(model, lay, work).total
     print(
         f"dry run of {describe(lay)} (rank 0 of {args.gpus}, {measured.seconds:.1f} s): "
         f"peak live tensors {size(measured.peak)}, predicted {size(predicted)} "

@@ -18,6 +18,13 @@ elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch)
   and pipelines reduce once, at the end).
 * ``dp_replicate``: one fp32 all-reduce of the gradients per step: of the shards under HSDP,
   of everything with ``replicate``.
+* ``zero`` (:data:`ZERO`, a :class:`~plait.plan.spec.PlanLayout` with ZeRO-1/2, whose
+  group is ``dp_replicate x cp``; in place of ``dp_replicate``'s all-reduce): one
+  reduce-scatter of the fp32 gradients per step (ZeRO-2 without a pipeline: one per
+  microbatch) and one all-gather of the updated parameters in the compute dtype, an
+  all-reduce's bytes between them. The reduce-scatter overlaps backward as
+  ``replicate``'s buckets do; the all-gather follows the optimizer step (Megatron-LM can
+  overlap it with the next step's forward).
 * ``tp``: per block and microbatch, in forward two all-gathers and two reduce-scatters of
   ``n x d`` (sequence parallelism; without it two all-reduces), the same in backward, and
   the forward ones again when checkpointing recomputes the block; the embedding and head
@@ -63,10 +70,11 @@ from plait.plan.shards import (
     moe_rows,
     rank_params,
 )
-from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
+from plait.plan.spec import ZERO, DeviceSpec, Layout, ModelSpec, Workload, zero_ranks, zero_stage
 
 __all__ = [
     "DP_SHARD_CP",
+    "ZERO",
     "Collective",
     "CpTraffic",
     "all_to_all_bytes",
@@ -128,6 +136,8 @@ def _span(dim: str, layout: Layout) -> int:
         return layout.ep * layout.tp
     if dim in (EFSDP, DP_SHARD_CP):
         return layout.dp_shard * layout.cp * layout.tp
+    if dim == ZERO:  # dp_replicate x cp, with dp_shard 1 between them
+        return layout.dp_replicate * layout.cp * layout.dp_shard * layout.tp
     size = getattr(layout, dim) if dim != PP else 2  # point-to-point: neighbours
     return size * _inner(layout, dim)
 
@@ -265,7 +275,9 @@ def communication(
                 p.expert_total * 4 * ring("reduce_scatter", eg),
                 p.moe_blocks,
             )
-    if dr > 1:
+    if zero_stage(layout):
+        _add_zero(add, layout, work, p, units)
+    elif dr > 1:
         add(DP_REPLICATE, "all_reduce", p.total / ds * 4 * ring("all_reduce", dr), units)
     if tp > 1:
         passes = 3 if layout.ac != "none" else 2  # forward, backward, recomputed forward
@@ -285,6 +297,20 @@ def communication(
     if p.moe_blocks:
         _add_moe(add, model, layout, work, p)
     return out
+
+
+def _add_zero(add: _Add, layout: Layout, work: Workload, p: RankParams, units: int) -> None:
+    """ZeRO's data-parallel exchange over ``dp_replicate x cp`` (:data:`ZERO`): the fp32
+    gradients reduce-scattered (per step; ZeRO-2 without a pipeline every microbatch, as
+    DeepSpeed reduces its buckets as each backward makes them) and the updated parameters
+    all-gathered in the compute dtype after the optimizer step, each in ``units`` buckets."""
+    z = zero_ranks(layout)
+    if z == 1:
+        return
+    reductions = layout.microbatches if zero_stage(layout) == 2 and layout.pp == 1 else 1
+    scattered = p.total * 4 * ring("reduce_scatter", z) * reductions
+    add(ZERO, "reduce_scatter", scattered, units * reductions)
+    add(ZERO, "all_gather", p.total * compute_bytes(work) * ring("all_gather", z), units)
 
 
 def _add_moe(add: _Add, model: ModelSpec, layout: Layout, work: Workload, p: RankParams) -> None:

@@ -10,6 +10,10 @@ defaults, not a benchmark: 100 GFLOP/s per process (about one AVX2 / AVX-512 cor
 FMA peak), 16 GiB per process, and 2 GB/s for gloo over loopback TCP, the same inside and
 across "nodes". Override them (``--flops``, ``--memory``, ``--intra-bw``, ``--inter-bw``)
 with figures measured on your machine.
+
+HBM bandwidth (:data:`MEMORY_BANDWIDTH`, the roofline's memory-bound kernels,
+:mod:`plait.plan.roofline`), datasheets: H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80 GB
+2.0 TB/s (the 40 GB part: 1.55), B200 8 TB/s. The ``cpu`` preset has none (no roofline).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 from plait.plan.spec import DeviceSpec
 
-__all__ = ["DEVICES", "compute_peak", "device", "override"]
+__all__ = ["DEVICES", "MEMORY_BANDWIDTH", "compute_peak", "device", "memory_bandwidth", "override"]
 
 _GIB = 2.0**30
 
@@ -30,10 +34,20 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("h100", 80 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12),
         DeviceSpec("h200", 140 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12),
         DeviceSpec("a100", 80 * _GIB, 312e12, 300e9, 25e9, 8, flops_fp32=19.5e12),
+        DeviceSpec("a100-40gb", 40 * _GIB, 312e12, 300e9, 25e9, 8, flops_fp32=19.5e12),
         DeviceSpec("b200", 180 * _GIB, 2250e12, 900e9, 50e9, 8, flops_fp32=75e12),
         DeviceSpec("cpu", 16 * _GIB, 100e9, 2e9, 2e9, 8, flops_fp32=100e9),
     )
 }
+MEMORY_BANDWIDTH: dict[str, float] = {
+    "h100": 3.35e12,
+    "h200": 4.8e12,
+    "a100": 2.0e12,
+    "a100-40gb": 1.55e12,
+    "b200": 8.0e12,
+}
+"""HBM bytes/s per device preset (datasheets; module docstring)."""
+
 _ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "gloo": "cpu"}
 
 
@@ -61,3 +75,8 @@ def compute_peak(spec: DeviceSpec, precision: str) -> float:
     if precision == "bf16":
         return spec.flops
     return spec.flops_fp32 or spec.flops / 2
+
+
+def memory_bandwidth(spec: DeviceSpec) -> float:
+    """HBM bytes/s of ``spec``'s preset (0 when unknown: no roofline)."""
+    return MEMORY_BANDWIDTH.get(spec.name, 0.0)

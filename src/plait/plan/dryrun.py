@@ -13,9 +13,28 @@ and fake tensors (sizes, dtypes and storages without data, so a 7B-parameter mod
 no memory and no arithmetic). The code that runs is plait's own, so the dry run counts
 what plait allocates, including what the planner's formulas leave out.
 
-Pipelines are not dry-run: their stages learn their input shapes from their neighbours,
-and a fake peer sends nothing. Ranks without a pipeline are alike, so rank 0 (which holds
-the largest shard when a parameter does not divide evenly) stands for all.
+Ranks without a pipeline are alike, so rank 0 (which holds the largest shard when a
+parameter does not divide evenly) stands for all.
+
+Pipelines (:func:`pipeline_step`): rank 0 is the first pipeline rank. Its stages are
+built, parallelised and sharded by plait's code as in training, but the schedule's
+runtime is not used: its stages learn their input shapes from their neighbours, and a
+fake peer sends nothing. Instead the rank's own actions of the schedule (plait's
+generator, :func:`plait.pipeline.schedules.generate`) run in order, compute and
+data-parallel steps only, as the runtime runs them: ``fully_shard`` ed stages gathered
+once for the step with gradient sync off (:class:`plait.pipeline.grad_sync.StageGradSync`),
+each forward's output kept until its backward, the gradients stashed after each
+backward, reduced and the stages resharded at the end. What the peers would send is
+stated instead: a stage other than the first receives a tensor of the first stage's
+output shape and dtype (a stage boundary's shape: ``(microbatch, seq_len, d_model)``)
+for each microbatch, kept until that microbatch's backward as the runtime keeps its
+received inputs; a backward starts from a gradient of its output's shape (ones). Sends
+and receives themselves move nothing (not measured: the runtime's send and receive
+buffers, which the prediction counts, two boundary tensors). Rank 0 holds the most
+microbatches in flight (``pp`` under 1F1B) and the embeddings; the last rank, which holds
+the loss, is not measured. Schedules with full backwards only (GPipe, 1F1B,
+Interleaved1F1B, LoopedBFS), without tensor parallelism (a stage boundary is then a
+DTensor, rebuilt by the runtime's mesh resolution).
 """
 
 from __future__ import annotations
@@ -28,13 +47,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.pipeline.schedules import schedule_spec
 from plait.plan.live import LiveTensors
 from plait.train.config import TrainConfig
 from plait.train.layout import resolve
 from plait.train.loop import Trainable, model_config
 from plait.train.model import GPT
+from plait.train.parallelize import forward_context, loss_context
 
-__all__ = ["MeasuredMemory", "dry_run", "step_memory"]
+__all__ = ["DRY_RUN_SCHEDULES", "MeasuredMemory", "dry_run", "pipeline_step", "step_memory"]
+
+#: The pipeline schedules a dry run runs (full backwards: every action is F or B).
+DRY_RUN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 
 
 @dataclass(frozen=True)
@@ -53,6 +77,8 @@ def step_memory(
     steps: int = 1,
     seed: int = 0,
     tensors: AbstractContextManager[Any] | None = None,
+    *,
+    pipeline_dry_run: bool = False,
 ) -> MeasuredMemory:
     """Peak live tensor bytes of ``steps`` training steps of ``cfg`` (resolved, for the
     initialised process group's world) on this rank.
@@ -61,10 +87,12 @@ def step_memory(
     even one step measures the steady state's peak. Batches are random tokens: memory does
     not depend on the data. ``tensors``: a mode the model and the steps run under (the
     dry run's fake tensors), entered once the device mesh is built. Collective: every rank
-    of the world must call it.
+    of the world must call it. ``pipeline_dry_run``: with a pipeline, run this rank's
+    actions without its peers (:func:`pipeline_step`) instead of the schedule's runtime.
     """
     start = time.perf_counter()
     mesh = cfg.layout.mesh(cfg.device)
+    pipelined = cfg.pp > 1 and pipeline_dry_run
     live = LiveTensors(device_type=torch.device(cfg.device).type)
     with tensors or nullcontext(), live:
         torch.manual_seed(seed)
@@ -79,10 +107,68 @@ def step_memory(
         for _ in range(steps):
             x = torch.randint(0, 256, local, device=cfg.device)
             y = torch.randint(0, 256, local, device=cfg.device)
-            parts.stepper.train(x, y)
+            if pipelined:
+                pipeline_step(parts, cfg, x)
+            else:
+                parts.stepper.train(x, y)
             parts.update()
             del x, y
     return MeasuredMemory(live.peak, setup, time.perf_counter() - start)
+
+
+def pipeline_step(parts: Trainable, cfg: TrainConfig, inputs: torch.Tensor) -> None:
+    """This rank's actions of one step of ``cfg``'s schedule on ``parts``' stages, without
+    peers (module docstring): what the rank holds is as in training, what it would
+    receive is stated. ValueError for a schedule with split backwards."""
+    from plait.pipeline.actions import ActionKind
+    from plait.pipeline.grad_sync import StageGradSync
+    from plait.pipeline.schedules import generate, schedule_spec
+
+    name = schedule_spec(cfg.schedule).name
+    if name not in DRY_RUN_SCHEDULES:
+        raise ValueError(
+            f"dry run of --schedule {name}: only schedules with full backwards are dry-run "
+            f"({', '.join(DRY_RUN_SCHEDULES)})"
+        )
+    rank = dist.get_rank(parts.pipeline_group)
+    actions = generate(name, cfg.pp, cfg.pp * cfg.stages_per_rank, cfg.microbatches)[rank]
+    modules = {s.index: s.module for s in parts.stages}
+    syncs = [sync for sync in map(StageGradSync, modules.values()) if sync.active]
+    chunks = inputs.chunk(cfg.microbatches)
+    boundary: torch.Tensor | None = None  # the first stage's output: a boundary's shape
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    for sync in syncs:
+        sync.begin_step()
+        sync.unshard()  # plait's schedules gather a stage once per step
+    try:
+        with loss_context(cfg), forward_context(cfg):
+            for a in actions:
+                if a.microbatch is None:
+                    continue  # no compute: the runtime's own steps, done above and below
+                key = (a.stage, a.microbatch)
+                if a.kind is ActionKind.FORWARD:
+                    if a.stage == 0:
+                        x = chunks[a.microbatch]
+                    else:
+                        if boundary is None:
+                            raise ValueError("a stage ran before the first: not rank 0")
+                        x = torch.empty_like(boundary, requires_grad=True)  # received
+                    out = modules[a.stage](x)
+                    if a.stage == 0:
+                        boundary = out.detach()
+                    outputs[key] = out
+                elif a.kind is ActionKind.FULL_BACKWARD:
+                    out = outputs.pop(key)
+                    out.backward(torch.ones_like(out))
+                    del out
+                    for sync in syncs:
+                        sync.stash_grads()
+        for sync in syncs:
+            sync.reduce_grads()
+            sync.reshard()
+    finally:
+        for sync in syncs:
+            sync.end_step()
 
 
 def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -105,21 +191,29 @@ def dry_run(cfg: TrainConfig, world: int, steps: int = 1) -> MeasuredMemory:
     with a fake process group and fake tensors (module docstring).
 
     ``cfg`` is resolved for ``world`` (``dp_shard`` 0 takes what the other sizes leave).
-    Refuses (ValueError) a pipeline, and a process that already has a process group.
+    With a pipeline, rank 0 runs its own actions of the schedule (:func:`pipeline_step`).
+    Refuses (ValueError) a pipeline with tensor parallelism or split backwards, and a
+    process that already has a process group.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     cfg = resolve(cfg.replace(nproc=world, device="cpu"), world_size=world)
-    if cfg.pp > 1:
+    if cfg.pp > 1 and cfg.tp > 1:
         raise ValueError(
-            f"dry run of --pp {cfg.pp}: pipeline stages learn their input shapes from their "
-            "neighbours, which a fake process group does not have; dry-run without --pp"
+            f"dry run of --pp {cfg.pp} with --tp {cfg.tp}: a pipeline's stage boundaries are "
+            "then DTensors, which the dry run does not state; dry-run without --tp"
+        )
+    if cfg.pp > 1 and schedule_spec(cfg.schedule).name not in DRY_RUN_SCHEDULES:
+        raise ValueError(
+            f"dry run of --schedule {cfg.schedule}: only schedules with full backwards are "
+            f"dry-run ({', '.join(DRY_RUN_SCHEDULES)})"
         )
     if dist.is_initialized():
         raise ValueError("dry_run needs a process without a process group: it makes a fake one")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        return step_memory(cfg, steps, tensors=FakeTensorMode(allow_non_fake_inputs=True))
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        return step_memory(cfg, steps, tensors=fake, pipeline_dry_run=True)
     finally:
         dist.destroy_process_group()

@@ -67,6 +67,26 @@ Context parallelism (``cp`` ranks, :mod:`plait.context`) divides every per-token
   token in place of ``(d + 2 k) / tp``) and its output beside the local one (``d / tp``),
   and one ``T x T`` boolean mask (balanced layouts need an explicit mask).
 
+Recipes (:class:`~plait.plan.spec.PlanLayout`'s ``recipe``). The counts above are
+plait's (``"plait"``: what its runtime keeps, checked against real and dry runs).
+``"megatron"`` counts what Megatron-LM keeps (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", arXiv 2205.05198, Table 2 and
+section 4.2.2: ``s b h (34 / t + 5 a s / (h t))`` bytes per layer with sequence
+parallelism and no recomputation): linear inputs are saved split by ``tp`` under
+sequence parallelism (``2 d / tp``; re-gathered in backward), a fused SwiGLU saves its
+input and output only (``3 f / tp``), the residual stream is in the compute dtype, and
+with flash attention the ``5 a s / (h t)`` term (scores, softmax, dropout) is not saved,
+so ``selective`` (core attention recomputed) saves what ``none`` does. Per token, in
+bf16: ``(12 d + 4 k + 6 f) / tp`` bytes for a SwiGLU block, 32 of the paper's 34 for
+GPT-3's (no dropout masks).
+
+ZeRO (``zero`` 1 or 2, over ``z = dp_replicate x cp`` ranks, no ``fully_shard``):
+params ``e P`` (replicated in the compute dtype); optimizer ``(8 + 4) P / z`` in bf16
+(AdamW's moments and an fp32 master copy; ``8 P / z`` in fp32); grads ``4 P`` (ZeRO-1:
+the fp32 gradient buffer, which lives across steps) or ``4 P / z`` (ZeRO-2, plus one
+block's fp32 bucket in ``buffers``). Megatron-LM's distributed optimizer table: ``6 +
+12 / d`` bytes per parameter for bf16 with fp32 gradients.
+
 Those are saved under ``--ac none``; under checkpointing they are rebuilt per block
 (``recompute``). ``extra["cp_attention"]`` is the working set of one block's attention
 in backward: the gradients of the gathered keys and values (``allgather``), of the
@@ -88,7 +108,7 @@ are already freed), and the optimizer step's temporaries.
 
 from __future__ import annotations
 
-from plait.plan.schedule import PipelineShape, RankLoad, layout_shape
+from plait.plan.schedule import PipelineShape, RankLoad, layout_shape, pipeline_shape
 from plait.plan.shards import (
     compute_bytes,
     fsdp_ranks,
@@ -96,13 +116,23 @@ from plait.plan.shards import (
     moe_rows,
     rank_params,
 )
-from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
+from plait.plan.spec import (
+    DeviceSpec,
+    Layout,
+    MemoryBreakdown,
+    ModelSpec,
+    Workload,
+    recipe,
+    zero_ranks,
+    zero_stage,
+)
 
 __all__ = [
     "activation_elems_per_token",
     "cp_mask_bytes",
     "cp_saved_elems_per_token",
     "cp_working_set",
+    "first_rank_memory",
     "peak_memory",
     "predict_memory",
     "rank_memory",
@@ -164,12 +194,17 @@ def activation_elems_per_token(
     norm = tp if layout.sequence_parallel and tp > 1 else 1
     mode = ac or layout.ac
     h, shared, rows = model.expert_hidden, model.expert_hidden * model.shared_experts, model.top_k
+    megatron = recipe(layout) == "megatron"
+    if megatron and mode == "selective":
+        mode = "none"  # recomputes core attention only, which flash attention saves nothing of
     if mode == "none":
-        mlp = (4 if model.gated else 2) * f / tp
+        swiglu = 3 if megatron else 4  # Megatron's fused SwiGLU saves its input, not silu's
+        mlp = (swiglu if model.gated else 2) * f / tp
         if moe:
             mlp = 2 * model.experts + 4 * shared / tp + rows * (2 * d + 4 * h)
         cp = cp_saved_elems_per_token(model, layout)
-        return 2 * d / norm + 2 * d + (d + 2 * k) / tp + d / tp + mlp + cp
+        linear_inputs = 2 * d / norm if megatron else 2 * d  # saved split, or all-gathered
+        return 2 * d / norm + linear_inputs + (d + 2 * k) / tp + d / tp + mlp + cp
     if mode == "selective":
         mlp = (2 if model.gated else 1) * f / tp + d
         if moe:
@@ -188,18 +223,21 @@ def rank_memory(
     e = compute_bytes(work)
     bf16 = work.precision == "bf16"
     ds, tp = fsdp_ranks(layout), layout.tp
+    zero = zero_stage(layout)
     p = rank_params(model, layout, load)
     sharded = p.total / ds
     n = microbatch_tokens(layout, work)
     pipelined = layout.pp > 1
     sp = layout.sequence_parallel and tp > 1
-    # Norm inputs live in the residual stream: fp32 under autocast (no fully_shard), else e.
-    e_res = 4 if (bf16 and ds == 1) else e
+    # Norm inputs live in the residual stream: fp32 under plait's autocast (no fully_shard),
+    # else e (a model kept in the compute dtype: fully_shard's cast, ZeRO, Megatron-LM).
+    autocast = bf16 and ds == 1 and not zero
+    e_res = 4 if autocast and recipe(layout) == "plait" else e
 
     if ds > 1:
         gathered_blocks = load.layers if (pipelined or not layout.reshard_after_forward) else 2
         unsharded = (p.root + p.largest_blocks(gathered_blocks)) * e
-    elif bf16:  # autocast's cache: a bf16 copy of every matrix, forward to backward
+    elif autocast:  # autocast's cache: a bf16 copy of every matrix, forward to backward
         head = model.vocab * model.d_model / tp if load.head else 0.0
         # Not of the routed experts: they multiply slices of their stacked weights, which
         # autocast does not cache (it caches leaf parameters only).
@@ -245,6 +283,13 @@ def rank_memory(
 
     buffers = p.block * (e + 4) if ds > 1 else 0.0
     grads = 4 * sharded
+    params, optimizer = 4 * sharded, 8 * sharded
+    if zero:  # module docstring: ZeRO
+        z = zero_ranks(layout)
+        params = e * p.total  # replicated, in the compute dtype
+        optimizer = (8 + (4 if e < 4 else 0)) * p.total / z  # moments and an fp32 master
+        grads = 4 * p.total / (z if zero == 2 else 1)
+        buffers = p.block * 4 if zero == 2 else 0.0  # one block's bucket, then scattered
     # Backward frees activations as it makes gradients, so not everything peaks together.
     # Gradients are dropped after each step (``zero_grad(set_to_none=True)``) and exist
     # from the step's first backward on (accumulated: unsharded under fully_shard, the
@@ -256,6 +301,8 @@ def rank_memory(
     # flight: not under a pipeline, which reduces after its last backward; the block's own
     # unsharded gradients appear as its activations go); the end (gradients, staging).
     held = extra.get("accumulated_grads", grads if accumulating else 0.0)
+    if zero:  # the gradient buffer lives across steps (it is zeroed, not freed)
+        held = grads
     logits = extra.get("logits", 0.0)
     one_block = n * block_bytes  # one block's saved activations, one microbatch
     # Inside a block's backward, gradients of activations: the output's (whole sequence
@@ -267,7 +314,7 @@ def rank_memory(
     flowing = n * (model.d_model + hidden) * e
     after = per_microbatch * load.in_flight_after_backward
     moments = (
-        activations + logits,
+        activations + logits + (held if zero else 0.0),
         after + logits + held,
         per_microbatch * max(load.in_flight_after_backward, 1)
         - one_block
@@ -275,10 +322,12 @@ def rank_memory(
         + flowing
         + held
         + attention
-        + (0.0 if pipelined or ds == 1 else p.block * 4),
-        grads + buffers + held,
+        + (0.0 if pipelined or ds == 1 else p.block * 4)
+        + (p.block * 4 if zero == 2 else 0.0),
+        (0.0 if zero else grads) + buffers + held,
     )
-    counted = activations + logits + extra.get("recompute", 0.0) + grads + buffers + held
+    counted = activations + logits + extra.get("recompute", 0.0) + grads + buffers
+    counted += 0.0 if zero else held  # under ZeRO, held is grads: counted once
     counted += attention
     extra["not_at_peak"] = max(moments) - counted
     if pipelined:  # send / receive buffers live through the whole step
@@ -286,9 +335,9 @@ def rank_memory(
     if p.moe_blocks and layout.ep > 1:  # one all-to-all's send and receive buffers
         extra["dispatch"] = 2 * moe_rows(model, layout, work) * model.d_model * e
     return MemoryBreakdown(
-        params=4 * sharded,
+        params=params,
         grads=grads,
-        optimizer=8 * sharded,
+        optimizer=optimizer,
         unsharded=unsharded,
         activations=activations,
         buffers=buffers,
@@ -301,6 +350,20 @@ def peak_memory(
 ) -> MemoryBreakdown:
     """The memory of the pipeline rank of ``shape`` that needs the most."""
     return max((rank_memory(model, layout, work, r) for r in shape.ranks), key=_total)
+
+
+def first_rank_memory(model: ModelSpec, layout: Layout, work: Workload) -> MemoryBreakdown:
+    """The memory of pipeline rank 0 (the one a pipelined dry run measures:
+    :func:`plait.plan.dryrun.pipeline_step`), whether or not it needs the most.
+    ValueError for a layout plait's schedules refuse, or where another rank's load
+    dominates rank 0's (its load is then not among the shape's ranks)."""
+    shape = pipeline_shape(
+        model.layers, layout.pp, layout.schedule, layout.stages_per_rank, layout.microbatches
+    )
+    loads = [r for r in shape.ranks if r.rank == 0]
+    if not loads:
+        raise ValueError("pipeline rank 0 holds less than another rank: not reported")
+    return rank_memory(model, layout, work, loads[0])
 
 
 def _total(m: MemoryBreakdown) -> float:

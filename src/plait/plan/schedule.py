@@ -38,6 +38,8 @@ __all__ = [
     "closed_form_makespan",
     "layout_shape",
     "pipeline_shape",
+    "pipeline_stages",
+    "stage_makespan",
 ]
 
 
@@ -244,3 +246,48 @@ def layout_shape(model: ModelSpec, layout: Layout) -> PipelineShape:
     return pipeline_shape(
         model.layers, layout.pp, layout.schedule, layout.stages_per_rank, layout.microbatches
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_stages(
+    layers: int, pp: int, schedule: str = "1F1B", stages_per_rank: int = 1
+) -> tuple[tuple[int, int], ...]:
+    """Per pipeline stage, in order: its blocks (:func:`plait.pipeline.stage_layers`'s
+    split) and the rank that runs it (the schedule's placement: looped or V)."""
+    n_stages = pp * stages_per_rank
+    style = schedule_spec(schedule).style
+    return tuple(
+        (size, stage_to_rank(s, pp, style)) for s, size in enumerate(_split(layers, n_stages))
+    )
+
+
+def stage_makespan(
+    durations: tuple[float, ...],
+    owners: tuple[int, ...],
+    pp: int,
+    microbatches: int,
+    uniform: float,
+) -> float:
+    """The step of a pipeline whose stages last ``durations`` (forward plus backward of one
+    microbatch; stage ``s`` on rank ``owners[s]``), from the schedule's makespan with
+    uniform stages ``uniform`` (in stage units, :attr:`PipelineShape.makespan`).
+
+    A rank's own work, ``m x`` the sum of its stages' durations, is done whatever the
+    schedule; the rest of the uniform makespan, ``uniform - v m`` stage units, is the fill
+    and drain, which the first microbatch's forwards and the last one's backwards spend
+    passing through the *other* stages. So the makespan is the busiest rank's work plus
+    that many stage units, each at the mean duration of the stages but the longest one:
+    with uniform stages exactly the schedule's makespan; for GPipe and 1F1B (``m >= p``)
+    ``sum(d) + (m - 1) max(d)``, the classic bound of a pipeline whose slowest stage sets
+    the pace; embeddings and the head weigh on their own stages only.
+    """
+    n_stages = len(durations)
+    v = n_stages // pp
+    busy = [0.0] * pp
+    for d, rank in zip(durations, owners, strict=True):
+        busy[rank] += microbatches * d
+    rest = uniform - v * microbatches
+    if n_stages < 2 or rest <= 0:
+        return max(busy)
+    others = (sum(durations) - max(durations)) / (n_stages - 1)
+    return max(busy) + rest * others

@@ -15,7 +15,11 @@ parallelism ``cp`` over the divisors the sequence allows (:func:`plait.layout.ch
 only from :data:`CP_SEARCH_MIN_SEQ` tokens on and leaving each rank at least
 :data:`CP_MIN_TOKENS` of a sequence (else ``cp`` is 1 unless ``--cp`` is given: see
 there), searched with ``ring`` attention; the other methods (``--cp-method``) are then
-tried on the best layouts found (:func:`_other_cp_methods`). Fixed flags pin their field.
+tried on the best layouts found (:func:`_other_cp_methods`); interleaved schedules are
+searched at their least stages per rank (2), then the best of them again at every other
+:func:`stages_options` (:func:`_other_stages`). ZeRO data parallelism and Megatron-LM's
+activations (:class:`~plait.plan.spec.PlanLayout`) only when asked (``zero``, ``recipe``):
+plait train runs neither. Fixed flags pin their field.
 A layout fits when its peak rank's memory is at most ``memory_fraction`` of the
 device's (the rest: allocator, CUDA context, workspaces). Memory is predicted first and
 timing only for what fits, and the pipeline's figures are closed-form where exact and
@@ -63,7 +67,18 @@ from plait.layout import (
 from plait.pipeline.schedules import SCHEDULES
 from plait.plan.memory import peak_memory
 from plait.plan.schedule import layout_shape
-from plait.plan.spec import DeviceSpec, MemoryBreakdown, ModelSpec, Workload
+from plait.plan.shards import fsdp_ranks
+from plait.plan.spec import (
+    RECIPES,
+    ZERO_STAGES,
+    DeviceSpec,
+    MemoryBreakdown,
+    ModelSpec,
+    PlanLayout,
+    Workload,
+    zero_stage,
+)
+from plait.plan.spec import recipe as recipe_of
 from plait.plan.timing import EFFICIENCY, Timing, predict_time
 
 __all__ = [
@@ -71,11 +86,13 @@ __all__ = [
     "CP_METHOD_RETRIES",
     "CP_MIN_TOKENS",
     "CP_SEARCH_MIN_SEQ",
+    "STAGES_RETRIES",
     "Candidate",
     "PlanError",
     "evaluate",
     "model_shape",
     "plan",
+    "stages_options",
 ]
 
 AC_SEARCHED = ("none", "selective", "full")
@@ -94,6 +111,9 @@ CP_MIN_TOKENS = 8192
 #: How many of the best layouts with context parallelism :func:`_other_cp_methods` tries
 #: the other attention methods on.
 CP_METHOD_RETRIES = 64
+#: How many of the best interleaved layouts :func:`_other_stages` tries other stages per
+#: rank on.
+STAGES_RETRIES = 16
 _GIB = 2.0**30
 
 
@@ -284,6 +304,58 @@ def _variants(
                 yield from _options(layout, pinned)
 
 
+def stages_options(layout: Layout, layers: int) -> list[int]:
+    """Stages per rank to try on pipelined ``layout`` besides its own: none for a
+    schedule of a fixed number (one stage per rank, the V schedules' 2) or without a
+    pipeline; for an interleaved one, from its least (2) doubling, and one block per stage
+    (``layers // pp``). More stages shrink the bubble and cost more sends and more
+    activations in flight, which the prediction weighs."""
+    spec = find_schedule(SCHEDULES, layout.schedule)
+    if layout.pp == 1 or spec is None or spec.stages_per_rank is not None:
+        return []
+    least = default_stages_per_rank(spec, layout.pp)
+    most = layers // layout.pp
+    options = {least, most} if most >= least else set()
+    v = least * 2
+    while v < most:
+        options.add(v)
+        v *= 2
+    return sorted(options - {layout.stages_per_rank})
+
+
+def _other_stages(
+    found: list[Candidate],
+    model: ModelSpec,
+    shape: ModelShape,
+    work: Workload,
+    device: DeviceSpec,
+    world: World,
+    budget: float,
+    efficiency: float,
+) -> list[Candidate]:
+    """The other stages per rank (:func:`stages_options`) on the first
+    :data:`STAGES_RETRIES` interleaved layouts of ``found`` (fastest first), at their
+    microbatch counts: those the rules allow and that fit. Searched after the rest, not
+    with it: every new pipeline shape is a schedule to generate, and most are far from the
+    best."""
+    tried = [c.layout for c in found if stages_options(c.layout, model.layers)]
+    more: list[Candidate] = []
+    for layout in tried[:STAGES_RETRIES]:
+        for v in stages_options(layout, model.layers):
+            other = dataclasses.replace(layout, stages_per_rank=v)
+            if check(other, shape, work.global_batch, world, SCHEDULES):
+                continue
+            try:
+                pipeline = layout_shape(model, other)
+            except ValueError:
+                continue  # a shape plait's schedules refuse
+            memory = peak_memory(model, other, work, pipeline)
+            if memory.total <= budget:
+                timing = predict_time(model, other, work, device, pipeline, efficiency)
+                more.append(Candidate(other, memory, timing, True))
+    return more
+
+
 def _options(layout: Layout, pinned: _Pinned) -> Iterator[Layout]:
     """``layout`` with each checkpointing mode and each ``reshard_after_forward`` that
     matters (only ``fully_shard`` without a pipeline reshards between the passes)."""
@@ -382,9 +454,18 @@ def plan(
     *,
     memory_fraction: float = 0.9,
     efficiency: float = EFFICIENCY,
+    zero: int = 0,
+    recipe: str = "plait",
     **fixed: int | str | bool | None,
 ) -> list[Candidate]:
     """Every layout of ``gpus`` devices that fits, fastest first (module docstring).
+
+    ``zero`` (1 or 2): also search ZeRO data parallelism (:class:`PlanLayout`: every
+    layout with ``dp_shard`` 1, ``ep`` 1 and more than one ``dp_replicate x cp`` rank gets
+    a ZeRO variant beside plait's own); ``recipe``: whose activations the memory model
+    counts (``"megatron"``: every layout is a :class:`PlanLayout` of that recipe). Both
+    describe other frameworks: ``plait train`` runs neither (the default, 0 and
+    ``"plait"``, searches only what it runs).
 
     ``fixed``: fields of :class:`~plait.layout.Layout` (``tp=8``, ``ac="full"``); those
     given fix that part of the layout, those left out or ``None`` are searched (TypeError
@@ -394,6 +475,19 @@ def plan(
     gives the smallest peak memory found).
     """
     pinned = _pin(fixed)
+    if zero not in ZERO_STAGES or recipe not in RECIPES:
+        raise PlanError(
+            f"--zero {zero} --recipe {recipe}: ZeRO stages are 0, 1, 2; recipes "
+            f"{', '.join(RECIPES)}"
+        )
+    if zero and (
+        (pinned.given(DP_SHARD) and pinned.layout.dp_shard > 1)
+        or (pinned.given(EP) and pinned.layout.ep > 1)
+    ):
+        raise PlanError(
+            f"--zero {zero} shards the optimizer over dp_replicate x cp and keeps parameters "
+            "whole: it needs --dp-shard 1 and --ep 1 (drop them, or drop --zero)"
+        )
     shape = model_shape(model, work)
     world = World(gpus, "--gpus", "devices", named=f"--gpus {gpus}")
     _check_pinned(model, shape, world, pinned)
@@ -402,7 +496,8 @@ def plan(
     fitting: list[Candidate] = []
     smallest: tuple[float, Layout] | None = None
     budget = memory_fraction * device.memory
-    for layout in _layouts(shape, work, world, device.gpus_per_node, pinned):
+    grid = _layouts(shape, work, world, device.gpus_per_node, pinned)
+    for layout in _flavours(grid, zero, recipe):
         try:
             pipeline = layout_shape(model, layout)
         except ValueError:
@@ -429,10 +524,26 @@ def plan(
             " GiB): use more or larger devices, a shorter sequence or a smaller batch"
         )
     fitting.sort(key=lambda c: (-c.timing.tokens_per_s_per_device, c.memory.total))
+    if not pinned.given("stages_per_rank"):
+        fitting += _other_stages(fitting, model, shape, work, device, world, budget, efficiency)
+        fitting.sort(key=lambda c: (-c.timing.tokens_per_s_per_device, c.memory.total))
     if not pinned.given("cp_method"):
         fitting += _other_cp_methods(fitting, model, shape, work, device, world, budget, efficiency)
         fitting.sort(key=lambda c: (-c.timing.tokens_per_s_per_device, c.memory.total))
     return fitting
+
+
+def _flavours(layouts: Iterator[Layout], zero: int, recipe: str) -> Iterator[Layout]:
+    """``layouts`` as :func:`plan`'s ``zero`` and ``recipe`` ask: as they are (plait's),
+    as :class:`PlanLayout` s of ``recipe``, and with ``zero`` a ZeRO variant of each that
+    can have one (``dp_shard`` 1, ``ep`` 1, a ``dp_replicate x cp`` group; one of the
+    ``reshard_after_forward`` twins, which ZeRO does not have)."""
+    for layout in layouts:
+        fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(Layout)}
+        yield layout if recipe == "plait" else PlanLayout(**fields, recipe=recipe)
+        zeroable = layout.dp_shard == 1 and layout.ep == 1 and layout.reshard_after_forward
+        if zero and zeroable and layout.dp_replicate * layout.cp > 1:
+            yield PlanLayout(**fields, zero=zero, recipe=recipe)
 
 
 def describe(layout: Layout) -> str:
@@ -447,6 +558,10 @@ def describe(layout: Layout) -> str:
     if layout.microbatches > 1:
         parts.append(f"mb={layout.microbatches}")
     parts.append(f"ac={layout.ac}")
-    if layout.dp_shard * layout.cp > 1 and not layout.reshard_after_forward:
+    if fsdp_ranks(layout) > 1 and not layout.reshard_after_forward:
         parts.append("no-reshard")
+    if zero_stage(layout):
+        parts.append(f"zero={zero_stage(layout)}")
+    if recipe_of(layout) != "plait":
+        parts.append(f"recipe={recipe_of(layout)}")
     return " ".join(parts) or "single device"

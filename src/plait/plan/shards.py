@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from plait.plan.models import ParamCounts, param_counts
 from plait.plan.schedule import RankLoad
-from plait.plan.spec import Layout, ModelSpec, Workload
+from plait.plan.spec import Layout, ModelSpec, Workload, zero_stage
 
 __all__ = [
     "RankParams",
@@ -162,8 +162,11 @@ def microbatch_tokens(layout: Layout, work: Workload) -> float:
 def fsdp_ranks(layout: Layout) -> int:
     """The ranks ``fully_shard`` shards parameters over and reduces gradients over:
     ``dp_shard x cp`` (the cp ranks hold the same parameters and different tokens, as the
-    dp_shard ranks do; torchtitan's ``dp_shard_cp``)."""
-    return layout.dp_shard * layout.cp
+    dp_shard ranks do; torchtitan's ``dp_shard_cp``). 1 under ZeRO (a
+    :class:`~plait.plan.spec.PlanLayout` with ``zero``): its parameters are replicated,
+    and it shards optimizer state over ``dp_replicate x cp`` instead
+    (:func:`~plait.plan.spec.zero_ranks`)."""
+    return 1 if zero_stage(layout) else layout.dp_shard * layout.cp
 
 
 def compute_bytes(work: Workload) -> int:

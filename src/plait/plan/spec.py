@@ -1,7 +1,9 @@
 """What the planner reasons about: a model, a workload, a machine, a layout, and the memory
 of one rank. Plain frozen dataclasses shared by the cost model, the search, the dry run and
 the command line; nothing here computes a prediction. The layout is the one ``plait
-train`` runs (:class:`plait.layout.Layout`).
+train`` runs (:class:`plait.layout.Layout`), or a :class:`PlanLayout`: the same layout as
+another framework would run it (ZeRO-1/2 data parallelism, Megatron-LM's activations),
+which the planner predicts and ``plait train`` does not run.
 """
 
 from __future__ import annotations
@@ -10,11 +12,81 @@ from dataclasses import dataclass, field
 
 from plait.layout import LAYOUT_FIELDS, MESH_DIMS, Layout
 
-__all__ = ["LAYOUT_DIMS", "DeviceSpec", "Layout", "MemoryBreakdown", "ModelSpec", "Workload"]
+__all__ = [
+    "LAYOUT_DIMS",
+    "RECIPES",
+    "ZERO",
+    "ZERO_STAGES",
+    "DeviceSpec",
+    "Layout",
+    "MemoryBreakdown",
+    "ModelSpec",
+    "PlanLayout",
+    "Workload",
+    "recipe",
+    "zero_ranks",
+    "zero_stage",
+]
 
 #: The mesh dimensions in :class:`Layout`'s field order: the order the planner's flags and
 #: the commands it prints list them.
 LAYOUT_DIMS = tuple(name for name in LAYOUT_FIELDS if name in MESH_DIMS)
+
+#: Whose implementation of a layout the memory model follows (:class:`PlanLayout`).
+RECIPES = ("plait", "megatron")
+#: ZeRO stages the planner models: 0 (none: plait's data parallelism), 1 and 2.
+ZERO_STAGES = (0, 1, 2)
+#: The dim ZeRO's collectives are reported on (:mod:`plait.plan.comm`): the data-parallel
+#: ranks it shards the optimizer over, ``dp_replicate x cp``.
+ZERO = "zero"
+
+
+@dataclass(frozen=True)
+class PlanLayout(Layout):
+    """A :class:`~plait.layout.Layout` as another framework runs it: a prediction for
+    published runs, not something ``plait train`` runs (it refuses one: see
+    :func:`plait.plan.train_plan.config_of_layout`).
+
+    ``zero``: ZeRO stage of the data parallelism (DeepSpeed ZeRO-1/2; Megatron-LM's
+    distributed optimizer is ZeRO-1), over ``dp_replicate x cp`` (:func:`zero_ranks`);
+    needs ``dp_shard`` 1 (parameters are replicated, not ``fully_shard`` ed) and ``ep`` 1.
+    Parameters are kept in the compute dtype on every rank; the fp32 master copy and
+    AdamW's moments (ZeRO-1), and the fp32 gradients too (ZeRO-2), are sharded over the
+    group. Per step, gradients are reduce-scattered and the updated parameters
+    all-gathered (an all-reduce's bytes); ZeRO-2 reduce-scatters every microbatch.
+
+    ``recipe``: ``"plait"`` (what plait's runtime saves for backward: torch's tensor
+    parallelism keeps the all-gathered linear inputs, autocast keeps the residual stream
+    in fp32) or ``"megatron"`` (Megatron-LM's, Korthikanti et al. 2022, arXiv 2205.05198:
+    with sequence parallelism every saved activation is split by ``tp`` and re-gathered in
+    backward, a fused SwiGLU saves its input only); :mod:`plait.plan.memory` says what
+    each saves.
+    """
+
+    zero: int = 0
+    recipe: str = "plait"
+
+    def __post_init__(self) -> None:
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"--zero {self.zero}: the planner models ZeRO stages 1 and 2")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"--recipe {self.recipe}: one of {', '.join(RECIPES)}")
+
+
+def zero_stage(layout: Layout) -> int:
+    """``layout``'s ZeRO stage: 0 for plait's own data parallelism."""
+    return layout.zero if isinstance(layout, PlanLayout) else 0
+
+
+def recipe(layout: Layout) -> str:
+    """Whose activations ``layout`` saves: ``"plait"`` unless a :class:`PlanLayout` says."""
+    return layout.recipe if isinstance(layout, PlanLayout) else "plait"
+
+
+def zero_ranks(layout: Layout) -> int:
+    """The ranks ZeRO shards the optimizer (and ZeRO-2 the gradients) over:
+    ``dp_replicate x cp`` (the ranks holding the same parameters); 1 without ZeRO."""
+    return layout.dp_replicate * layout.cp if zero_stage(layout) else 1
 
 
 @dataclass(frozen=True)

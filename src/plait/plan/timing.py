@@ -1,10 +1,16 @@
 """Predicted step time, tokens/s per device and MFU: the cost model.
 
-**Compute.** A rank's FLOPs (its blocks' matrices after tensor parallelism, attention
-``4 T d / tp`` per token and block forward, backward twice the forward, the head on the
-last stage) run at ``EFFICIENCY x`` the device's dense peak for the compute dtype.
-Checkpointing adds its recomputation: ``selective`` recomputes attention (plait keeps only
-matmul outputs), ``full`` the whole block forward.
+**Compute** (:mod:`plait.plan.roofline`): each kernel of a block (q, k, v, o and MLP
+GEMMs at their tp split and the microbatch's tokens; flash attention, causal, at its share
+of the sequence; the eager memory-bound norms, residuals, rotary embeddings and
+activations at the HBM bandwidth) and of the head and its loss, priced by the roofline
+with a fraction of the peak that depends on the GEMM's shape; backward twice the GEMMs
+and the memory-bound passes, flash attention's backward its own. Every kernel time is
+divided by ``EFFICIENCY``, the sustained fraction. Checkpointing adds its recomputation:
+``selective`` recomputes attention and the memory-bound work (plait keeps only matmul
+outputs), ``full`` the whole block forward. Devices without a roofline profile (the
+``cpu`` preset) run every FLOP at ``FLAT_EFFICIENCY`` of the peak; measured devices at
+their measured rates.
 
 **Communication** (bytes from :mod:`plait.plan.comm`, time = bytes / link bandwidth +
 the device's ``latency`` per call), overlapped as plait
@@ -15,13 +21,27 @@ overlaps it:
   next block's backward. Per block, only what exceeds that block's compute is exposed; the
   first all-gather, the root's and the last reductions are exposed whole.
 * ``replicate``: bucketed all-reduces overlap backward the same way, per block.
-* tensor parallelism: exposed whole (plait runs torch's TP collectives synchronously, in
-  the compute stream; no async TP).
-* pipelines: the schedule's makespan from plait's simulator (:mod:`plait.plan.schedule`)
-  times the slowest stage's forward plus backward; the stage's all-gather at the start of
-  the step and its reductions at the end are exposed (plait gathers a stage once per
-  step); each of the ``2 (stages - 1)`` hops of the pipeline's fill and drain exposes one
-  send. Where workers outnumber the cores (a measured CPU's ``oversubscription`` above 1,
+* the root unit (embeddings, final norm, head: one unit in plait's recipe) is gathered at
+  each microbatch's start, before anything runs, and reduced after the embedding's
+  gradient, the last of backward: both exposed whole.
+* collectives whose group spans nodes with ``k`` members in each node run at ``k x`` the
+  network's rate per rank, at most NVLink's (NCCL's rings side by side, one per NIC).
+* tensor parallelism: ``tp_overlap="none"`` (plait's recipe, the default: torch's TP
+  collectives run synchronously in the compute stream) exposes them whole;
+  ``"async"`` (Megatron's TP communication overlap, torchtitan's AsyncTP) exposes per
+  block only what exceeds the GEMMs they are decomposed into.
+* pipelines: each stage's own forward and backward (its blocks; the first stage's
+  embedding, the last stage's head and loss), and the makespan from them
+  (:func:`~plait.plan.schedule.stage_makespan`: the busiest rank's work plus the uniform
+  schedule's fill and drain at the other stages' mean duration). A stage's units are
+  gathered right before its first compute and reduced right after its last backward
+  (:mod:`plait.pipeline.grad_sync`, blocking): a gather is exposed only beyond the
+  forwards of the first microbatch through the stages before it (the rank waits for
+  them anyway), a reduction beyond the last microbatch's backwards through them; a
+  rank's later local stages count from its previous one. Each of the
+  ``2 (stages - 1)`` hops of the fill and drain exposes one send. On a measured CPU, the
+  uniform makespan times the slowest stage, as checked against real runs. Where workers
+  outnumber the cores (a measured CPU's ``oversubscription`` above 1,
   its FLOP/s measured with every worker busy), a rank idle in the bubble gives its share of
   the cores to the others: the pipeline then takes the longer of its busiest rank's work
   without a bubble and the makespan run up to ``oversubscription`` times faster.
@@ -67,19 +87,16 @@ per unit and microbatch (hooks, DTensor parameters, buffer copies: host time tha
 model shows when compute and bytes are nothing). Datasheet presets have no such figures:
 there they are not modelled (small beside the compute of the runs they are meant for).
 
-**Calibration.** ``EFFICIENCY`` is the one fitted constant, from one published run only:
-torchtitan's Llama 3.1 8B on 8 H100s, FSDP 8, selective checkpointing, local batch 2,
-sequence 8192, 5,762 tokens/s per GPU (``shared/reference/published_runs.md``, table 1; see
-:mod:`plait.plan.calibration`, which recomputes it). Every other prediction uses it
-unchanged. A ``measured`` device's FLOP/s are already achieved
-rates (:mod:`plait.plan.measure` times a block of the model at its shapes on the
-machine), so its compute uses them directly: efficiency 1, the calibration does not apply.
+**Calibration.** ``EFFICIENCY`` (the sustained fraction) is the one fitted constant, on
+the four runs ``benchmarks/published_runs.py`` marks ``"calibration"``
+(:mod:`plait.plan.calibration`, which recomputes it); the roofline's other figures are
+cited (:mod:`plait.plan.roofline`). Every other published row is a prediction.
 
-Not modelled: kernel efficiency varying with shape (small matrices, short sequences), the
-causal mask's saving in attention, communication slowing compute down when overlapped,
-collective latency growing with group size, the optimizer step on datasheet presets, data
-loading, host overheads (kernel launches, Python) other than ``fully_shard``'s measured
-per-unit work, ``torch.compile``, Float8.
+Not modelled: the kernels of fused recipes (Transformer Engine, ``torch.compile``) as
+distinct from eager ones, communication slowing compute down when overlapped,
+collective latency growing with group size, the optimizer step on datasheet presets,
+data loading, host overheads (kernel launches, Python) other than ``fully_shard``'s
+measured per-unit work, Float8.
 """
 
 from __future__ import annotations
@@ -89,6 +106,7 @@ from dataclasses import dataclass
 from plait.layout import CP, DP_REPLICATE, EFSDP, EP, PP, TP
 from plait.plan.comm import (
     Collective,
+    _span,
     all_to_all_bytes,
     communication,
     cp_traffic,
@@ -99,14 +117,26 @@ from plait.plan.comm import (
 )
 from plait.plan.devices import compute_peak
 from plait.plan.models import attention_flops_per_token, flops_per_token
-from plait.plan.schedule import PipelineShape, RankLoad
+from plait.plan.roofline import block_kernels, elementwise_seconds, head_kernels, profile
+from plait.plan.schedule import PipelineShape, RankLoad, pipeline_stages, stage_makespan
 from plait.plan.shards import compute_bytes, fsdp_ranks, microbatch_tokens, rank_params
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 
-__all__ = ["EFFICIENCY", "Timing", "predict_time"]
+__all__ = ["EFFICIENCY", "FLAT_EFFICIENCY", "TP_OVERLAPS", "Timing", "predict_time"]
 
-EFFICIENCY = 0.3641
-"""Achievable fraction of the dense peak (calibrated: module docstring)."""
+EFFICIENCY = 0.9757
+"""The sustained fraction: every roofline kernel time is divided by it (fitted by
+:mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
+
+FLAT_EFFICIENCY = 0.3641
+"""Devices without a roofline profile (the ``cpu`` preset, unknown names): the fraction
+of the dense peak every FLOP runs at (scaled by ``efficiency / EFFICIENCY``)."""
+
+TP_OVERLAPS = ("none", "async")
+"""How tensor parallelism's collectives run: ``none`` (plait's recipe: synchronous, in the
+compute stream, exposed whole) or ``async`` (Megatron's TP communication overlap,
+torchtitan's AsyncTP: each all-gather / reduce-scatter decomposed into the GEMM it feeds
+or follows, exposed only where it exceeds that GEMM)."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +153,23 @@ class Timing:
     host: float = 0.0  # optimizer step and fully_shard's host work (measured devices only)
 
 
+def _bandwidth(dim: str, layout: Layout, device: DeviceSpec) -> float:
+    """Per rank bandwidth of ``dim``'s collectives. Inside a node NVLink's; across nodes, a
+    group with ``k`` members in each node runs ``k`` rings side by side, one per NIC
+    (NCCL's channels over rail-optimised networks), each member's NIC carrying ``1 / k``
+    of the node-crossing traffic: ``k x`` the network's rate, at most NVLink's."""
+    bw = link_bandwidth(dim, layout, device)
+    if bw != device.inter_node_bw or dim == PP:
+        return bw
+    sizes = {EP: layout.ep, EFSDP: layout.efsdp, "dp_shard_cp": fsdp_ranks(layout)}
+    sizes["zero"] = layout.dp_replicate * layout.cp
+    size = sizes[dim] if dim in sizes else int(getattr(layout, dim))
+    per_node = max(1, device.gpus_per_node * size // max(_span(dim, layout), 1))
+    return min(device.intra_node_bw, per_node * device.inter_node_bw)
+
+
 def _seconds(nbytes: float, dim: str, layout: Layout, device: DeviceSpec, calls: int) -> float:
-    return nbytes / link_bandwidth(dim, layout, device) + calls * device.latency
+    return nbytes / _bandwidth(dim, layout, device) + calls * device.latency
 
 
 def _update_seconds(layout: Layout, device: DeviceSpec, elements: float) -> float:
@@ -141,16 +186,80 @@ def _update_seconds(layout: Layout, device: DeviceSpec, elements: float) -> floa
 class _RankTimes:
     block_fwd: float  # one block, one microbatch: compute plus its TP collectives
     block_bwd: float  # backward, recomputation and their TP collectives
-    head_fwd: float
+    head_fwd: float  # the rank's ends: embedding and / or head (and loss)
     head_bwd: float
     compute: float  # per step, pure compute
     exposed: float  # data-parallel communication not hidden, per step (without a pipeline)
-    ends: float  # the data-parallel communication around a pipeline's step
+    gather: float  # a pipeline rank's units' all-gathers (once per step)
+    reduce: float  # and their reductions
     host: float  # the optimizer step and fully_shard's host work, per step
 
     def per_microbatch(self, blocks: int) -> float:
-        """Forward and backward of ``blocks`` blocks and the rank's head, one microbatch."""
+        """Forward and backward of ``blocks`` blocks and the rank's ends, one microbatch."""
         return blocks * (self.block_fwd + self.block_bwd) + self.head_fwd + self.head_bwd
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """Compute seconds of one block and of the rank's ends, one microbatch."""
+
+    fwd: float
+    bwd: float  # without recomputation
+    recompute: float
+    gemm_fwd: float  # of fwd: the GEMMs (what async TP hides collectives behind)
+    attention_fwd: float  # of fwd: attention (what a ring's shifts run beside)
+    head_fwd: float
+    head_bwd: float
+
+
+def _kernels(
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    load: RankLoad,
+    efficiency: float,
+) -> _Kernels:
+    """The roofline's kernel times (:mod:`plait.plan.roofline`) divided by the sustained
+    fraction ``efficiency``; without a profile, FLOPs at one fraction of the peak."""
+    peak = compute_peak(device, work.precision)
+    n, tp = microbatch_tokens(layout, work), layout.tp
+    p = rank_params(model, layout, load)
+    prof = profile(device)
+    if prof is None:
+        flat = 1.0 if device.measured else FLAT_EFFICIENCY * efficiency / EFFICIENCY
+        rate = peak * flat
+        attention = n * attention_flops_per_token(model, work.seq_len) / tp / rate
+        forward = n * 2 * p.block_matmul / rate + attention
+        recompute = {"none": 0.0, "selective": attention, "full": forward}[layout.ac]
+        head = n * 2 * model.vocab * model.d_model / tp / rate if load.head else 0.0
+        return _Kernels(
+            forward, 2 * forward, recompute, forward - attention, attention, head, 2 * head
+        )
+    e = compute_bytes(work)
+    kinds = []
+    if p.dense_blocks:
+        kinds.append((p.dense_blocks, False))
+    if p.moe_blocks:
+        kinds.append((p.moe_blocks, True))
+    fwd = bwd = gemm = attn = redo = 0.0
+    for count, moe in kinds:
+        k = block_kernels(model, tp, n, work.seq_len, layout.cp, e, moe, prof, peak)
+        share = count / p.blocks
+        fwd += share * k.forward
+        bwd += share * k.backward
+        gemm += share * k.gemm
+        attn += share * k.attention_fwd
+        redo += share * (k.attention_fwd + k.elementwise)  # plait keeps matmul outputs
+    recompute = {"none": 0.0, "selective": redo, "full": fwd}[layout.ac]
+    head_f = head_b = 0.0
+    if load.head:
+        head_f, head_b = head_kernels(model, tp, n, e, prof, peak)
+    if load.embedding:  # the lookup's rows, and backward's scatter into the gradient
+        rows = elementwise_seconds(n * model.d_model * e, prof)
+        head_f, head_b = head_f + rows, head_b + 2 * rows
+    s = efficiency
+    return _Kernels(fwd / s, bwd / s, recompute / s, gemm / s, attn / s, head_f / s, head_b / s)
 
 
 def _rank_times(
@@ -160,24 +269,23 @@ def _rank_times(
     device: DeviceSpec,
     load: RankLoad,
     efficiency: float,
+    tp_overlap: str = "none",
 ) -> _RankTimes:
-    if device.measured:
-        efficiency = 1.0  # measured figures are achieved rates, not datasheet peaks
-    rate = compute_peak(device, work.precision) * efficiency
+    k = _kernels(model, layout, work, device, load, efficiency)
     e = compute_bytes(work)
     m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
-    n = microbatch_tokens(layout, work)
     p = rank_params(model, layout, load)
-    attention = attention_flops_per_token(model, work.seq_len) / tp
-    forward = n * (2 * p.block_matmul + attention) / rate
-    recompute = {"none": 0.0, "selective": n * attention / rate, "full": forward}[layout.ac]
+    forward, recompute = k.fwd, k.recompute
     t_tp = 0.0
     if tp > 1:
         t_tp = _seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
-    passes = 2 if layout.ac != "none" else 1
-    fwd, bwd = forward + t_tp, 2 * forward + recompute + passes * t_tp
+    tp_fwd = tp_bwd = t_tp  # exposed per pass
+    if tp_overlap == "async" and device.overlap:
+        tp_fwd, tp_bwd = max(0.0, t_tp - k.gemm_fwd), max(0.0, t_tp - 2 * k.gemm_fwd)
+    passes = tp_fwd if layout.ac != "none" else 0.0
+    fwd, bwd = forward + tp_fwd, k.bwd + recompute + tp_bwd + passes
     if layout.cp > 1:  # attention's exchange (module docstring)
-        cp_fwd, cp_bwd = _cp_exposed(model, layout, work, device, n * attention / rate)
+        cp_fwd, cp_bwd = _cp_exposed(model, layout, work, device, k.attention_fwd)
         fwd += cp_fwd
         bwd += cp_bwd + (cp_fwd if layout.ac != "none" else 0.0)
     if p.moe_blocks:  # exposed exchanges of the MoE blocks, spread over the rank's blocks
@@ -188,10 +296,9 @@ def _rank_times(
         back = 2 * one + (2 * device.latency if layout.ep > 1 else 0.0)
         fwd += share * exchange
         bwd += share * (back + (exchange if layout.ac != "none" else 0.0))
-    head = n * 2 * model.vocab * model.d_model / tp / rate if load.head else 0.0
     ends = int(load.embedding) + int(load.head)
-    head_f, head_b = head + ends * t_tp / 4, 2 * head + ends * t_tp / 4
-    compute = m * (load.layers * (3 * forward + recompute) + 3 * head)
+    head_f, head_b = k.head_fwd + ends * tp_fwd / 4, k.head_bwd + ends * tp_bwd / 4
+    compute = m * (load.layers * (forward + k.bwd + recompute) + k.head_fwd + k.head_bwd)
 
     def dp(nbytes: float, dim: str, op: str, group: int) -> float:
         return _seconds(nbytes * ring(op, group), dim, layout, device, 1) if group > 1 else 0.0
@@ -220,8 +327,9 @@ def _rank_times(
         host += m * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
     held = (p.sharded_blocks + p.root, p.expert_total)  # gathered: dense part, experts
     if layout.pp > 1:
-        around = gather(*held) + reduce(*held)
-        return _RankTimes(fwd, bwd, head_f, head_b, compute, 0.0, around, host)
+        return _RankTimes(
+            fwd, bwd, head_f, head_b, compute, 0.0, gather(*held), reduce(*held), host
+        )
     # Per block, the rank's average one (dense and MoE blocks alike).
     block = (p.sharded_blocks / p.blocks, p.expert_total / p.blocks)
     gather_block = gather(*block)
@@ -230,12 +338,15 @@ def _rank_times(
     if not device.overlap:  # communication shares the cores: every second of it adds
         gathers = m * (gather_root + p.blocks * (gather_block + bwd_gather))
         exposed = gathers + p.blocks * reduce(*block) + reduce(p.root)
-        return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, host)
+        return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, 0.0, host)
+    # The root unit (embeddings, final norm, head: one unit in plait's recipe) is gathered
+    # at each microbatch's forward start, before anything runs, and reduced after the
+    # embedding's gradient, the last of backward: both exposed whole.
     uncovered = max(0.0, gather_block - fwd) * max(p.blocks - 1, 0)  # prefetch longer than compute
     exposed = m * (gather_root + gather_block + uncovered)
     exposed += (m - 1) * p.blocks * max(0.0, bwd_gather - bwd)  # microbatches without sync
     exposed += p.blocks * max(0.0, bwd_gather + reduce(*block) - bwd) + reduce(p.root)
-    return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, host)
+    return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, 0.0, host)
 
 
 def predict_time(
@@ -245,31 +356,27 @@ def predict_time(
     device: DeviceSpec,
     shape: PipelineShape,
     efficiency: float = EFFICIENCY,
+    tp_overlap: str = "none",
 ) -> Timing:
-    """The step time of ``layout`` (module docstring) from its pipeline ``shape``."""
-    times = {
-        load: _rank_times(model, layout, work, device, load, efficiency) for load in shape.ranks
-    }
+    """The step time of ``layout`` (module docstring) from its pipeline ``shape``;
+    ``efficiency``: the sustained fraction (the calibrated one by default);
+    ``tp_overlap``: one of :data:`TP_OVERLAPS`."""
+    if tp_overlap not in TP_OVERLAPS:
+        raise ValueError(f"tp_overlap must be one of {TP_OVERLAPS}, got {tp_overlap!r}")
     m = layout.microbatches
     if layout.pp == 1:
-        ((load, t),) = times.items()
+        ((load,),) = (shape.ranks,)
+        t = _rank_times(model, layout, work, device, load, efficiency, tp_overlap)
         compute, exposed, host = t.compute, t.exposed, t.host
         step = m * t.per_microbatch(load.layers) + exposed + host
+    elif device.measured:
+        step, compute, exposed, host = _measured_pipeline(
+            model, layout, work, device, shape, efficiency
+        )
     else:
-        unit = max(t.per_microbatch(r.stage_layers) for r, t in times.items())
-        hop = _microbatch_hop(model, layout, work, device)
-        hops = 2 * (layout.pp * layout.stages_per_rank - 1)
-        if not device.overlap:  # every send a rank makes takes its cores' time
-            hops = max(hops, 2 * m * layout.stages_per_rank)
-        exposed = max(t.ends for t in times.values()) + hops * hop
-        pipeline = shape.makespan * unit
-        share = device.oversubscription
-        if share > 1:  # ranks sharing cores fill each other's bubbles (see the docstring)
-            busy = max(m * t.per_microbatch(r.layers) for r, t in times.items())
-            pipeline = max(busy, pipeline / share)
-        host = max(t.host for t in times.values())
-        step = pipeline + exposed + host
-        compute = max(t.compute for t in times.values())
+        step, compute, exposed, host = _pipeline(
+            model, layout, work, device, shape, efficiency, tp_overlap
+        )
     tokens = work.global_batch * work.seq_len / step / layout.world
     peak = compute_peak(device, work.precision)
     busiest = max(shape.ranks, key=lambda r: (r.layers, r.head))
@@ -283,6 +390,90 @@ def predict_time(
         collectives=tuple(communication(model, layout, work, device, busiest)),
         host=host,
     )
+
+
+def _pipeline(
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    shape: PipelineShape,
+    efficiency: float,
+    tp_overlap: str,
+) -> tuple[float, float, float, float]:
+    """A pipeline's step, compute, exposed communication and host time from each stage's
+    own duration (module docstring): step = makespan of the per-stage durations
+    (:func:`plait.plan.schedule.stage_makespan`) + the data-parallel gathers and
+    reductions the schedule does not hide + the fill and drain's sends + host work."""
+    m, pp, v = layout.microbatches, layout.pp, layout.stages_per_rank
+    stages = pipeline_stages(model.layers, pp, layout.schedule, v)
+    cache: dict[tuple[int, int, bool, bool], _RankTimes] = {}
+    times = []
+    for s, (size, rank) in enumerate(stages):
+        key = (size, rank if model.experts else 0, s == 0, s == len(stages) - 1)
+        if key not in cache:
+            load = RankLoad(rank, size, size, key[2], key[3], 1, 1)
+            cache[key] = _rank_times(model, layout, work, device, load, efficiency, tp_overlap)
+        times.append(cache[key])
+    fwd = [size * t.block_fwd + t.head_fwd for (size, _), t in zip(stages, times, strict=True)]
+    bwd = [size * t.block_bwd + t.head_bwd for (size, _), t in zip(stages, times, strict=True)]
+    durations = [f + b for f, b in zip(fwd, bwd, strict=True)]
+    owners = tuple(rank for _, rank in stages)
+    pipeline = stage_makespan(tuple(durations), owners, pp, m, shape.makespan)
+    # Data parallelism inside stages (plait.pipeline.grad_sync): a stage's units are
+    # gathered right before its first compute and reduced right after its last backward,
+    # both blocking. Each hides behind the time the rank would wait anyway: a gather behind
+    # the first microbatch's forwards through the earlier stages (the fill), a reduction
+    # behind the last microbatch's backwards through them (the drain), counted from the
+    # rank's previous local stage for its later ones.
+    start = end = 0.0
+    for rank in range(pp):
+        mine = [s for s, o in enumerate(owners) if o == rank]
+        late_start = late_end = 0.0
+        previous = -1
+        for s in mine:
+            slack_f = sum(fwd[previous + 1 : s])
+            slack_b = sum(bwd[previous + 1 : s])
+            late_start += max(0.0, times[s].gather - slack_f)
+            late_end = max(late_end, times[s].reduce - slack_b)
+            previous = s
+        start, end = max(start, late_start), max(end, late_end)
+    hop = _microbatch_hop(model, layout, work, device)
+    exposed = start + end + 2 * (pp * v - 1) * hop
+    compute = max(sum(t.compute for s, t in enumerate(times) if owners[s] == r) for r in range(pp))
+    host = max(t.host for t in times) * v
+    return pipeline + exposed + host, compute, exposed, host
+
+
+def _measured_pipeline(
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    shape: PipelineShape,
+    efficiency: float,
+) -> tuple[float, float, float, float]:
+    """A pipeline on a measured CPU: the uniform-stage makespan times the slowest stage
+    (as checked against real CPU runs by ``benchmarks/plan_check.py``), every send a rank
+    makes exposed, ranks sharing cores filling each other's bubbles."""
+    m = layout.microbatches
+    times = {
+        load: _rank_times(model, layout, work, device, load, efficiency) for load in shape.ranks
+    }
+    unit = max(t.per_microbatch(r.stage_layers) for r, t in times.items())
+    hop = _microbatch_hop(model, layout, work, device)
+    hops = 2 * (layout.pp * layout.stages_per_rank - 1)
+    if not device.overlap:  # every send a rank makes takes its cores' time
+        hops = max(hops, 2 * m * layout.stages_per_rank)
+    exposed = max(t.gather + t.reduce for t in times.values()) + hops * hop
+    pipeline = shape.makespan * unit
+    share = device.oversubscription
+    if share > 1:  # ranks sharing cores fill each other's bubbles (see the docstring)
+        busy = max(m * t.per_microbatch(r.layers) for r, t in times.items())
+        pipeline = max(busy, pipeline / share)
+    host = max(t.host for t in times.values())
+    compute = max(t.compute for t in times.values())
+    return pipeline + exposed + host, compute, exposed, host
 
 
 def _cp_exposed(

@@ -1,0 +1,233 @@
+"""Kernel times from a roofline: what one block (and the head) costs on one rank.
+
+Each kernel of a transformer block takes the longer of its FLOPs at the rate its shape
+reaches and its bytes at the device's memory bandwidth:
+
+* **GEMMs** (q, k, v, o; MLP gate / up / down or fc / proj; the head; a mixture of
+  experts' router, routed and shared experts) at their tensor-parallel split and the
+  microbatch's tokens ``M``: ``2 M N K`` FLOPs at ``gemm x g(M) g(N) g(K)`` of the dense
+  peak, ``g(x) = x / (x + GEMM_HALF)``, or ``e (M K + K N + M N)`` bytes at the
+  bandwidth, whichever is longer. ``gemm`` is the largest fraction of the peak cuBLAS
+  reaches on the device (its "maximum achievable matmul FLOPS"), ``g`` the loss of
+  small dimensions (tiles and waves left part-empty, short main loops):
+  ``GEMM_HALF = 128`` (one tile edge) gives a 1,024-cube 70% of the large-GEMM rate,
+  4,096 91%, 16,384 98%, the shape of the size sweeps of the sources below. Backward runs
+  two GEMMs of the same three dimensions per forward one (``g`` is symmetric in them), so
+  twice the forward's time.
+* **Attention** (flash attention, causal): the scores and weighted values of
+  ``4 T d / (tp)`` FLOPs per token in forward, of which a causal kernel computes half
+  (it skips masked tiles; the MFU convention still counts all of them), at
+  ``attention_fwd`` of the peak; backward ``2.5 x`` the forward's FLOPs (five matmuls
+  against two) at ``attention_bwd``.
+* **Memory-bound operations** at ``BANDWIDTH_FRACTION`` of the HBM bandwidth, with the
+  traffic of eager PyTorch (no fusion; what plait and torchtitan without ``torch.compile``
+  run), per token of one block forward, ``e`` bytes of the compute dtype: two RMSNorms
+  (computed in fp32: read ``e``, upcast, square, mean, scale, downcast, weight:
+  ``3 e + 24`` bytes per element of ``d``), two residual additions (``3 e d``), rotary
+  embeddings of q and k (``2 e + 16`` bytes per element of their ``(d + k) / tp``: fp32
+  complex products), the SwiGLU's ``silu(a) x b`` (``5 e`` per element of ``f / tp``;
+  GELU ``2 e``); backward moves twice the forward's bytes. The head's loss (``logits``
+  upcast to fp32, log-softmax, its backward, the downcast): ``2 e + 28`` bytes per
+  vocabulary element of the rank and token.
+
+Sources of the kernel fractions (:data:`PROFILES`):
+
+* GEMMs: the maximum achievable matmul FLOPS measured with the ``mamf-finder`` sweep
+  (S. Bekman, *Machine Learning Engineering*, ``compute/accelerator``, table "Maximum
+  Achievable Matmul FLOPS comparison"): H100 SXM bf16 about 792 of 989 TFLOP/s (0.80),
+  A100 SXM about 271 of 312 (0.87); H200 shares the H100's tensor cores (0.80); B200
+  taken as 0.75 (early cuBLAS figures, about 1.7 of 2.25 PFLOP/s).
+* Attention: FlashAttention-2 as PyTorch's SDPA runs it (what plait and torchtitan's
+  December 2024 runs use): on H100, about 350 TFLOP/s forward and 300 backward for head
+  dimension 128, causal, 8k tokens (the FlashAttention-2 baselines of FlashAttention-3,
+  Shah et al. 2024, arXiv 2407.08608, figures 5 and 6): 0.35 and 0.30 of the peak; on
+  A100 up to 73% forward and 63% backward (Dao 2023, arXiv 2307.08691): 0.70 and 0.60.
+* Bandwidth: the datasheets' HBM bandwidth (:func:`plait.plan.devices.memory_bandwidth`),
+  of which streaming kernels reach about 85-90% (``BANDWIDTH_FRACTION = 0.85``).
+
+None of those is fitted. The one fitted constant, the *sustained fraction* (power-capped
+clocks below the boost clock the peaks assume, kernel launch gaps, collectives sharing
+the SMs and memory with compute, what the op list above misses), divides every kernel
+time: :data:`plait.plan.timing.EFFICIENCY`, fitted by :mod:`plait.plan.calibration`.
+
+Devices without a profile (the ``cpu`` preset, a device named otherwise) have no
+roofline: :func:`profile` returns None and the cost model falls back to one fraction of
+the peak for every FLOP (:data:`plait.plan.timing.FLAT_EFFICIENCY`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from plait.plan.devices import memory_bandwidth
+from plait.plan.spec import DeviceSpec, ModelSpec
+
+__all__ = [
+    "BANDWIDTH_FRACTION",
+    "GEMM_HALF",
+    "PROFILES",
+    "BlockKernels",
+    "KernelProfile",
+    "block_kernels",
+    "elementwise_seconds",
+    "gemm_fraction",
+    "gemm_seconds",
+    "head_kernels",
+    "profile",
+]
+
+GEMM_HALF = 128.0
+"""The dimension at which a GEMM reaches half its large-shape rate in that dimension."""
+
+BANDWIDTH_FRACTION = 0.85
+"""Fraction of the datasheet HBM bandwidth memory-bound kernels reach."""
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """Fractions of the dense peak a device's kernels reach (module docstring)."""
+
+    gemm: float  # large GEMMs (maximum achievable matmul FLOPS / peak)
+    attention_fwd: float  # flash attention forward, causal FLOPs counted
+    attention_bwd: float
+    bandwidth: float  # HBM bytes/s (datasheet)
+
+
+_H100 = (0.80, 0.35, 0.30)
+PROFILES: dict[str, tuple[float, float, float]] = {
+    "h100": _H100,
+    "h200": _H100,
+    "a100": (0.87, 0.70, 0.60),
+    "a100-40gb": (0.87, 0.70, 0.60),
+    "b200": (0.75, 0.35, 0.30),
+}
+"""Per device preset: ``(gemm, attention_fwd, attention_bwd)`` (sources: module
+docstring)."""
+
+
+def profile(device: DeviceSpec) -> KernelProfile | None:
+    """The roofline profile of ``device`` (None: no roofline, see the module docstring).
+    Measured devices have none (their rates are achieved rates already)."""
+    if device.measured or device.name not in PROFILES:
+        return None
+    bandwidth = memory_bandwidth(device)
+    if not bandwidth:
+        return None
+    gemm, fwd, bwd = PROFILES[device.name]
+    return KernelProfile(gemm, fwd, bwd, bandwidth)
+
+
+def _g(x: float) -> float:
+    return x / (x + GEMM_HALF)
+
+
+def gemm_fraction(m: float, n: float, k: float, gemm: float) -> float:
+    """Fraction of the peak an ``(m x k) @ (k x n)`` GEMM reaches (module docstring)."""
+    return gemm * _g(m) * _g(n) * _g(k)
+
+
+def gemm_seconds(
+    m: float, n: float, k: float, peak: float, prof: KernelProfile, element: int
+) -> float:
+    """One ``(m x k) @ (k x n)`` GEMM: FLOPs at its shape's rate or bytes at the
+    bandwidth, the longer."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k / (gemm_fraction(m, n, k, prof.gemm) * peak)
+    traffic = element * (m * k + k * n + m * n) / (prof.bandwidth * BANDWIDTH_FRACTION)
+    return max(flops, traffic)
+
+
+def elementwise_seconds(nbytes: float, prof: KernelProfile) -> float:
+    """Memory-bound work of ``nbytes`` at the sustained bandwidth."""
+    return nbytes / (prof.bandwidth * BANDWIDTH_FRACTION)
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    """One block, one microbatch, one rank, forward: seconds by kind (before the
+    sustained fraction). Backward: ``2 gemm + attention_bwd + 2 elementwise``."""
+
+    gemm: float
+    attention_fwd: float
+    attention_bwd: float
+    elementwise: float
+    matmul_elements: float  # matrix elements per token the GEMMs above go through
+
+    @property
+    def forward(self) -> float:
+        return self.gemm + self.attention_fwd + self.elementwise
+
+    @property
+    def backward(self) -> float:
+        return 2 * self.gemm + self.attention_bwd + 2 * self.elementwise
+
+
+@functools.lru_cache(maxsize=4096)
+def block_kernels(
+    model: ModelSpec,
+    tp: int,
+    tokens: float,
+    seq_len: int,
+    cp: int,
+    element: int,
+    moe: bool,
+    prof: KernelProfile,
+    peak: float,
+) -> BlockKernels:
+    """Forward kernels of one block (dense, or a MoE block with ``moe``) for ``tokens``
+    tokens of one rank (the microbatch, after context parallelism), its matrices split
+    ``tp`` ways."""
+    d, f = model.d_model, model.ffn_hidden
+    kv = d * model.kv_heads // model.heads
+    n = tokens
+    gemms: list[tuple[float, float, float]] = [  # (M, N, K) per token-row GEMM
+        (n, d / tp, d),  # q
+        (n, kv / tp, d),  # k
+        (n, kv / tp, d),  # v
+        (n, d, d / tp),  # o
+    ]
+    if moe:
+        e, h, k = model.experts, model.expert_hidden, model.top_k
+        gemms.append((n, e, d))  # the router, whole on every tp rank
+        rows = n * k / e  # tokens per expert, on average (dropless)
+        gemms += [(rows, h, d), (rows, h, d), (rows, d, h)] * e
+        if model.shared_experts:
+            s = h * model.shared_experts / tp
+            gemms += [(n, s, d), (n, s, d), (n, d, s)]
+        width = k * h + h * model.shared_experts / tp
+    else:
+        mlp = [(n, f / tp, d), (n, d, f / tp)]
+        gemms += [(n, f / tp, d), *mlp] if model.gated else mlp
+        width = f / tp
+    gemm = sum(gemm_seconds(m, nn, kk, peak, prof, element) for m, nn, kk in gemms)
+    elements = sum(nn * kk * (m / n) for m, nn, kk in gemms)
+    # Attention: 4 T d / (tp cp) FLOPs per token (each token of the rank's T / cp attends
+    # to the whole sequence), half of which a causal kernel computes.
+    attention = n * 4.0 * seq_len * d / tp / 2
+    attn_fwd = attention / (prof.attention_fwd * peak)
+    attn_bwd = 2.5 * attention / (prof.attention_bwd * peak)
+    act = 5 * element if model.gated else 2 * element
+    per_token = (
+        2 * (3 * element + 24) * d  # two RMSNorms (eager, fp32 inside)
+        + 2 * 3 * element * d  # two residual additions
+        + (2 * element + 16) * (d + kv) / tp  # rotary embedding of q and k
+        + act * width  # the MLP's activation (over the routed / shared widths)
+    )
+    return BlockKernels(
+        gemm, attn_fwd, attn_bwd, elementwise_seconds(n * per_token, prof), elements
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def head_kernels(
+    model: ModelSpec, tp: int, tokens: float, element: int, prof: KernelProfile, peak: float
+) -> tuple[float, float]:
+    """The head and its loss for ``tokens`` tokens on one rank (vocabulary split ``tp``
+    ways): forward and backward seconds (before the sustained fraction)."""
+    v = model.vocab / tp
+    gemm = gemm_seconds(tokens, v, model.d_model, peak, prof, element)
+    loss = elementwise_seconds(tokens * v * (2 * element + 28), prof)
+    # The loss's bytes above cover its forward and backward; split them 1 : 2.
+    return gemm + loss / 3, 2 * gemm + 2 * loss / 3

@@ -1,0 +1,138 @@
+"""The cost model's roofline, per-stage pipeline times, TP overlap and calibration
+(:mod:`plait.plan.roofline`, :mod:`plait.plan.timing`, :mod:`plait.plan.schedule`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from plait.plan import Layout, Workload, device, preset
+from plait.plan.calibration import CALIBRATION_RUNS, calibrate
+from plait.plan.devices import memory_bandwidth
+from plait.plan.roofline import (
+    elementwise_seconds,
+    gemm_fraction,
+    gemm_seconds,
+    profile,
+)
+from plait.plan.schedule import layout_shape, pipeline_stages, stage_makespan
+from plait.plan.timing import EFFICIENCY, predict_time
+
+H100 = device("h100")
+
+
+def test_gemm_fraction_grows_with_size_and_saturates() -> None:
+    sizes = [128, 512, 1024, 4096, 16384, 65536]
+    fractions = [gemm_fraction(s, s, s, 0.8) for s in sizes]
+    assert fractions == sorted(fractions)
+    assert fractions[0] < 0.2 < 0.7 < fractions[-2]
+    assert fractions[-1] <= 0.8 and fractions[-1] - fractions[-2] < 0.02  # saturates
+    # A small dimension alone holds a large GEMM back.
+    assert gemm_fraction(16384, 64, 16384, 0.8) < 0.5 * gemm_fraction(16384, 16384, 16384, 0.8)
+
+
+def test_memory_bound_op_is_priced_by_bandwidth() -> None:
+    prof = profile(H100)
+    assert prof is not None and prof.bandwidth == memory_bandwidth(H100) == 3.35e12
+    assert elementwise_seconds(2e9, prof) == pytest.approx(2 * elementwise_seconds(1e9, prof))
+    # A matrix-vector product (M = 1) is bound by its bytes, not its FLOPs.
+    mv = gemm_seconds(1, 8192, 8192, H100.flops, prof, 2)
+    assert mv == pytest.approx(elementwise_seconds(2 * (8192 * 8192 + 2 * 8192), prof))
+    assert profile(device("cpu")) is None  # no roofline: the flat fraction
+
+
+def _stage_times(model_layers: int, layout: Layout) -> tuple[float, ...]:
+    """Per-stage durations as the cost model computes them (forward plus backward)."""
+    from plait.plan import timing
+
+    model = dataclasses.replace(preset("llama3-8b"), layers=model_layers)
+    work = Workload(8192, 64)
+    out = []
+    stages = pipeline_stages(model.layers, layout.pp, layout.schedule, layout.stages_per_rank)
+    for s, (size, rank) in enumerate(stages):
+        load = timing.RankLoad(rank, size, size, s == 0, s == len(stages) - 1, 1, 1)
+        t = timing._rank_times(model, layout, work, H100, load, EFFICIENCY)
+        out.append(t.per_microbatch(size))
+    return tuple(out)
+
+
+def test_first_and_last_stages_carry_embedding_and_head() -> None:
+    d = _stage_times(32, Layout(dp_shard=2, pp=4, microbatches=8))
+    assert d[0] > d[1] == pytest.approx(d[2]) and d[3] > d[0]  # head + loss > embedding
+
+
+def test_uneven_split_heavier_stage_bounds_makespan() -> None:
+    # 4 stages of 3, 3, 2, 2 blocks (plait's split gives the first stages the extra).
+    durations = (3.0, 3.0, 2.0, 2.0)
+    owners = (0, 1, 2, 3)
+    m = 16
+    uniform = layout_shape(
+        dataclasses.replace(preset("llama3-8b"), layers=10), Layout(pp=4, microbatches=m)
+    ).makespan
+    got = stage_makespan(durations, owners, 4, m, uniform)
+    assert got == pytest.approx(sum(durations) + (m - 1) * max(durations))
+    assert got >= m * max(durations)
+    # Uniform stages: exactly the schedule's makespan.
+    assert stage_makespan((1.0,) * 4, owners, 4, m, uniform) == pytest.approx(uniform)
+
+
+def test_interleaving_lowers_the_bubble() -> None:
+    model, work = preset("llama3-70b"), Workload(8192, 64)
+    plain = Layout(dp_shard=2, tp=8, pp=8, microbatches=16, ac="full")
+    looped = dataclasses.replace(plain, schedule="Interleaved1F1B", stages_per_rank=2)
+    a = predict_time(model, plain, work, H100, layout_shape(model, plain))
+    b = predict_time(model, looped, work, H100, layout_shape(model, looped))
+    # 1F1B's bubble (p - 1) / (m + p - 1) halves with 2 stages per rank.
+    assert a.bubble == pytest.approx(7 / 23)
+    assert b.bubble == pytest.approx(7 / (2 * 16 + 7))
+    assert b.step_time < a.step_time
+
+
+def test_tp_overlap_reduces_exposed_time() -> None:
+    model, work = preset("llama3-70b"), Workload(8192, 32)
+    layout = Layout(dp_shard=4, tp=8, ac="full")
+    shape = layout_shape(model, layout)
+    sync = predict_time(model, layout, work, H100, shape)
+    overlapped = predict_time(model, layout, work, H100, shape, tp_overlap="async")
+    assert overlapped.step_time < sync.step_time
+    with pytest.raises(ValueError, match="tp_overlap"):
+        predict_time(model, layout, work, H100, shape, tp_overlap="sometimes")
+
+
+def test_sustained_fraction_is_fitted_to_the_calibration_runs() -> None:
+    assert calibrate() == pytest.approx(EFFICIENCY, rel=0.01)
+
+
+def test_calibration_runs_match_the_published_table() -> None:
+    published = pytest.importorskip("benchmarks.published_runs")
+    rows = {r.name: r for r in published.CALIBRATION}
+    assert set(rows) == {r.name for r in CALIBRATION_RUNS}
+    for run in CALIBRATION_RUNS:
+        row = rows[run.name]
+        assert (row.model, row.layout, row.work, row.device) == (
+            run.model,
+            run.layout,
+            run.work,
+            run.device,
+        )
+        assert published.tokens_per_s(row) == pytest.approx(run.tokens_per_s_per_device)
+
+
+_COLD = """
+import time
+import plait.plan.search
+from plait.plan import Workload, device, plan, preset
+start = time.process_time()
+plan(preset("llama3-405b"), Workload(8192, 10240), device("h100"), 10240)
+print(time.process_time() - start)
+"""
+
+
+def test_cold_10240_gpu_search_cpu_time() -> None:
+    out = subprocess.run([sys.executable, "-c", _COLD], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    seconds = float(out.stdout.strip())
+    assert seconds < 2.0 * 2.5, f"cold 10,240-GPU search took {seconds:.2f} s of CPU"

@@ -1,0 +1,40 @@
+"""The pipelined dry run (:func:`plait.plan.dryrun.pipeline_step`): rank 0's own actions of
+a schedule, in one process, against the prediction for rank 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.layout import Layout
+from plait.plan.dryrun import dry_run
+from plait.plan.memory import first_rank_memory
+from plait.plan.models import gpt
+from plait.plan.spec import Workload
+from plait.plan.train_plan import config_of_layout
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_pipelined_dry_run_within_5_percent_of_rank_0_prediction() -> None:
+    # 16 ranks: pp 4 x dp_shard 4, 1F1B over 8 microbatches (rank 0 holds 4 in flight).
+    layout = Layout(dp_shard=4, pp=4, schedule="1F1B", microbatches=8)
+    work = Workload(256, 32, "fp32")
+    model = gpt(8, 8, 512, work.seq_len)
+    measured = dry_run(config_of_layout(model, layout, work), 16)
+    predicted = first_rank_memory(model, layout, work).total
+    assert predicted == pytest.approx(measured.peak, rel=0.05)
+    # Rank 0 holds the embeddings and two blocks: its peak is well above its shards.
+    assert measured.peak > 2 * measured.setup
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_plan_command_dry_runs_a_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    from plait.plan.cli import main
+
+    gpt_flags = ["--n-layer", "8", "--n-head", "8", "--d-model", "512", "--seq-len", "256"]
+    fixed = ["--pp", "4", "--dp-shard", "4", "--schedule", "1F1B", "--microbatches", "8"]
+    args = [*gpt_flags, *fixed, "--gpus", "16", "--global-batch", "32", "--device", "cpu"]
+    assert main([*args, "--top", "1", "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("dry run of pp=4 dp_shard=4 1F1Bx1") and "(rank 0 of 16" in line
+    change = float(line.rsplit("(", 1)[1].rstrip("%)"))
+    assert abs(change) < 5
