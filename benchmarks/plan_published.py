@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.published_runs import (
+    FOUNDRY,
+    LLAMA3,
     MEGATRON,
     RUNS,
+    TORCHTITAN,
     PublishedRun,
     plait_mfu,
 )
@@ -69,15 +72,16 @@ def planner_device(run: PublishedRun) -> DeviceSpec:
     return override(device(run.device), memory=run.memory_gib * _GIB)
 
 
+#: Each code base's activation recipe (``plait.plan.memory.RECIPE_KEEPS``).
+RECIPE_OF = {MEGATRON: "megatron", TORCHTITAN: "torchtitan", FOUNDRY: "foundry", LLAMA3: "llama3"}
+
+
 def planner_layout(run: PublishedRun) -> Layout:
     """The layout the planner evaluates: ``run.layout``, as a
-    :class:`~plait.plan.spec.PlanLayout` with ZeRO and Megatron's activation recipe where
-    the run used them."""
-    megatron = run.code_base == MEGATRON
-    if not run.zero and not megatron:
-        return run.layout
+    :class:`~plait.plan.spec.PlanLayout` with the run's ZeRO stage and its framework's
+    activation recipe (what it keeps for backward: :data:`RECIPE_OF`)."""
     fields = {name: getattr(run.layout, name) for name in LAYOUT_FIELDS}
-    return PlanLayout(**fields, zero=run.zero, recipe="megatron" if megatron else "plait")
+    return PlanLayout(**fields, zero=run.zero, recipe=RECIPE_OF[run.code_base])
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,9 @@ def published_table(runs: tuple[PublishedRun, ...] = RUNS) -> list[Row]:
     """The planner's prediction of each run (``evaluate``, default efficiency)."""
     out = []
     for run in runs:
-        got = evaluate(run.model, planner_layout(run), run.work, planner_device(run))
+        got = evaluate(
+            run.model, planner_layout(run), run.work, planner_device(run), software=run.software
+        )
         t = got.timing
         out.append(Row(run, t.mfu, t.tokens_per_s_per_device, got.memory.total / _GIB, got.fits))
     return out

@@ -35,11 +35,11 @@ statistics.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plait.plan.devices import compute_peak, device
 from plait.plan.models import flops_per_token, gpt, preset
-from plait.plan.spec import Layout, ModelSpec, Workload
+from plait.plan.spec import Layout, ModelSpec, Software, Workload
 
 __all__ = [
     "CALIBRATION",
@@ -79,7 +79,11 @@ class PublishedRun:
     (or % of peak) the source prints beside it, in its own count (0: none). ``zero``:
     ZeRO stage of the data parallelism (Megatron-LM's distributed optimizer is 1); the
     layout's ``dp_replicate`` holds those ranks. ``series``: rows of one source that vary
-    the model size (the trend check), "" for none.
+    the model size (the trend check), "" for none. ``software``: what the run's code did
+    beside the layout (its kernels, TP communication overlap, ZeRO's parameter-gather
+    overlap: :class:`plait.plan.spec.Software`), as its source states it or, where it
+    does not, the code base's defaults of the time (said in ``notes``); never chosen to
+    improve the fit.
     """
 
     name: str
@@ -102,6 +106,7 @@ class PublishedRun:
     params: int = 0  # the source's parameter count, where its FLOP count uses it (mosaic)
     notes: tuple[str, ...] = ()
     excluded: str = ""  # why the planner cannot model the run (kept out of statistics)
+    software: Software = field(default_factory=Software)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -166,6 +171,9 @@ _MLM_2021_NOTES = (
     "vocab 51,200, seq 2,048, GELU 4h, tied embeddings, learned positions (source)",
     "DDP (no distributed optimizer in 2021), full recomputation, no sequence parallelism",
     "micro-batch 1 and the plain 1F1B schedule assumed (the source states neither)",
+    "kernels: Megatron-LM 2021's fused LayerNorm, bias-GELU, bias-dropout-add and "
+    "scale-mask-softmax, attention scores materialized (no flash attention, which was "
+    "published in 2022), dropout 0.1 (its GPT defaults); TP all-reduces synchronous",
 )
 
 
@@ -209,6 +217,7 @@ def _megatron_2021(
         dp_flavour="DDP",
         stated_mfu=percent / 100,
         notes=_MLM_2021_NOTES,
+        software=Software("megatron-2021"),
     )
 
 
@@ -236,6 +245,11 @@ _MCORE_NOTES = (
     "overlapped DP (--overlap-grad-reduce/--overlap-param-gather: distributed optimizer, "
     "ZeRO-1) and TP (--tp-comm-overlap) communication (source)",
     "micro-batch 1, 1F1B, sequence parallelism and no recomputation assumed (not stated)",
+    "kernels: Transformer Engine (fused LayerNorm-linear, bias-GELU, cuDNN fused "
+    "attention), Megatron-Core's default on H100; TP overlap and the DP param-gather "
+    "overlap as the source states (README: --tp-comm-overlap, --overlap-grad-reduce "
+    "--overlap-param-gather); gradients reduced in bf16 (Megatron-Core's "
+    "grad_reduce_in_fp32=False default)",
 )
 
 
@@ -273,6 +287,9 @@ def _megatron_core(
         stated_mfu=percent / 100,
         zero=1,
         notes=_MCORE_NOTES,
+        software=Software(
+            "megatron-core", "async", param_gather_overlap=True, grad_reduce_fp32=False
+        ),
     )
 
 
@@ -295,6 +312,8 @@ _FOUNDRY_NOTES = (
     "MPT: GELU 4h, biases, LayerNorm, tied embeddings, vocab 50,368, learned positions "
     "(shape checked against the table's NumParams)",
     "FSDP FULL_SHARD; activation checkpointing True = full",
+    "kernels: flash attention (flash-attn 2 / triton), low-precision LayerNorm, eager GELU "
+    "and residual additions (llm-foundry's MPT defaults)",
 )
 #: MPT shapes (layers, d_model, heads) by the table's model name.
 _MPT = {
@@ -329,7 +348,7 @@ def _foundry(
     }[table]
     notes: tuple[str, ...] = _FOUNDRY_NOTES
     if pure:
-        notes += ("bf16 PURE: FSDP keeps parameters in bf16 (no fp32 master copy)",)
+        notes += ("bf16 PURE: FSDP gathers and reduces in bf16 (fp32 sharded parameters kept)",)
     if table == "H100 80GB BF16":
         notes += ("inter-node network not stated (preset 50 GB/s per GPU)",)
     else:
@@ -353,6 +372,7 @@ def _foundry(
         stated_mfu=mfu / 100,
         params=params,
         notes=notes,
+        software=Software("llm-foundry"),
     )
 
 
@@ -383,7 +403,12 @@ _TITAN = (
     "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Dec 2024), table {t}, "
     "as copied in shared/reference/published_runs.md"
 )
-_TITAN_NOTES = ("H100 96 GB HBM2e (500 W); seq 8,192 assumed (torchtitan's default)",)
+_TITAN_NOTES = (
+    "H100 96 GB HBM2e (500 W); seq 8,192 assumed (torchtitan's default)",
+    "kernels: eager PyTorch, SDPA flash attention; selective AC = torchtitan's 'op' policy "
+    "(saves attention and every second matmul: torchtitan parallelize_llama.py); TP "
+    "collectives synchronous except the async TP rows",
+)
 _COMPILE = "torch.compile"
 _FLOAT8 = "Float8"
 _ASYNC_TP = "async TP"
@@ -419,6 +444,7 @@ def _titan(
         dp_flavour="FSDP",
         notes=_TITAN_NOTES + notes,
         excluded=", ".join(unmodelled),
+        software=Software("torchtitan", "async" if _ASYNC_TP in unmodelled else "none"),
     )
 
 
@@ -520,6 +546,7 @@ _LLAMA3_NOTES = (
     "all-gather context parallelism, interleaved schedule (section 3.3.2)",
     "batch per DP rank from the table; 2 stages per rank and micro-batch 1 assumed "
     "(V and N not stated); MFU is PaLM's (section 3.3.2): plait's count",
+    "kernels and TP overlap not stated: plait's defaults (eager, synchronous TP)",
 )
 
 

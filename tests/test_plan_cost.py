@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from plait.plan import Layout, Workload, device, preset
-from plait.plan.calibration import CALIBRATION_RUNS, calibrate
+from plait.plan import Layout, Workload, device, preset, roofline
+from plait.plan.calibration import CALIBRATION_RUNS, calibrate, calibrate_stacks
 from plait.plan.devices import memory_bandwidth
 from plait.plan.roofline import (
     elementwise_seconds,
@@ -19,7 +19,8 @@ from plait.plan.roofline import (
     profile,
 )
 from plait.plan.schedule import layout_shape, pipeline_stages, stage_makespan
-from plait.plan.timing import EFFICIENCY, predict_time
+from plait.plan.spec import PlanLayout, Software
+from plait.plan.timing import EFFICIENCY, STACK_SCALE, predict_time
 
 H100 = device("h100")
 
@@ -106,19 +107,139 @@ def test_sustained_fraction_is_fitted_to_the_calibration_runs() -> None:
     assert calibrate() == pytest.approx(EFFICIENCY, rel=0.01)
 
 
+def test_stack_scales_are_fitted_one_run_per_stack() -> None:
+    stacks = [r.software.kernels for r in CALIBRATION_RUNS]
+    assert len(stacks) == len(set(stacks))  # at most one calibration run per stack
+    fitted = calibrate_stacks()
+    assert set(fitted) == set(STACK_SCALE)
+    for name, scale in fitted.items():
+        assert scale == pytest.approx(STACK_SCALE[name], rel=0.01), name
+
+
 def test_calibration_runs_match_the_published_table() -> None:
     published = pytest.importorskip("benchmarks.published_runs")
     rows = {r.name: r for r in published.CALIBRATION}
     assert set(rows) == {r.name for r in CALIBRATION_RUNS}
     for run in CALIBRATION_RUNS:
         row = rows[run.name]
-        assert (row.model, row.layout, row.work, row.device) == (
+        assert (row.model, row.layout, row.work, row.device, row.software, row.zero) == (
             run.model,
             run.layout,
             run.work,
             run.device,
+            run.software,
+            run.zero,
         )
         assert published.tokens_per_s(row) == pytest.approx(run.tokens_per_s_per_device)
+
+
+def _zero_layout(zero: int, microbatches: int = 4) -> PlanLayout:
+    return PlanLayout(dp_replicate=48, tp=8, microbatches=microbatches, ac="none", zero=zero)
+
+
+def test_zero_reductions_overlap_backward_unless_communication_shares_the_cores() -> None:
+    model, work = preset("llama3-70b"), Workload(4096, 192)
+    layout = _zero_layout(1)
+    shape = layout_shape(model, layout)
+    overlapped = predict_time(model, layout, work, H100, shape)
+    serial = predict_time(model, layout, work, dataclasses.replace(H100, overlap=False), shape)
+    assert overlapped.exposed_comm < serial.exposed_comm
+    # ZeRO-2 reduce-scatters every microbatch: never less exposed than ZeRO-1.
+    two = predict_time(model, _zero_layout(2), work, H100, shape)
+    assert two.exposed_comm >= overlapped.exposed_comm
+    # Reducing in bf16 halves the bytes of the gradient reduce-scatter.
+    bf16 = predict_time(model, layout, work, H100, shape, software=Software(grad_reduce_fp32=False))
+    assert bf16.exposed_comm < overlapped.exposed_comm
+
+
+def test_param_gather_overlap_hides_zeros_all_gather() -> None:
+    model, work = preset("llama3-70b"), Workload(4096, 192)
+    layout = _zero_layout(1)
+    shape = layout_shape(model, layout)
+    after = predict_time(model, layout, work, H100, shape)
+    beside = predict_time(
+        model, layout, work, H100, shape, software=Software(param_gather_overlap=True)
+    )
+    assert beside.step_time < after.step_time
+    # Without ZeRO there is nothing to gather: the option changes nothing.
+    plain = Layout(dp_replicate=48, tp=8, microbatches=4, ac="none")
+    a = predict_time(model, plain, work, H100, layout_shape(model, plain))
+    b = predict_time(
+        model,
+        plain,
+        work,
+        H100,
+        layout_shape(model, plain),
+        software=Software(param_gather_overlap=True),
+    )
+    assert a.step_time == b.step_time
+
+
+def _mfu(model_name: str, gap: float, monkeypatch: pytest.MonkeyPatch) -> float:
+    from plait.plan import timing
+
+    monkeypatch.setattr(timing, "KERNEL_GAP", gap)
+    model = preset(model_name)
+    layout, work = Layout(dp_shard=8, ac="none"), Workload(4096, 8)
+    return predict_time(model, layout, work, H100, layout_shape(model, layout)).mfu
+
+
+def test_kernel_gaps_cost_small_models_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = _mfu("llama3-8b", 0.0, monkeypatch) / _mfu("llama3-8b", 3e-6, monkeypatch)
+    large = _mfu("llama3-70b", 0.0, monkeypatch) / _mfu("llama3-70b", 3e-6, monkeypatch)
+    assert small > large > 1.0
+
+
+def test_optimizer_step_is_priced_on_roofline_devices() -> None:
+    model, work = preset("llama3-8b"), Workload(8192, 16)
+    eight, one = Layout(dp_shard=8), Layout(dp_replicate=8)
+    sharded = predict_time(model, eight, work, H100, layout_shape(model, eight))
+    whole = predict_time(model, one, work, H100, layout_shape(model, one))
+    assert 0 < sharded.host < whole.host
+    assert whole.host / sharded.host == pytest.approx(8, rel=0.01)
+
+
+def _attention(stack: str, dev: str, seq: int) -> float:
+    d = device(dev)
+    prof = profile(d)
+    assert prof is not None
+    model = preset("llama3-8b")
+    k = roofline.block_kernels(
+        model, 1, seq, seq, 1, 2, False, prof, d.flops, roofline.stack(stack), False, dev
+    )
+    return (k.attention_fwd + k.attention_bwd) / (k.forward + k.backward)
+
+
+def test_attention_is_priced_by_the_stacks_kernel() -> None:
+    # Megatron 2021's scores are materialized (memory-bound softmax and dropout, score
+    # GEMMs with a head-dimension inner loop): a larger share than a flash kernel's.
+    assert _attention("megatron-2021", "a100", 2048) > 1.5 * _attention("llm-foundry", "a100", 2048)
+    # cuDNN's fused attention (Transformer Engine) runs faster than FA2 on H100.
+    assert _attention("megatron-core", "h100", 8192) < _attention("plait", "h100", 8192)
+    with pytest.raises(ValueError, match="kernels"):
+        roofline.stack("jax")
+
+
+def test_fused_stacks_move_fewer_bytes_and_torchtitan_recomputes_matmuls() -> None:
+    d = device("h100")
+    prof = profile(d)
+    assert prof is not None
+    model = preset("llama3-8b")
+
+    def kernels(name: str) -> roofline.BlockKernels:
+        return roofline.block_kernels(
+            model, 1, 8192, 8192, 1, 2, False, prof, d.flops, roofline.stack(name), False, "h100"
+        )
+
+    assert kernels("megatron-core").elementwise < kernels("plait").elementwise
+    layout, work = Layout(dp_shard=8, ac="selective"), Workload(8192, 16)
+    shape = layout_shape(model, layout)
+    plait_sac = predict_time(model, layout, work, H100, shape)
+    titan_sac = predict_time(model, layout, work, H100, shape, software=Software("torchtitan"))
+    scale = STACK_SCALE["torchtitan"]
+    # torchtitan's policy recomputes every second matmul, plait's none: more compute even
+    # before its stack's sustained fraction.
+    assert titan_sac.compute * scale > plait_sac.compute
 
 
 _COLD = """

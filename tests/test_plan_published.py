@@ -60,7 +60,9 @@ def test_every_row_evaluates_at_its_layout(rows: list[Row]) -> None:
         run = r.run
         assert run.layout.world == run.gpus
         assert run.work.global_batch % run.layout.dp == 0, run.name
-        got = evaluate(run.model, planner_layout(run), run.work, planner_device(run))
+        got = evaluate(
+            run.model, planner_layout(run), run.work, planner_device(run), software=run.software
+        )
         assert r.mfu == got.timing.mfu, run.name
         assert r.fits == got.fits, run.name
         assert 0 < r.mfu < 1 and 0 < r.published_mfu < 1, run.name

@@ -23,22 +23,34 @@ benchmarks (``tests/test_plan_cost.py`` checks both agree):
 * llm-foundry MPT-13B, 8 x A100 80 GB, FSDP 8, micro-batch 2 x 3 accumulations x 2,048:
   2,262 tokens/s per GPU (mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``).
 
-:func:`calibrate` finds the sustained fraction at which the geometric mean of predicted /
-published throughput over those runs is 1. Every other published row is a prediction.
+:func:`calibrate` finds the shared sustained fraction at which the geometric mean of
+predicted / published throughput over those runs is 1 (each at its stack's scale 1);
+:func:`calibrate_stacks` then each software stack's scale of it
+(:data:`plait.plan.timing.STACK_SCALE`), from that stack's one run. Each run carries its
+software as ``benchmarks/published_runs.py`` states it. Every other published row is a
+prediction.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from plait.layout import LAYOUT_FIELDS
 from plait.plan.devices import device, override
 from plait.plan.models import gpt, preset
 from plait.plan.schedule import layout_shape
-from plait.plan.spec import Layout, ModelSpec, Workload
-from plait.plan.timing import predict_time
+from plait.plan.spec import Layout, ModelSpec, PlanLayout, Software, Workload
+from plait.plan.timing import EFFICIENCY, STACK_SCALE, predict_time
 
-__all__ = ["CALIBRATION_RUN", "CALIBRATION_RUNS", "PublishedRun", "calibrate"]
+__all__ = [
+    "CALIBRATION_RUN",
+    "CALIBRATION_RUNS",
+    "PublishedRun",
+    "calibrate",
+    "calibrate_stacks",
+    "predicted",
+]
 
 _GIB = 2.0**30
 
@@ -55,7 +67,9 @@ class PublishedRun:
     work: Workload
     tokens_per_s_per_device: float
     memory_gib: float = 80.0
-    tp_overlap: str = "none"
+    software: Software = field(default_factory=Software)
+    zero: int = 0  # ZeRO stage (a PlanLayout), as benchmarks/plan_published.py runs it
+    recipe: str = "plait"
 
 
 CALIBRATION_RUN = PublishedRun(
@@ -66,6 +80,7 @@ CALIBRATION_RUN = PublishedRun(
     work=Workload(seq_len=8192, global_batch=16, precision="bf16"),
     tokens_per_s_per_device=5762.0,
     memory_gib=96.0,
+    software=Software("torchtitan"),
 )
 
 CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
@@ -80,6 +95,8 @@ CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
         work=Workload(2048, 2304),
         tokens_per_s_per_device=148e12
         / (96.0 * 80 * 12288**2 * (1 + 2048 / 73728 + 51200 / 15728640)),
+        software=Software("megatron-2021"),
+        recipe="megatron",
     ),
     PublishedRun(
         name="Megatron-Core H100 32B",
@@ -88,7 +105,11 @@ CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
         layout=Layout(dp_replicate=48, tp=8, microbatches=4, ac="none"),
         work=Workload(4096, 192),
         tokens_per_s_per_device=2296.63772122481,
-        tp_overlap="async",
+        software=Software(
+            "megatron-core", "async", param_gather_overlap=True, grad_reduce_fp32=False
+        ),
+        zero=1,
+        recipe="megatron",
     ),
     PublishedRun(
         name="llm-foundry A100 80GB MPT-13B",
@@ -97,28 +118,55 @@ CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
         layout=Layout(dp_shard=8, microbatches=3, ac="none"),
         work=Workload(2048, 48),
         tokens_per_s_per_device=2262.0,
+        software=Software("llm-foundry"),
     ),
 )
 """The runs ``benchmarks/published_runs.py`` marks ``"calibration"`` (module docstring)."""
 
 
-def predicted(run: PublishedRun, efficiency: float) -> float:
-    """Predicted tokens/s per device of ``run`` at sustained fraction ``efficiency``."""
+def predicted(run: PublishedRun, efficiency: float, scale: float | None = None) -> float:
+    """Predicted tokens/s per device of ``run`` at sustained fraction ``efficiency`` (its
+    stack's ``scale`` on top: by default the calibrated one, 1 while fitting it)."""
     dev = override(device(run.device), memory=run.memory_gib * _GIB)
-    shape = layout_shape(run.model, run.layout)
-    got = predict_time(run.model, run.layout, run.work, dev, shape, efficiency, run.tp_overlap)
+    layout = run.layout
+    if run.zero or run.recipe != "plait":
+        fields = {name: getattr(layout, name) for name in LAYOUT_FIELDS}
+        layout = PlanLayout(**fields, zero=run.zero, recipe=run.recipe)
+    shape = layout_shape(run.model, layout)
+    if scale is not None:
+        efficiency *= scale / STACK_SCALE.get(run.software.kernels, 1.0)
+    got = predict_time(run.model, layout, run.work, dev, shape, efficiency, software=run.software)
     return got.tokens_per_s_per_device
 
 
 def calibrate(runs: tuple[PublishedRun, ...] = CALIBRATION_RUNS) -> float:
-    """The sustained fraction at which the predictions of ``runs`` match their
-    measurements in geometric mean (bisection: throughput grows with it)."""
+    """The sustained fraction at which the predictions of ``runs`` (each stack at scale 1)
+    match their measurements in geometric mean (bisection: throughput grows with it)."""
     low, high = 0.05, 3.0
     for _ in range(50):
         mid = (low + high) / 2
-        error = sum(math.log(predicted(r, mid) / r.tokens_per_s_per_device) for r in runs)
+        error = sum(math.log(predicted(r, mid, 1.0) / r.tokens_per_s_per_device) for r in runs)
         if error < 0:
             low = mid
         else:
             high = mid
     return (low + high) / 2
+
+
+def calibrate_stacks(
+    runs: tuple[PublishedRun, ...] = CALIBRATION_RUNS, efficiency: float = EFFICIENCY
+) -> dict[str, float]:
+    """Each stack's scale of the sustained fraction (:data:`STACK_SCALE`): the factor at
+    which its one calibration run's prediction matches, at the shared ``efficiency``
+    (bisection per stack)."""
+    out = {}
+    for run in runs:
+        low, high = 0.1, 5.0
+        for _ in range(50):
+            mid = (low + high) / 2
+            if predicted(run, efficiency, mid) < run.tokens_per_s_per_device:
+                low = mid
+            else:
+                high = mid
+        out[run.software.kernels] = round((low + high) / 2, 4)
+    return out

@@ -31,14 +31,17 @@ from plait.plan.models import (
     preset,
 )
 from plait.plan.report import format_plan, size, to_json
+from plait.plan.roofline import STACK_NAMES
 from plait.plan.search import AC_SEARCHED, Candidate, PlanError, describe, plan
 from plait.plan.spec import (
     LAYOUT_DIMS,
     RECIPES,
+    TP_OVERLAPS,
     DeviceSpec,
     Layout,
     ModelSpec,
     PlanLayout,
+    Software,
     Workload,
 )
 from plait.plan.timing import EFFICIENCY
@@ -137,6 +140,28 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
         type=float,
         default=EFFICIENCY,
         help=f"achievable fraction of peak (default: {EFFICIENCY}, calibrated)",
+    )
+    machine.add_argument(
+        "--kernels",
+        choices=STACK_NAMES,
+        default="plait",
+        help="whose kernels run the blocks (the cost model's software stacks; default: plait)",
+    )
+    machine.add_argument(
+        "--tp-overlap",
+        choices=TP_OVERLAPS,
+        default="none",
+        help="TP collectives: none (synchronous, plait's) or async (decomposed into GEMMs)",
+    )
+    machine.add_argument(
+        "--param-gather-overlap",
+        action="store_true",
+        help="ZeRO's parameter all-gather beside the next forward (Megatron's)",
+    )
+    machine.add_argument(
+        "--grad-reduce-bf16",
+        action="store_true",
+        help="reduce gradients in the compute dtype, not fp32 (Megatron-Core's default)",
     )
     machine.add_argument(
         "--memory-fraction",
@@ -303,6 +328,12 @@ def run(args: argparse.Namespace) -> int:
             efficiency=args.efficiency,
             zero=args.zero or 0,
             recipe=args.recipe,
+            software=Software(
+                args.kernels,
+                args.tp_overlap,
+                param_gather_overlap=args.param_gather_overlap,
+                grad_reduce_fp32=not args.grad_reduce_bf16,
+            ),
             **{name: getattr(args, name) for name in LAYOUT_FIELDS},
         )
     except ValueError as err:  # PlanError, and bad presets, configs or device values

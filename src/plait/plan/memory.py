@@ -80,6 +80,19 @@ so ``selective`` (core attention recomputed) saves what ``none`` does. Per token
 bf16: ``(12 d + 4 k + 6 f) / tp`` bytes for a SwiGLU block, 32 of the paper's 34 for
 GPT-3's (no dropout masks).
 
+Other frameworks' recipes (:data:`RECIPE_KEEPS`, :class:`Keeps`): ``"torchtitan"``
+(plait's counts; ``selective`` is torchtitan's per-op policy, which saves every other
+matmul's output: wq, wv, w1, w2, the attention output and the block input);
+``"foundry"`` (llm-foundry's MPT under Composer's FSDP: a fused cross-entropy,
+flash-attn's, the default ``loss_fn`` of ``ComposerMPTCausalLM``, saves the
+compute-dtype logits, no fp32 copy; gradient accumulation without ``no_sync`` reduce-
+scatters every microbatch, so no unsharded fp32 gradients are held); ``"llama3"``
+(Llama 3 paper, arXiv 2407.21783, section 3.3.2: Megatron-like activations, gradients
+sharded ZeRO-2-like every microbatch, stage inputs and outputs freed, one block fewer on
+the first and last stages). ``attention="materialized"`` adds the softmax's ``heads / tp x
+seq_len`` probabilities per token (no flash kernel); ``moments=1`` is a one-moment
+optimizer (Lion).
+
 ZeRO (``zero`` 1 or 2, over ``z = dp_replicate x cp`` ranks, no ``fully_shard``):
 params ``e P`` (replicated in the compute dtype); optimizer ``(8 + 4) P / z`` in bf16
 (AdamW's moments and an fp32 master copy; ``8 P / z`` in fp32); grads ``4 P`` (ZeRO-1:
@@ -108,6 +121,9 @@ are already freed), and the optimizer step's temporaries.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from plait.plan.schedule import PipelineShape, RankLoad, layout_shape, pipeline_shape
 from plait.plan.shards import (
     compute_bytes,
@@ -128,6 +144,8 @@ from plait.plan.spec import (
 )
 
 __all__ = [
+    "RECIPE_KEEPS",
+    "Keeps",
     "activation_elems_per_token",
     "cp_mask_bytes",
     "cp_saved_elems_per_token",
@@ -136,7 +154,82 @@ __all__ = [
     "peak_memory",
     "predict_memory",
     "rank_memory",
+    "recipe_keeps",
+    "scores_elems_per_token",
 ]
+
+
+@dataclass(frozen=True)
+class Keeps:
+    """What a framework's recipe keeps, beyond the layout (module docstring, "Recipes").
+
+    * ``activations``: whose per-token count of saved activations applies: ``"plait"``,
+      ``"megatron"`` (Korthikanti et al.), or ``"torchtitan"`` (plait's, but ``selective``
+      is torchtitan's per-op policy);
+    * ``attention``: ``"flash"`` (a fused kernel saves q, k, v, its output and per-row
+      statistics: O(s) per token) or ``"materialized"`` (the softmax's ``heads/tp x s``
+      probabilities per token, in the compute dtype, which the values' matmul saves too);
+    * ``loss``: ``"lm_loss"`` (plait's and torch's ``cross_entropy`` under autocast: fp32
+      log-probabilities per microbatch in flight, the compute-dtype logits and their fp32
+      copy) or ``"fused_ce"`` (a fused cross-entropy kernel: the compute-dtype logits of
+      each microbatch in flight and, in backward, their gradient; no fp32 full-vocabulary
+      tensor);
+    * ``moments``: fp32 optimizer moments per parameter (AdamW 2, Lion 1);
+    * ``sharded_accumulation``: gradient accumulation (microbatches, pipelines)
+      reduce-scatters every microbatch's gradients into the fp32 shard (FSDP1 without
+      ``no_sync``, ZeRO-2) instead of keeping unsharded fp32 gradients until the last;
+    * ``stage_output``: a pipeline stage keeps its output tensor until its backward (False:
+      freed once sent, Megatron's ``deallocate_output_tensor``, Llama 3 section 3.3.2);
+    * ``end_stage_fewer``: blocks fewer on the first and last pipeline stages (Llama 3
+      section 3.3.2: one, balancing the embedding and the head).
+    """
+
+    activations: str = "plait"
+    attention: str = "flash"
+    loss: str = "lm_loss"
+    moments: int = 2
+    sharded_accumulation: bool = False
+    stage_output: bool = True
+    end_stage_fewer: int = 0
+
+    def __post_init__(self) -> None:
+        if self.activations not in ("plait", "megatron", "torchtitan"):
+            raise ValueError(f"activations {self.activations!r}: plait, megatron, torchtitan")
+        if self.attention not in ("flash", "materialized"):
+            raise ValueError(f"attention {self.attention!r}: flash or materialized")
+        if self.loss not in ("lm_loss", "fused_ce"):
+            raise ValueError(f"loss {self.loss!r}: lm_loss or fused_ce")
+        if self.moments not in (1, 2):
+            raise ValueError(f"moments {self.moments}: 1 (Lion) or 2 (AdamW)")
+
+
+#: Each recipe's :class:`Keeps` (module docstring, "Recipes"): ``recipe`` names a row of
+#: this table (:func:`plait.plan.spec.recipe`).
+RECIPE_KEEPS: dict[str, Keeps] = {
+    "plait": Keeps(),
+    "megatron": Keeps(activations="megatron"),
+    "torchtitan": Keeps(activations="torchtitan"),
+    "foundry": Keeps(loss="fused_ce", sharded_accumulation=True),
+    "llama3": Keeps(
+        activations="megatron", sharded_accumulation=True, stage_output=False, end_stage_fewer=1
+    ),
+}
+
+
+def recipe_keeps(layout: Layout) -> Keeps:
+    """What ``layout``'s recipe keeps (:data:`RECIPE_KEEPS`)."""
+    name = recipe(layout)
+    if name not in RECIPE_KEEPS:
+        raise ValueError(f"recipe {name!r}: the memory model knows {', '.join(RECIPE_KEEPS)}")
+    return RECIPE_KEEPS[name]
+
+
+def scores_elems_per_token(model: ModelSpec, layout: Layout, work: Workload, keeps: Keeps) -> float:
+    """Elements of attention probabilities one block saves per local token: 0 with a flash
+    kernel; ``heads / tp`` rows of ``seq_len`` keys when materialized."""
+    if keeps.attention == "flash":
+        return 0.0
+    return model.heads / layout.tp * work.seq_len
 
 
 def _widths(model: ModelSpec, layout: Layout) -> tuple[float, float]:
@@ -185,16 +278,28 @@ def cp_working_set(model: ModelSpec, layout: Layout, work: Workload) -> float:
 
 
 def activation_elems_per_token(
-    model: ModelSpec, layout: Layout, ac: str | None = None, *, moe: bool = False
+    model: ModelSpec,
+    layout: Layout,
+    ac: str | None = None,
+    *,
+    moe: bool = False,
+    keeps: Keeps | None = None,
 ) -> float:
     """Elements one block saves per token under ``ac`` (default: the layout's), per rank:
-    a dense block, or with ``moe`` a mixture-of-experts block (module docstring)."""
+    a dense block, or with ``moe`` a mixture-of-experts block (module docstring), as
+    ``keeps`` (default: the layout's recipe) counts them; attention probabilities apart
+    (:func:`scores_elems_per_token`)."""
     d, f, tp = model.d_model, model.ffn_hidden, layout.tp
     k = model.kv_heads * (d // model.heads)
     norm = tp if layout.sequence_parallel and tp > 1 else 1
     mode = ac or layout.ac
     h, shared, rows = model.expert_hidden, model.expert_hidden * model.shared_experts, model.top_k
-    megatron = recipe(layout) == "megatron"
+    kind = (keeps or recipe_keeps(layout)).activations
+    megatron = kind == "megatron"
+    if kind == "torchtitan" and mode == "selective" and not moe:
+        # torchtitan's per-op policy: the block's input, every other matmul's output (wq,
+        # wv, w1, w2), the attention kernel's output.
+        return d / norm + d / tp + k / tp + d / tp + f / tp + d / norm
     if megatron and mode == "selective":
         mode = "none"  # recomputes core attention only, which flash attention saves nothing of
     if mode == "none":
@@ -217,9 +322,20 @@ def activation_elems_per_token(
 
 
 def rank_memory(
-    model: ModelSpec, layout: Layout, work: Workload, load: RankLoad
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    load: RankLoad,
+    keeps: Keeps | None = None,
 ) -> MemoryBreakdown:
-    """The memory of pipeline rank ``load`` (module docstring)."""
+    """The memory of pipeline rank ``load`` (module docstring), under ``keeps`` (default:
+    the layout's recipe, :func:`recipe_keeps`)."""
+    keeps = keeps or recipe_keeps(layout)
+    blocks_scale = 1.0  # the share of its blocks an end stage keeps (``end_stage_fewer``)
+    if keeps.end_stage_fewer and layout.pp > 1 and (load.embedding or load.head):
+        fewer = min(keeps.end_stage_fewer, load.layers - 1)
+        blocks_scale = (load.layers - fewer) / load.layers
+        load = dataclasses.replace(load, layers=load.layers - fewer)
     e = compute_bytes(work)
     bf16 = work.precision == "bf16"
     ds, tp = fsdp_ranks(layout), layout.tp
@@ -232,7 +348,7 @@ def rank_memory(
     # Norm inputs live in the residual stream: fp32 under plait's autocast (no fully_shard),
     # else e (a model kept in the compute dtype: fully_shard's cast, ZeRO, Megatron-LM).
     autocast = bf16 and ds == 1 and not zero
-    e_res = 4 if autocast and recipe(layout) == "plait" else e
+    e_res = 4 if autocast and keeps.activations != "megatron" else e
 
     if ds > 1:
         gathered_blocks = load.layers if (pipelined or not layout.reshard_after_forward) else 2
@@ -249,19 +365,22 @@ def rank_memory(
 
     norm_part = model.d_model / (tp if sp else 1) * (1 if layout.ac != "none" else 2)
 
+    scores = scores_elems_per_token(model, layout, work, keeps)
+
     def saved_bytes(moe: bool) -> float:  # one block, one token
-        per_token = activation_elems_per_token(model, layout, moe=moe)
-        return (per_token - norm_part) * e + norm_part * e_res
+        per_token = activation_elems_per_token(model, layout, moe=moe, keeps=keeps)
+        kept_scores = scores if layout.ac == "none" else 0.0  # else recomputed
+        return (per_token - norm_part + kept_scores) * e + norm_part * e_res
 
     # The stage's dense blocks and MoE blocks (the dense ones lead: see shards.py).
     stage_dense = min(p.dense_blocks, load.stage_layers)
     kinds = [(False, stage_dense), (True, load.stage_layers - stage_dense)]
     kinds = [(moe, count) for moe, count in kinds if count]
-    per_microbatch = n * sum(saved_bytes(moe) * count for moe, count in kinds)
+    per_microbatch = n * sum(saved_bytes(moe) * count for moe, count in kinds) * blocks_scale
     if layout.ac == "none":  # context-parallel attention's masks, one per block
         per_microbatch += cp_mask_bytes(layout, work) * load.stage_layers
     block_bytes = max(saved_bytes(moe) for moe, _ in kinds)  # the largest block
-    if pipelined and not load.head:
+    if pipelined and not load.head and keeps.stage_output:
         # A stage's output is the root its backward starts from: kept until then.
         per_microbatch += n * model.d_model / (tp if sp else 1) * e_res
     activations = per_microbatch * load.in_flight
@@ -269,25 +388,31 @@ def rank_memory(
     extra: dict[str, float] = {}
     if load.head:
         v = model.vocab / tp
-        extra["logits"] = n * v * (4 * max(load.head_in_flight, 1) + e + 4)
+        if keeps.loss == "fused_ce":  # the logits of each microbatch in flight, one gradient
+            extra["logits"] = n * v * e * (max(load.head_in_flight, 1) + 1)
+        else:
+            extra["logits"] = n * v * (4 * max(load.head_in_flight, 1) + e + 4)
         extra["logits"] += n * model.d_model * (e_res / (tp if sp else 1) + e)  # ln_f, head in
     if layout.ac != "none":
-        full = max(activation_elems_per_token(model, layout, "none", moe=m) for m, _ in kinds)
-        extra["recompute"] = n * full * e
+        full = max(
+            activation_elems_per_token(model, layout, "none", moe=m, keeps=keeps) for m, _ in kinds
+        )
+        extra["recompute"] = n * (full + scores) * e
     attention = cp_working_set(model, layout, work)
     if attention:
         extra["cp_attention"] = attention
     accumulating = pipelined or layout.microbatches > 1
-    if ds > 1 and accumulating:
+    if ds > 1 and accumulating and not keeps.sharded_accumulation:
         extra["accumulated_grads"] = p.gathered * 4  # of the rank's ep shard of experts
 
     buffers = p.block * (e + 4) if ds > 1 else 0.0
     grads = 4 * sharded
-    params, optimizer = 4 * sharded, 8 * sharded
+    params, optimizer = 4 * sharded, 4 * keeps.moments * sharded
     if zero:  # module docstring: ZeRO
         z = zero_ranks(layout)
         params = e * p.total  # replicated, in the compute dtype
-        optimizer = (8 + (4 if e < 4 else 0)) * p.total / z  # moments and an fp32 master
+        master = 4 if e < 4 else 0  # the moments and an fp32 master copy
+        optimizer = (4 * keeps.moments + master) * p.total / z
         grads = 4 * p.total / (z if zero == 2 else 1)
         buffers = p.block * 4 if zero == 2 else 0.0  # one block's bucket, then scattered
     # Backward frees activations as it makes gradients, so not everything peaks together.
@@ -322,7 +447,7 @@ def rank_memory(
         + flowing
         + held
         + attention
-        + (0.0 if pipelined or ds == 1 else p.block * 4)
+        + (0.0 if (pipelined and not keeps.sharded_accumulation) or ds == 1 else p.block * 4)
         + (p.block * 4 if zero == 2 else 0.0),
         (0.0 if zero else grads) + buffers + held,
     )
@@ -346,10 +471,14 @@ def rank_memory(
 
 
 def peak_memory(
-    model: ModelSpec, layout: Layout, work: Workload, shape: PipelineShape
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    shape: PipelineShape,
+    keeps: Keeps | None = None,
 ) -> MemoryBreakdown:
     """The memory of the pipeline rank of ``shape`` that needs the most."""
-    return max((rank_memory(model, layout, work, r) for r in shape.ranks), key=_total)
+    return max((rank_memory(model, layout, work, r, keeps) for r in shape.ranks), key=_total)
 
 
 def first_rank_memory(model: ModelSpec, layout: Layout, work: Workload) -> MemoryBreakdown:
@@ -371,12 +500,18 @@ def _total(m: MemoryBreakdown) -> float:
 
 
 def predict_memory(
-    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec | None = None
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec | None = None,
+    *,
+    keeps: Keeps | None = None,
 ) -> MemoryBreakdown:
     """Peak bytes of the rank that needs the most under ``layout`` (module docstring).
 
     ``device`` is accepted for symmetry with the other predictions and not used: memory
-    does not depend on the device. ValueError for a layout plait's schedules refuse.
+    does not depend on the device. ``keeps``: what the recipe keeps (default: the
+    layout's, :func:`recipe_keeps`). ValueError for a layout plait's schedules refuse.
     """
     del device
-    return peak_memory(model, layout, work, layout_shape(model, layout))
+    return peak_memory(model, layout, work, layout_shape(model, layout), keeps)

@@ -45,10 +45,38 @@ Sources of the kernel fractions (:data:`PROFILES`):
 * Bandwidth: the datasheets' HBM bandwidth (:func:`plait.plan.devices.memory_bandwidth`),
   of which streaming kernels reach about 85-90% (``BANDWIDTH_FRACTION = 0.85``).
 
-None of those is fitted. The one fitted constant, the *sustained fraction* (power-capped
-clocks below the boost clock the peaks assume, kernel launch gaps, collectives sharing
-the SMs and memory with compute, what the op list above misses), divides every kernel
-time: :data:`plait.plan.timing.EFFICIENCY`, fitted by :mod:`plait.plan.calibration`.
+**Software stacks** (:data:`STACKS`, chosen by :class:`plait.plan.spec.Software`): the
+memory-bound passes and attention above are eager PyTorch's (``plait``, ``torchtitan``).
+Other code bases run other kernels, priced from their byte counts, not fitted:
+
+* ``megatron-core`` (Transformer Engine, 2024): LayerNorm in one pass fused into the
+  linear (``2 e`` bytes per element), fused bias-GELU / SwiGLU (read, write) and rope,
+  cuDNN's fused attention: on H100 0.55 forward and 0.45 backward of the peak (the cuDNN
+  curves of FlashAttention-3's figures, arXiv 2407.08608, head dimension 128, long
+  causal sequences), on A100 as FlashAttention-2; 12 kernels per block forward;
+* ``megatron-2021``: fused LayerNorm, bias-GELU and bias-dropout-add (a byte mask per
+  element), no flash attention (published 2022): the scores materialized, two batched
+  GEMMs per head over the whole sequence (the mask applied after) with the head
+  dimension as one side, and the fused scale-mask-softmax and dropout 0.1 reading and
+  writing every score (``2 e`` and ``2 e + 1`` bytes); 18 kernels;
+* ``llm-foundry`` (MPT): flash attention (FlashAttention-2 figures), low-precision
+  LayerNorm in one pass, eager GELU and residuals; 14 kernels;
+* ``plait`` / ``torchtitan``: 38 kernels (the fp32 RMSNorm alone is 8). torchtitan's
+  selective checkpointing (its ``op`` policy) saves attention and every second matmul,
+  recomputing the other matmuls and the memory-bound work.
+
+Sequence parallelism runs the norms and residuals on ``tokens / tp``. Each kernel a block
+launches costs :data:`KERNEL_GAP` (3 us: launch latency, ramp and tail between dependent
+kernels) beside its roofline time; backward launches twice as many. The AdamW step moves
+:data:`OPTIMIZER_BYTES` (32: read parameter, gradient and both moments in fp32, write
+three of them and the bf16 copy, read the gradient for its norm) per parameter of the
+rank's shard at the sustained bandwidth.
+
+None of those is fitted. The fitted constants, the *sustained fraction* (power-capped
+clocks below the boost clock the peaks assume, collectives sharing the SMs and memory
+with compute, what the op list above misses), divide every kernel time:
+:data:`plait.plan.timing.EFFICIENCY`, shared, times the stack's
+:data:`plait.plan.timing.STACK_SCALE`, fitted by :mod:`plait.plan.calibration`.
 
 Devices without a profile (the ``cpu`` preset, a device named otherwise) have no
 roofline: :func:`profile` returns None and the cost model falls back to one fraction of
@@ -64,17 +92,25 @@ from plait.plan.devices import memory_bandwidth
 from plait.plan.spec import DeviceSpec, ModelSpec
 
 __all__ = [
+    "ATTENTION",
     "BANDWIDTH_FRACTION",
     "GEMM_HALF",
+    "KERNEL_GAP",
+    "OPTIMIZER_BYTES",
     "PROFILES",
+    "STACKS",
+    "STACK_NAMES",
     "BlockKernels",
     "KernelProfile",
+    "Stack",
+    "attention_fractions",
     "block_kernels",
     "elementwise_seconds",
     "gemm_fraction",
     "gemm_seconds",
     "head_kernels",
     "profile",
+    "stack",
 ]
 
 GEMM_HALF = 128.0
@@ -145,6 +181,72 @@ def elementwise_seconds(nbytes: float, prof: KernelProfile) -> float:
 
 
 @dataclass(frozen=True)
+class Stack:
+    """A software stack's kernels (module docstring, "Software stacks"): which attention
+    kernel, which memory-bound passes and how many kernels a block launches."""
+
+    name: str
+    attention: str  # "fa2" (flash attention 2), "cudnn" (TE / cuDNN), "materialized"
+    norm: str  # "eager-fp32" (RMSNorm in fp32, op by op) or "fused" (one pass)
+    activation: str  # "eager" (activation, then gate product) or "fused"
+    rope: str  # "eager-fp32" (complex products in fp32) or "fused"
+    dropout: bool  # dropout after attention's softmax and in the residual additions
+    kernels: int  # kernels one block's forward launches (backward: twice)
+    selective: str  # what ``ac="selective"`` recomputes: "plait" or "torchtitan"
+
+
+STACKS: dict[str, Stack] = {
+    "plait": Stack("plait", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "plait"),
+    "torchtitan": Stack(
+        "torchtitan", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "torchtitan"
+    ),
+    "megatron-core": Stack("megatron-core", "cudnn", "fused", "fused", "fused", False, 12, "plait"),
+    "megatron-2021": Stack(
+        "megatron-2021", "materialized", "fused", "fused", "fused", True, 18, "plait"
+    ),
+    "llm-foundry": Stack("llm-foundry", "fa2", "fused", "eager", "fused", False, 14, "plait"),
+}
+"""The software stacks the cost model knows (module docstring, "Software stacks")."""
+
+STACK_NAMES = tuple(STACKS)
+
+ATTENTION: dict[tuple[str, str], tuple[float, float]] = {
+    ("fa2", "h100"): (0.35, 0.30),
+    ("fa2", "a100"): (0.70, 0.60),
+    ("fa2", "b200"): (0.35, 0.30),
+    ("cudnn", "h100"): (0.55, 0.45),
+    ("cudnn", "a100"): (0.70, 0.60),
+    ("cudnn", "b200"): (0.55, 0.45),
+}
+"""Flash attention kernels' fractions of the dense peak ``(forward, backward)``, causal
+FLOPs counted, by kernel and device generation (module docstring)."""
+
+_GENERATION = {"h100": "h100", "h200": "h100", "a100": "a100", "a100-40gb": "a100", "b200": "b200"}
+
+KERNEL_GAP = 3e-6
+"""Seconds between two dependent kernels of one stream (launch latency, the ramp and
+tail of each kernel): added per kernel a block launches (module docstring)."""
+
+OPTIMIZER_BYTES = 32.0
+"""HBM bytes per parameter of the rank's optimizer shard one AdamW step moves (module
+docstring)."""
+
+
+def stack(name: str) -> Stack:
+    """The stack called ``name`` (ValueError for an unknown one)."""
+    if name not in STACKS:
+        raise ValueError(f"kernels {name!r}: one of {', '.join(STACKS)}")
+    return STACKS[name]
+
+
+def attention_fractions(kernel: str, device: str, prof: KernelProfile) -> tuple[float, float]:
+    """Forward and backward fraction of the peak of the flash ``kernel`` on ``device``
+    (the profile's FlashAttention-2 figures where the table has none)."""
+    generation = _GENERATION.get(device, device)
+    return ATTENTION.get((kernel, generation), (prof.attention_fwd, prof.attention_bwd))
+
+
+@dataclass(frozen=True)
 class BlockKernels:
     """One block, one microbatch, one rank, forward: seconds by kind (before the
     sustained fraction). Backward: ``2 gemm + attention_bwd + 2 elementwise``."""
@@ -154,6 +256,7 @@ class BlockKernels:
     attention_bwd: float
     elementwise: float
     matmul_elements: float  # matrix elements per token the GEMMs above go through
+    launches: int = 0  # kernels the forward launches
 
     @property
     def forward(self) -> float:
@@ -175,10 +278,14 @@ def block_kernels(
     moe: bool,
     prof: KernelProfile,
     peak: float,
+    kernels: Stack = STACKS["plait"],
+    sp: bool = False,
+    device: str = "",
 ) -> BlockKernels:
     """Forward kernels of one block (dense, or a MoE block with ``moe``) for ``tokens``
     tokens of one rank (the microbatch, after context parallelism), its matrices split
-    ``tp`` ways."""
+    ``tp`` ways, run by the stack ``kernels`` (``sp``: sequence parallelism, the norms
+    and residuals on ``tokens / tp``)."""
     d, f = model.d_model, model.ffn_hidden
     kv = d * model.kv_heads // model.heads
     n = tokens
@@ -204,19 +311,50 @@ def block_kernels(
     gemm = sum(gemm_seconds(m, nn, kk, peak, prof, element) for m, nn, kk in gemms)
     elements = sum(nn * kk * (m / n) for m, nn, kk in gemms)
     # Attention: 4 T d / (tp cp) FLOPs per token (each token of the rank's T / cp attends
-    # to the whole sequence), half of which a causal kernel computes.
-    attention = n * 4.0 * seq_len * d / tp / 2
-    attn_fwd = attention / (prof.attention_fwd * peak)
-    attn_bwd = 2.5 * attention / (prof.attention_bwd * peak)
-    act = 5 * element if model.gated else 2 * element
+    # to the whole sequence).
+    heads = model.heads / tp
+    scores = 0.0  # bytes of materialized scores per token, forward
+    if kernels.attention == "materialized":
+        # Batched GEMMs per head, all of the sequence computed (the mask applied after):
+        # scores (n x T, inner head_dim) and weighted values (n x head_dim, inner T).
+        hd = d / model.heads
+        one = gemm_seconds(n, seq_len, hd, peak, prof, element) + gemm_seconds(
+            n, hd, seq_len, peak, prof, element
+        )
+        attn_fwd = heads * one
+        attn_bwd = 2 * attn_fwd
+        # fused scale-mask-softmax (read, write) and dropout (read, write, a byte mask)
+        softmax = 2 * element + (2 * element + 1 if kernels.dropout else 0)
+        scores = heads * seq_len * softmax
+    else:
+        fwd_fraction, bwd_fraction = attention_fractions(kernels.attention, device, prof)
+        attention = n * 4.0 * seq_len * d / tp / 2  # a causal kernel computes half
+        attn_fwd = attention / (fwd_fraction * peak)
+        attn_bwd = 2.5 * attention / (bwd_fraction * peak)
+    split = tp if sp and tp > 1 else 1  # norms and residuals over the sequence shard
+    norm = (3 * element + 24) if kernels.norm == "eager-fp32" else 2 * element
+    residual = 3 * element + (1 if kernels.dropout else 0)
+    if kernels.activation == "eager":
+        act = 5 * element if model.gated else 2 * element
+    else:
+        act = 3 * element if model.gated else 2 * element
+    rope = 0.0
+    if not model.positions:
+        rope = (2 * element + 16) if kernels.rope == "eager-fp32" else 2 * element
     per_token = (
-        2 * (3 * element + 24) * d  # two RMSNorms (eager, fp32 inside)
-        + 2 * 3 * element * d  # two residual additions
-        + (2 * element + 16) * (d + kv) / tp  # rotary embedding of q and k
+        2 * norm * d / split  # two norms
+        + 2 * residual * d / split  # two residual additions
+        + rope * (d + kv) / tp  # rotary embedding of q and k
         + act * width  # the MLP's activation (over the routed / shared widths)
+        + scores
     )
     return BlockKernels(
-        gemm, attn_fwd, attn_bwd, elementwise_seconds(n * per_token, prof), elements
+        gemm,
+        attn_fwd,
+        attn_bwd,
+        elementwise_seconds(n * per_token, prof),
+        elements,
+        kernels.kernels,
     )
 
 

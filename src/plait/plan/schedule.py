@@ -16,8 +16,11 @@ Speed (a search over 10,000 devices meets hundreds of pipeline shapes, some with
 hundred thousand actions): the makespan under these costs has a closed form for every
 schedule but InterleavedZeroBubble with fewer microbatches than ranks
 (:func:`closed_form_makespan`, checked against the simulator), so only those are
-simulated; peaks of live activations have closed forms for GPipe, 1F1B and LoopedBFS
-and are read from the generated action order for the others.
+simulated; peaks of live activations have closed forms for every schedule
+(:func:`_closed_form_peaks`, checked against the generated orders in
+``tests/test_plan_speed.py``) but ZBVZeroBubble below ``2 p`` microbatches, whose order
+is generated and read; besides those, only InterleavedZeroBubble below ``p`` microbatches
+(simulated) is generated at all.
 Results are cached by what they depend on: the schedule's figures by (schedule, ranks,
 stages, microbatches), whatever the number of blocks.
 """
@@ -136,7 +139,9 @@ def _closed_form_peaks(
     (``m``, then ``m - 1``); 1F1B's rank ``r`` warms up with ``w = min(p - r, m)`` forwards,
     then alternates (``w``; the last rank ``1``; after the first backward ``w`` again while
     microbatches remain to start, else ``w - 1``); LoopedBFS runs every forward of every
-    local stage first (``v m``, then ``v m - 1``; the last stage ``m``)."""
+    local stage first (``v m``, then ``v m - 1``; the last stage ``m``); Interleaved1F1B and
+    InterleavedZeroBubble: :func:`_megatron_peaks`; ZBVZeroBubble and DualPipeV:
+    :func:`_v_peaks`. For a shape the generator takes (:func:`_runs`)."""
     if name == "GPipe":
         return (m,) * pp, m, (m - 1,) * pp
     if name == "1F1B":
@@ -145,23 +150,109 @@ def _closed_form_peaks(
         return tuple(warm), 1, after
     if name == "LoopedBFS":
         return (v * m,) * pp, m, (v * m - 1,) * pp
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return _megatron_peaks(pp, v, m, split=name == "InterleavedZeroBubble")
+    return _v_peaks(name, pp, m)
+
+
+def _megatron_peaks(
+    pp: int, v: int, m: int, split: bool
+) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """:func:`_closed_form_peaks` of Megatron's order
+    (:func:`plait.pipeline.schedules.interleaved_1f1b`, and with ``split`` backwards
+    :func:`~plait.pipeline.schedules.interleaved_zero_bubble`), without generating it.
+
+    Rank ``r`` runs ``w`` warm-up forwards (``(v - 1) g + h (p - 1 - r)``, at most ``v m``;
+    ``g`` the first microbatch group, ``h`` 2, or 1 when split), then ``P = v m - w`` pairs
+    (a forward, then a backward: B, or I followed by the W of the I ``lag`` I's earlier,
+    ``lag`` 0, or ``r`` when split), then the remaining backwards. A forward adds one live
+    activation, a B or a W frees one, so right after pair ``j``'s forward ``w + j + 1 -
+    max(0, j - lag)`` are live: the peak is ``w + 1 + min(lag, P - 1)`` (``v m`` without
+    pairs). The first free is pair ``lag``'s, leaving ``w + lag`` live, and every later
+    pair's forward brings it back to ``w + lag + 1``; without that pair it is in the
+    drain, after every forward (``v m - 1``). The last stage (rank ``p - 1``'s last local
+    stage): its live count right after pair ``j``'s forward is its forwards among the
+    first ``w + j + 1`` minus its frees among the first ``max(0, j - lag)`` backwards,
+    counted from the depth-first orders (each group: ``(v - 1) g_k`` forwards of the other
+    stages then ``g_k`` of it; ``g_k`` backwards of it, then the others'), maximised over
+    ``j``. Equal to :func:`plait.pipeline.simulate.peak_live` on the generated order
+    (``tests/test_plan_speed.py``)."""
+    rounds = max(1, m // pp)
+    size, extra = divmod(m, rounds)
+    groups = [size + 1] * extra + [size] * (rounds - extra)
+    hops = 1 if split else 2
+    vm = v * m
+    in_flight, after = [], []
+    for r in range(pp):
+        w = min(vm, (v - 1) * groups[0] + hops * (pp - 1 - r))
+        lag = r if split else 0
+        pairs = vm - w
+        in_flight.append(w + 1 + min(lag, pairs - 1) if pairs else vm)
+        if pairs >= lag + 1:
+            after.append(w + lag + (1 if pairs >= lag + 2 else 0))
+        else:
+            after.append(vm - 1)
+    # The last stage on rank p - 1: cumulative counts of its forwards and backwards.
+    lag = pp - 1 if split else 0
+    w = min(vm, (v - 1) * groups[0])
+    forwards, backwards = [0], [0]
+    for g in groups:
+        f, b = forwards[-1], backwards[-1]
+        forwards += [f] * ((v - 1) * g) + [f + i for i in range(1, g + 1)]
+        backwards += [b + i for i in range(1, g + 1)] + [b + g] * ((v - 1) * g)
+    if w == vm:
+        head = m
+    else:
+        head = max(forwards[w + j + 1] - backwards[max(0, j - lag)] for j in range(vm - w))
+    return tuple(in_flight), head, tuple(after)
+
+
+def _v_peaks(name: str, pp: int, m: int) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+    """:func:`_closed_form_peaks` of the V schedules from ``2 p`` microbatches on (None
+    below, or for another schedule). ZBVZeroBubble's rank ``r`` fills ``2 (p - r) - 1 + 2 r
+    = 2 p - 1`` forwards, then each round's forward makes ``2 p`` before its W frees one
+    (F1 I1 W1, then the steady F0 I0 W0 F1 I1 W1, which frees what it adds): ``2 p``,
+    also after the first W (a further round follows it). DualPipeV's fills ``2 p`` (``2 (p
+    - 1 - r)`` F0, ``r + 1`` F0 F1, then I1 W1 F1 rounds), and its steady rounds (F0 B1 F1
+    B0, at least one from ``2 p`` microbatches on) start with a forward: ``2 p + 1``, also
+    after the first free (the first W1, or the first steady B1 on the last rank). The last
+    stage (rank 0's second) frees each of its microbatches before its next forward: 1."""
+    if m < 2 * pp:
+        return None
+    if name == "ZBVZeroBubble":
+        return (2 * pp,) * pp, 1, (2 * pp,) * pp
+    if name == "DualPipeV":
+        return (2 * pp + 1,) * pp, 1, (2 * pp + 1,) * pp
     return None
+
+
+def _runs(name: str, pp: int, n_stages: int, microbatches: int) -> bool:
+    """Whether the generator takes this shape: its own checks
+    (:func:`plait.pipeline.schedules.generate`), without generating."""
+    spec = schedule_spec(name)
+    fixed = spec.stages_per_rank
+    return (
+        min(pp, n_stages, microbatches) >= 1
+        and (fixed is None or n_stages == fixed * pp)
+        and n_stages % pp == 0
+        and microbatches >= spec.min_microbatches(n_stages)
+    )
 
 
 @functools.lru_cache(maxsize=4096)
 def _figures(name: str, pp: int, n_stages: int, microbatches: int) -> _Figures:
     """The figures of ``name`` (canonical) for one shape. The makespan is closed-form
-    where known, else simulated; the peaks are closed-form where plain, else read from
-    the generated action order. ValueError (from the generator) for refused shapes."""
+    where known, else simulated; the peaks are closed-form where known (every schedule
+    but ZBVZeroBubble below ``2 p`` microbatches), else read from the generated action
+    order, which is then the only one generated. ValueError (from the generator) for
+    refused shapes."""
     v = n_stages // pp
     makespan = closed_form_makespan(name, pp, v, microbatches)
-    peaks = _closed_form_peaks(name, pp, v, microbatches)
-    if microbatches < 1 or peaks is None or makespan is None:
-        plan: Schedule = generate(name, pp, n_stages, microbatches)
-    else:
-        # Only the generator's checks of ranks and stages, on a cheap one-microbatch
-        # schedule: these schedules take any number of microbatches from one.
-        plan = generate(name, pp, n_stages, 1)
+    peaks = None
+    if _runs(name, pp, n_stages, microbatches):
+        peaks = _closed_form_peaks(name, pp, v, microbatches)
+    if peaks is None or makespan is None:
+        plan: Schedule = generate(name, pp, n_stages, microbatches)  # raises if refused
     owner = stage_to_rank(n_stages - 1, pp, schedule_spec(name).style)
     if peaks is None:
         in_flight = tuple(peak_live(plan[rank]) for rank in range(pp))
@@ -223,9 +314,11 @@ def pipeline_shape(
         )
     figures = _figures(spec.name, pp, n_stages, microbatches)
     sizes = _split(layers, n_stages)
+    held: list[list[int]] = [[] for _ in range(pp)]  # per rank, its stages in order
+    for s in range(n_stages):
+        held[stage_to_rank(s, pp, spec.style)].append(s)
     loads = []
-    for rank in range(pp):
-        mine = [s for s in range(n_stages) if stage_to_rank(s, pp, spec.style) == rank]
+    for rank, mine in enumerate(held):
         loads.append(
             RankLoad(
                 rank=rank,

@@ -15,6 +15,7 @@ from plait.layout import LAYOUT_FIELDS, MESH_DIMS, Layout
 __all__ = [
     "LAYOUT_DIMS",
     "RECIPES",
+    "TP_OVERLAPS",
     "ZERO",
     "ZERO_STAGES",
     "DeviceSpec",
@@ -22,6 +23,7 @@ __all__ = [
     "MemoryBreakdown",
     "ModelSpec",
     "PlanLayout",
+    "Software",
     "Workload",
     "recipe",
     "zero_ranks",
@@ -33,7 +35,7 @@ __all__ = [
 LAYOUT_DIMS = tuple(name for name in LAYOUT_FIELDS if name in MESH_DIMS)
 
 #: Whose implementation of a layout the memory model follows (:class:`PlanLayout`).
-RECIPES = ("plait", "megatron")
+RECIPES = ("plait", "megatron", "torchtitan", "foundry", "llama3")
 #: ZeRO stages the planner models: 0 (none: plait's data parallelism), 1 and 2.
 ZERO_STAGES = (0, 1, 2)
 #: The dim ZeRO's collectives are reported on (:mod:`plait.plan.comm`): the data-parallel
@@ -59,8 +61,9 @@ class PlanLayout(Layout):
     parallelism keeps the all-gathered linear inputs, autocast keeps the residual stream
     in fp32) or ``"megatron"`` (Megatron-LM's, Korthikanti et al. 2022, arXiv 2205.05198:
     with sequence parallelism every saved activation is split by ``tp`` and re-gathered in
-    backward, a fused SwiGLU saves its input only); :mod:`plait.plan.memory` says what
-    each saves.
+    backward, a fused SwiGLU saves its input only), or another framework's as published
+    runs used it (``"torchtitan"``, llm-foundry's ``"foundry"``, Meta's ``"llama3"``);
+    :mod:`plait.plan.memory` (``RECIPE_KEEPS``) says what each saves.
     """
 
     zero: int = 0
@@ -87,6 +90,42 @@ def zero_ranks(layout: Layout) -> int:
     """The ranks ZeRO shards the optimizer (and ZeRO-2 the gradients) over:
     ``dp_replicate x cp`` (the ranks holding the same parameters); 1 without ZeRO."""
     return layout.dp_replicate * layout.cp if zero_stage(layout) else 1
+
+
+#: How tensor parallelism's collectives run (:class:`Software`).
+TP_OVERLAPS = ("none", "async")
+
+
+@dataclass(frozen=True)
+class Software:
+    """What the training code does beside the layout: the cost model's view of a
+    framework (:mod:`plait.plan.timing`, :mod:`plait.plan.roofline`).
+
+    * ``kernels``: the software stack whose kernels run a block
+      (:data:`plait.plan.roofline.STACKS`: ``"plait"``, eager PyTorch as plait runs it;
+      ``"torchtitan"``; ``"megatron-core"``, Transformer Engine; ``"megatron-2021"``;
+      ``"llm-foundry"``);
+    * ``tp_overlap``: ``"none"`` (torch's TP collectives in the compute stream, exposed) or
+      ``"async"`` (Megatron's ``--tp-comm-overlap``, torchtitan's AsyncTP: each collective
+      decomposed into the GEMM it feeds or follows);
+    * ``param_gather_overlap``: ZeRO's all-gather of the updated parameters runs beside
+      the next step's forward, block by block (Megatron's ``--overlap-param-gather``),
+      rather than after the optimizer step, exposed;
+    * ``grad_reduce_fp32``: data-parallel gradient reductions in fp32 (plait's, DeepSpeed's)
+      or, False, in the compute dtype (Megatron-Core's ``grad_reduce_in_fp32=False``
+      default).
+
+    The default is what ``plait train`` runs.
+    """
+
+    kernels: str = "plait"
+    tp_overlap: str = "none"
+    param_gather_overlap: bool = False
+    grad_reduce_fp32: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tp_overlap not in TP_OVERLAPS:
+            raise ValueError(f"tp_overlap must be one of {TP_OVERLAPS}, got {self.tp_overlap!r}")
 
 
 @dataclass(frozen=True)

@@ -85,22 +85,33 @@ memory-bound pass over parameters, gradients and both moments), plus the step's 
 all-reduces (gradient norm, loss); under ``fully_shard``, the measured ``unit_overhead``
 per unit and microbatch (hooks, DTensor parameters, buffer copies: host time that a tiny
 model shows when compute and bytes are nothing). Datasheet presets have no such figures:
-there they are not modelled (small beside the compute of the runs they are meant for).
+on roofline devices the AdamW step is memory-bound traffic over the rank's shard
+(:data:`~plait.plan.roofline.OPTIMIZER_BYTES`), host work is not modelled beyond the
+gaps between kernels (:data:`~plait.plan.roofline.KERNEL_GAP`).
 
-**Calibration.** ``EFFICIENCY`` (the sustained fraction) is the one fitted constant, on
-the four runs ``benchmarks/published_runs.py`` marks ``"calibration"``
-(:mod:`plait.plan.calibration`, which recomputes it); the roofline's other figures are
+**ZeRO** (a :class:`~plait.plan.spec.PlanLayout` with ``zero``): gradients
+reduce-scattered over the ZeRO ranks in buckets beside the last microbatch's backward
+(ZeRO-2: every microbatch's), in fp32 or in the compute dtype
+(``Software.grad_reduce_fp32``); the updated parameters all-gathered after the optimizer
+step, exposed whole, or with ``Software.param_gather_overlap`` block by block beside the
+next forward (the first block's gather waits; in a pipeline, beside the stage's first
+forward).
+
+**Calibration.** ``EFFICIENCY`` (the shared sustained fraction) and ``STACK_SCALE`` (one
+factor per software stack) are the fitted constants, on the four runs
+``benchmarks/published_runs.py`` marks ``"calibration"``, one per stack
+(:mod:`plait.plan.calibration`, which recomputes them); the roofline's other figures are
 cited (:mod:`plait.plan.roofline`). Every other published row is a prediction.
 
-Not modelled: the kernels of fused recipes (Transformer Engine, ``torch.compile``) as
-distinct from eager ones, communication slowing compute down when overlapped,
-collective latency growing with group size, the optimizer step on datasheet presets,
-data loading, host overheads (kernel launches, Python) other than ``fully_shard``'s
-measured per-unit work, Float8.
+Not modelled: ``torch.compile``'s fusions, communication slowing compute down when
+overlapped, collective latency growing with group size, data loading, host overheads
+(Python) other than the kernel gaps and ``fully_shard``'s measured per-unit work,
+Float8.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from plait.layout import CP, DP_REPLICATE, EFSDP, EP, PP, TP
@@ -117,26 +128,60 @@ from plait.plan.comm import (
 )
 from plait.plan.devices import compute_peak
 from plait.plan.models import attention_flops_per_token, flops_per_token
-from plait.plan.roofline import block_kernels, elementwise_seconds, head_kernels, profile
+from plait.plan.roofline import (
+    BANDWIDTH_FRACTION,
+    KERNEL_GAP,
+    OPTIMIZER_BYTES,
+    block_kernels,
+    elementwise_seconds,
+    head_kernels,
+    profile,
+    stack,
+)
 from plait.plan.schedule import PipelineShape, RankLoad, pipeline_stages, stage_makespan
 from plait.plan.shards import compute_bytes, fsdp_ranks, microbatch_tokens, rank_params
-from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
+from plait.plan.spec import (
+    TP_OVERLAPS,
+    ZERO,
+    DeviceSpec,
+    Layout,
+    ModelSpec,
+    Software,
+    Workload,
+    zero_ranks,
+    zero_stage,
+)
 
-__all__ = ["EFFICIENCY", "FLAT_EFFICIENCY", "TP_OVERLAPS", "Timing", "predict_time"]
+__all__ = [
+    "EFFICIENCY",
+    "FLAT_EFFICIENCY",
+    "STACK_SCALE",
+    "TP_OVERLAPS",
+    "Software",
+    "Timing",
+    "predict_time",
+]
 
-EFFICIENCY = 0.9757
+EFFICIENCY = 0.7835
 """The sustained fraction: every roofline kernel time is divided by it (fitted by
 :mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
+
+_PLAIT = Software()  # what plait train runs
+
+STACK_SCALE: dict[str, float] = {
+    "torchtitan": 0.8901,
+    "megatron-2021": 1.1455,
+    "megatron-core": 1.0374,
+    "llm-foundry": 0.9711,
+}
+"""Per software stack (:data:`plait.plan.roofline.STACKS`), the factor its sustained
+fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
+list cost or save), fitted on that stack's one calibration run by
+:func:`plait.plan.calibration.calibrate_stacks`; 1 for a stack without one (``plait``)."""
 
 FLAT_EFFICIENCY = 0.3641
 """Devices without a roofline profile (the ``cpu`` preset, unknown names): the fraction
 of the dense peak every FLOP runs at (scaled by ``efficiency / EFFICIENCY``)."""
-
-TP_OVERLAPS = ("none", "async")
-"""How tensor parallelism's collectives run: ``none`` (plait's recipe: synchronous, in the
-compute stream, exposed whole) or ``async`` (Megatron's TP communication overlap,
-torchtitan's AsyncTP: each all-gather / reduce-scatter decomposed into the GEMM it feeds
-or follows, exposed only where it exceeds that GEMM)."""
 
 
 @dataclass(frozen=True)
@@ -174,12 +219,18 @@ def _seconds(nbytes: float, dim: str, layout: Layout, device: DeviceSpec, calls:
 
 def _update_seconds(layout: Layout, device: DeviceSpec, elements: float) -> float:
     """The optimizer step (clipping, AdamW) over ``elements`` parameters before sharding,
-    and the step's two scalar all-reduces (the gradient norm, the loss); 0 when the device
-    has no measured update rate."""
-    if not device.update_rate:
-        return 0.0
+    and the step's two scalar all-reduces (the gradient norm, the loss): at the measured
+    update rate, or on a roofline device :data:`~plait.plan.roofline.OPTIMIZER_BYTES` per
+    element of the rank's shard (``fully_shard``'s or ZeRO's) at the HBM bandwidth; 0
+    when the device has neither."""
     scalars = 2 * device.latency if layout.world > 1 else 0.0
-    return elements / fsdp_ranks(layout) / device.update_rate + scalars
+    shard = zero_ranks(layout) if zero_stage(layout) else fsdp_ranks(layout)
+    if device.update_rate:
+        return elements / fsdp_ranks(layout) / device.update_rate + scalars
+    prof = profile(device)
+    if prof is None:
+        return 0.0
+    return elements / shard * OPTIMIZER_BYTES / (prof.bandwidth * BANDWIDTH_FRACTION) + scalars
 
 
 @dataclass(frozen=True)
@@ -219,9 +270,11 @@ def _kernels(
     device: DeviceSpec,
     load: RankLoad,
     efficiency: float,
+    software: Software = _PLAIT,
 ) -> _Kernels:
-    """The roofline's kernel times (:mod:`plait.plan.roofline`) divided by the sustained
-    fraction ``efficiency``; without a profile, FLOPs at one fraction of the peak."""
+    """The roofline's kernel times (:mod:`plait.plan.roofline`) for ``software``'s kernels,
+    divided by the sustained fraction ``efficiency``, plus the gaps between kernels;
+    without a profile, FLOPs at one fraction of the peak."""
     peak = compute_peak(device, work.precision)
     n, tp = microbatch_tokens(layout, work), layout.tp
     p = rank_params(model, layout, load)
@@ -237,29 +290,48 @@ def _kernels(
             forward, 2 * forward, recompute, forward - attention, attention, head, 2 * head
         )
     e = compute_bytes(work)
+    kernels = stack(software.kernels)
+    sp = layout.sequence_parallel and tp > 1
     kinds = []
     if p.dense_blocks:
         kinds.append((p.dense_blocks, False))
     if p.moe_blocks:
         kinds.append((p.moe_blocks, True))
     fwd = bwd = gemm = attn = redo = 0.0
+    launches = 0.0
     for count, moe in kinds:
-        k = block_kernels(model, tp, n, work.seq_len, layout.cp, e, moe, prof, peak)
+        k = block_kernels(
+            model, tp, n, work.seq_len, layout.cp, e, moe, prof, peak, kernels, sp, device.name
+        )
         share = count / p.blocks
         fwd += share * k.forward
         bwd += share * k.backward
         gemm += share * k.gemm
         attn += share * k.attention_fwd
-        redo += share * (k.attention_fwd + k.elementwise)  # plait keeps matmul outputs
+        launches += share * k.launches
+        if kernels.selective == "torchtitan":  # keeps attention and every second matmul
+            redo += share * (k.gemm / 2 + k.elementwise)
+        else:  # plait keeps matmul outputs
+            redo += share * (k.attention_fwd + k.elementwise)
     recompute = {"none": 0.0, "selective": redo, "full": fwd}[layout.ac]
+    gap = KERNEL_GAP * launches  # per forward; backward launches twice as many
+    redo_gap = {"none": 0.0, "selective": gap / 2, "full": gap}[layout.ac]
     head_f = head_b = 0.0
     if load.head:
         head_f, head_b = head_kernels(model, tp, n, e, prof, peak)
     if load.embedding:  # the lookup's rows, and backward's scatter into the gradient
         rows = elementwise_seconds(n * model.d_model * e, prof)
         head_f, head_b = head_f + rows, head_b + 2 * rows
-    s = efficiency
-    return _Kernels(fwd / s, bwd / s, recompute / s, gemm / s, attn / s, head_f / s, head_b / s)
+    s = efficiency * STACK_SCALE.get(software.kernels, 1.0)
+    return _Kernels(
+        fwd / s + gap,
+        bwd / s + 2 * gap,
+        recompute / s + redo_gap,
+        gemm / s,
+        attn / s,
+        head_f / s,
+        head_b / s,
+    )
 
 
 def _rank_times(
@@ -269,9 +341,10 @@ def _rank_times(
     device: DeviceSpec,
     load: RankLoad,
     efficiency: float,
-    tp_overlap: str = "none",
+    software: Software = _PLAIT,
 ) -> _RankTimes:
-    k = _kernels(model, layout, work, device, load, efficiency)
+    k = _kernels(model, layout, work, device, load, efficiency, software)
+    tp_overlap = software.tp_overlap
     e = compute_bytes(work)
     m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
     p = rank_params(model, layout, load)
@@ -315,20 +388,37 @@ def _rank_times(
         ag = dp(dense * e, fsdp_dim(layout), "all_gather", ds)
         return ag + (dp(experts * e, EFSDP, "all_gather", eg) if experts else 0.0)
 
+    z = zero_ranks(layout)
+    g = 4 if software.grad_reduce_fp32 else e  # bytes per gradient element reduced
+
     def reduce(dense: float, experts: float = 0.0) -> float:
-        # reduce-scatters, then HSDP's / replicate's all-reduce of the shards
+        # reduce-scatters, then HSDP's / replicate's all-reduce of the shards (ZeRO: a
+        # reduce-scatter over its ranks instead)
         dense, experts = groups(dense, experts)
-        rs = dp(dense * 4, fsdp_dim(layout), "reduce_scatter", ds)
-        rs += dp(experts * 4, EFSDP, "reduce_scatter", eg) if experts else 0.0
-        return rs + dp((dense / ds + experts / eg) * 4, DP_REPLICATE, "all_reduce", dr)
+        rs = dp(dense * g, fsdp_dim(layout), "reduce_scatter", ds)
+        rs += dp(experts * g, EFSDP, "reduce_scatter", eg) if experts else 0.0
+        shards = (dense / ds + experts / eg) * g
+        if zero_stage(layout):
+            return rs + dp(shards, ZERO, "reduce_scatter", z)
+        return rs + dp(shards, DP_REPLICATE, "all_reduce", dr)
+
+    def zero_gather(dense: float) -> float:
+        # ZeRO: the updated parameters all-gathered in the compute dtype after the step
+        return dp(dense / ds * e, ZERO, "all_gather", z) if zero_stage(layout) else 0.0
+
+    overlap_params = software.param_gather_overlap and device.overlap
 
     host = _update_seconds(layout, device, p.total)
     if ds > 1:  # fully_shard's host work per unit (measured devices; else 0)
         host += m * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
     held = (p.sharded_blocks + p.root, p.expert_total)  # gathered: dense part, experts
     if layout.pp > 1:
+        # ZeRO's parameter gather: after the step, or beside the stage's first forward
+        zg = zero_gather(held[0])
+        if overlap_params:
+            zg = max(0.0, zg - load.layers * fwd) + zero_gather(held[0] / max(p.blocks, 1))
         return _RankTimes(
-            fwd, bwd, head_f, head_b, compute, 0.0, gather(*held), reduce(*held), host
+            fwd, bwd, head_f, head_b, compute, 0.0, gather(*held) + zg, reduce(*held), host
         )
     # Per block, the rank's average one (dense and MoE blocks alike).
     block = (p.sharded_blocks / p.blocks, p.expert_total / p.blocks)
@@ -338,6 +428,7 @@ def _rank_times(
     if not device.overlap:  # communication shares the cores: every second of it adds
         gathers = m * (gather_root + p.blocks * (gather_block + bwd_gather))
         exposed = gathers + p.blocks * reduce(*block) + reduce(p.root)
+        exposed += zero_gather(p.root) + p.blocks * zero_gather(block[0])
         return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, 0.0, host)
     # The root unit (embeddings, final norm, head: one unit in plait's recipe) is gathered
     # at each microbatch's forward start, before anything runs, and reduced after the
@@ -346,6 +437,13 @@ def _rank_times(
     exposed = m * (gather_root + gather_block + uncovered)
     exposed += (m - 1) * p.blocks * max(0.0, bwd_gather - bwd)  # microbatches without sync
     exposed += p.blocks * max(0.0, bwd_gather + reduce(*block) - bwd) + reduce(p.root)
+    if zero_stage(layout) == 2:  # ZeRO-2 reduces every microbatch's gradients
+        exposed += (m - 1) * p.blocks * max(0.0, reduce(*block) - bwd)
+    zg_block, zg_root = zero_gather(block[0]), zero_gather(p.root)
+    if overlap_params:  # beside the next forward, block by block: the first one waits
+        exposed += zg_root + zg_block + max(0.0, zg_block - fwd) * max(p.blocks - 1, 0)
+    else:  # after the optimizer step, before the next forward
+        exposed += zg_root + p.blocks * zg_block
     return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, 0.0, host)
 
 
@@ -356,17 +454,22 @@ def predict_time(
     device: DeviceSpec,
     shape: PipelineShape,
     efficiency: float = EFFICIENCY,
-    tp_overlap: str = "none",
+    tp_overlap: str | None = None,
+    software: Software | None = None,
 ) -> Timing:
     """The step time of ``layout`` (module docstring) from its pipeline ``shape``;
     ``efficiency``: the sustained fraction (the calibrated one by default);
-    ``tp_overlap``: one of :data:`TP_OVERLAPS`."""
-    if tp_overlap not in TP_OVERLAPS:
-        raise ValueError(f"tp_overlap must be one of {TP_OVERLAPS}, got {tp_overlap!r}")
+    ``software``: the framework's kernels and overlaps (plait's by default);
+    ``tp_overlap``: one of :data:`TP_OVERLAPS`, replacing ``software``'s."""
+    sw = software or Software()
+    if tp_overlap is not None:
+        if tp_overlap not in TP_OVERLAPS:
+            raise ValueError(f"tp_overlap must be one of {TP_OVERLAPS}, got {tp_overlap!r}")
+        sw = dataclasses.replace(sw, tp_overlap=tp_overlap)
     m = layout.microbatches
     if layout.pp == 1:
         ((load,),) = (shape.ranks,)
-        t = _rank_times(model, layout, work, device, load, efficiency, tp_overlap)
+        t = _rank_times(model, layout, work, device, load, efficiency, sw)
         compute, exposed, host = t.compute, t.exposed, t.host
         step = m * t.per_microbatch(load.layers) + exposed + host
     elif device.measured:
@@ -374,9 +477,7 @@ def predict_time(
             model, layout, work, device, shape, efficiency
         )
     else:
-        step, compute, exposed, host = _pipeline(
-            model, layout, work, device, shape, efficiency, tp_overlap
-        )
+        step, compute, exposed, host = _pipeline(model, layout, work, device, shape, efficiency, sw)
     tokens = work.global_batch * work.seq_len / step / layout.world
     peak = compute_peak(device, work.precision)
     busiest = max(shape.ranks, key=lambda r: (r.layers, r.head))
@@ -399,7 +500,7 @@ def _pipeline(
     device: DeviceSpec,
     shape: PipelineShape,
     efficiency: float,
-    tp_overlap: str,
+    software: Software,
 ) -> tuple[float, float, float, float]:
     """A pipeline's step, compute, exposed communication and host time from each stage's
     own duration (module docstring): step = makespan of the per-stage durations
@@ -413,7 +514,7 @@ def _pipeline(
         key = (size, rank if model.experts else 0, s == 0, s == len(stages) - 1)
         if key not in cache:
             load = RankLoad(rank, size, size, key[2], key[3], 1, 1)
-            cache[key] = _rank_times(model, layout, work, device, load, efficiency, tp_overlap)
+            cache[key] = _rank_times(model, layout, work, device, load, efficiency, software)
         times.append(cache[key])
     fwd = [size * t.block_fwd + t.head_fwd for (size, _), t in zip(stages, times, strict=True)]
     bwd = [size * t.block_bwd + t.head_bwd for (size, _), t in zip(stages, times, strict=True)]
