@@ -15,12 +15,22 @@ SDPA calls) <- api (torch's ``context_parallel``, ``context_parallel_unshard``),
 The methods, all exact (fp32 matches one process attending over the whole sequence):
 
 * ``"allgather"`` (torch's default): gather keys and values, attend local queries to
-  them. Backward: autograd, the gather's backward a reduce-scatter.
+  them. Backward: the blocks' own, then the gather's backward, a reduce-scatter.
 * ``"ring"``: key/value blocks go round the ring (``cp - 1`` point-to-point shifts,
   overlapped with compute), partial results merged by log-sum-exp. Backward: custom, the
   blocks go round again with their gradient accumulators.
-* ``"alltoall"`` (Ulysses): all-to-all to a head split, ordinary attention, all-to-all
-  back; the heads must divide by cp. Backward: autograd, the all-to-alls reversed.
+* ``"alltoall"`` (Ulysses): all-to-all to a head split, attention over the whole
+  sequence in natural order (SDPA's ``is_causal``), all-to-all back; the heads must divide
+  by cp. Backward: autograd, the all-to-alls reversed.
+
+None of them builds a mask of the sequence's size: attention runs as blocks through
+SDPA's fused kernels that return the log-sum-exp (CPU:
+``_scaled_dot_product_flash_attention_for_cpu``, CUDA:
+``_scaled_dot_product_efficient_attention``), unmasked or causal on the diagonal, merged
+exactly by log-sum-exp, and differentiated by the fused backward kernels given the merged
+output and log-sum-exp (:mod:`plait.context.blocks`). Only blocks that packed documents
+cut are masked, tile by tile. So activation memory per rank is linear in the local length
+and falls as ``1 / cp``, less the gathered keys and values of allgather.
 
 Applying it, in torch's vocabulary::
 

@@ -1,21 +1,29 @@
 """All-gather attention: every rank gathers the whole sequence's keys and values and
 attends its own queries to them.
 
-Backward: autograd through SDPA, then the gather's own backward, a reduce-scatter that sums
-every rank's gradient of each key/value slice back onto the rank that holds it. Memory
-per rank holds the whole sequence's keys and values; communication is one all-gather of
-them (keys and values stacked, one collective) forward and one reduce-scatter backward.
+After the gather the keys and values are put in natural order, and each local query
+chunk attends to the keys it can see as fused blocks merged by log-sum-exp
+(:func:`plait.context.blocks.plan_blocks`): under a causal mask the prefix before the
+chunk as one unmasked block plus the chunk's own keys as the causal diagonal block (the
+keys after it are skipped, not masked), otherwise all keys unmasked; only blocks that
+packed documents cut take a block-sized mask. No ``(T / cp) x T`` mask is ever built.
+
+Backward: the blocks' own (:func:`plait.context.blocks.blocked_attention`, fused backward
+kernels from the saved output and log-sum-exp), then autograd through the reorder and the
+gather, whose backward is a reduce-scatter that sums every rank's gradient of each
+key/value slice back onto the rank that holds it. Memory per rank holds the whole
+sequence's keys and values (and their gradients in backward), nothing score-sized;
+communication is one all-gather of them (keys and values stacked, one collective) forward
+and one reduce-scatter backward.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from plait.context.blocks import expand_heads
+from plait.context.blocks import ChunkDocs, blocked_attention, expand_heads, plan_blocks
 from plait.context.collectives import gather_sequence
-from plait.context.masks import allowed
 from plait.context.sequence import SequenceLayout
 
 __all__ = ["allgather_attention"]
@@ -34,10 +42,19 @@ def allgather_attention(
     """Exact attention of local ``q`` ``(B, H, Tl, D)`` over the gathered ``k``, ``v``
     ``(B, Hkv, Tl, D)``; ``docs`` ``(B, Tl)`` this rank's document ids or None."""
     local_len = q.shape[2]
+    chunk_len = local_len // layout.chunks_per_rank
     kv = gather_sequence(torch.stack([k, v]), 3, group)  # (2, B, Hkv, cp * Tl, D)
+    kv = layout.restore(kv, 3)  # natural order: chunk c at rows c * chunk_len
     k_all, v_all = expand_heads(kv[0], q.shape[1]), expand_heads(kv[1], q.shape[1])
-    q_pos = layout.positions(dist.get_rank(group), local_len, q.device)
-    k_pos = layout.gathered_positions(local_len, q.device)
-    k_docs = None if docs is None else gather_sequence(docs, 1, group)
-    mask = allowed(q_pos, k_pos, is_causal, docs, k_docs)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)
+    chunk_docs = None
+    if docs is not None:
+        chunk_docs = ChunkDocs.of(layout.restore(gather_sequence(docs, 1, group), 1), chunk_len)
+    plan = plan_blocks(
+        layout.chunks(dist.get_rank(group)),
+        range(layout.cp * layout.chunks_per_rank),
+        chunk_len,
+        is_causal,
+        chunk_docs,
+        q.device,
+    )
+    return blocked_attention(q, k_all, v_all, plan, scale)

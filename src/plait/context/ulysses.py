@@ -1,9 +1,15 @@
 """All-to-all (Ulysses) attention: trade the sequence split for a head split, attend
 ordinary full-sequence attention over ``H / cp`` heads, and trade back.
 
-Backward: autograd through SDPA and the all-to-alls, each of which has the other as its
-backward. Needs the number of heads to divide by cp; key/value heads that do not (grouped-
-query attention with few of them) are expanded to the query heads before the exchange.
+After the exchange the sequence is put in natural order, so that a causal mask is SDPA's
+own ``is_causal`` (no mask tensor; the output is put back in the layout's order after);
+with packed documents the whole sequence runs as fused blocks merged by log-sum-exp
+(:func:`plait.context.blocks.blocked_attention`), masked only where documents cut a block.
+
+Backward: autograd through SDPA (or the blocks' own backward), the reorders and the
+all-to-alls, each of which has the other as its backward. Needs the number of heads to
+divide by cp; key/value heads that do not (grouped-query attention with few of them) are
+expanded to the query heads before the exchange.
 """
 
 from __future__ import annotations
@@ -12,9 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.context.blocks import expand_heads
+from plait.context.blocks import ChunkDocs, blocked_attention, expand_heads, plan_blocks
 from plait.context.collectives import gather_sequence, heads_to_sequence, sequence_to_heads
-from plait.context.masks import allowed
 from plait.context.sequence import SequenceLayout
 
 __all__ = ["check_heads", "ulysses_attention"]
@@ -53,12 +58,21 @@ def ulysses_attention(
         k_h, v_h = sequence_to_heads(torch.stack([k, v]), group).unbind(0)
     # (B, H/cp, T, D), the sequence in rank order: the gathered layout.
     k_h, v_h = expand_heads(k_h, q_h.shape[1]), expand_heads(v_h, q_h.shape[1])
-    if docs is None and not layout.load_balance:
-        # The plain layout gathers in natural order: SDPA's own causal mask is the rule.
+    if docs is None and not (is_causal and layout.load_balance):
+        # No mask, or the plain layout (gathered in natural order): SDPA's own rule.
         out = F.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=is_causal, scale=scale)
         return heads_to_sequence(out, group)
-    pos = layout.gathered_positions(q.shape[2], q.device)
-    all_docs = None if docs is None else gather_sequence(docs, 1, group)
-    mask = allowed(pos, pos, is_causal, all_docs, all_docs)
-    out = F.scaled_dot_product_attention(q_h, k_h, v_h, attn_mask=mask, scale=scale)
+    # Natural order, where causality is SDPA's is_causal (no mask) and a plan's chunk c is
+    # rows c * chunk_len; the output goes back to the gathered layout after.
+    q_h, k_h, v_h = (layout.restore(t, 2) for t in (q_h, k_h, v_h))
+    if docs is None:
+        out = F.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=True, scale=scale)
+    else:
+        chunk_len = q.shape[2] // layout.chunks_per_rank
+        chunk_docs = ChunkDocs.of(layout.restore(gather_sequence(docs, 1, group), 1), chunk_len)
+        chunks = range(layout.cp * layout.chunks_per_rank)
+        plan = plan_blocks(chunks, chunks, chunk_len, is_causal, chunk_docs, q.device)
+        out = blocked_attention(q_h, k_h, v_h, plan, scale)
+    if layout.load_balance:
+        out = out.index_select(2, layout.gathered_positions(q.shape[2], out.device))
     return heads_to_sequence(out, group)
