@@ -23,11 +23,12 @@ slowest rank's; the table gives the median over all timed steps.
 Memory per rank (the busiest rank's): on CPU :class:`plait.plan.live.LiveTensors`, the
 exact bytes of live tensor storages (not the allocator's or the process's), during one
 step taken after warmup (the optimizer state already exists). ``peak`` is the largest
-count in that step; ``activations`` is the peak less what was alive when the step began
-(sharded parameters and optimizer state): the memory the step itself needs. The table
-also gives the share of it that the attention masks of allgather and alltoall take
-(:func:`mask_bytes`, from their shapes), which does not fall with cp. On CUDA the same
-two numbers from ``torch.cuda`` counters.
+count in that step (every method's model and optimizer state are alive, built up front);
+``activations`` is the peak less what was alive when the step began (sharded parameters
+and optimizer state): the memory the step itself needs. No method builds an attention
+mask any more (:mod:`plait.context`), so there is no mask column; reports saved before
+(with masks, e.g. ``*_masked_before.json``) render the same, without it. On CUDA the
+same two numbers from ``torch.cuda`` counters.
 
 Bytes each rank exchanges with its cp peers per step, counted at
 :mod:`plait.context.collectives`' helpers (the only callers of c10d in plait.context),
@@ -438,37 +439,19 @@ def _ratio(value: float, base: float | None) -> str:
     return "—" if not base else f"{value / base:.2f}"
 
 
-def mask_bytes(row: dict[str, Any], n_layer: int) -> float:
-    """Bytes of attention masks alive at a step's peak on one rank, for the methods that
-    build them: per layer a boolean ``(1, 1, Tq, Tk)`` mask (independent of batch and
-    heads), which CPU's SDPA turns into a float copy (4 B an element) that its flash kernel
-    saves for backward; the boolean (1 B) lives while the call runs. So ``(4 L + 1) Tq Tk``
-    bytes: every layer's float copy and the last layer's boolean. allgather: local queries
-    by every key; alltoall: the whole sequence both ways. ring builds one ``Tl x Tl`` mask
-    per block and keeps none (its cost is the block's fp32 scores, transient); cp 1 and
-    torch use SDPA's own causal mask."""
-    seq, cp = row["seq_len"], row["cp"]
-    if cp == 1 or row["method"] in ("ring", "torch"):
-        return 0.0
-    queries = seq // cp if row["method"] == "allgather" else seq
-    return float((4 * n_layer + 1) * queries * seq)
-
-
-def markdown(rows: list[dict[str, Any]], notes: list[str], n_layer: int) -> str:
+def markdown(rows: list[dict[str, Any]], notes: list[str]) -> str:
     """One table: a row per (sequence, cp, method), ratios to the cp 1 row of its length."""
     base = {r["seq_len"]: r for r in rows if r["cp"] == 1}
     lines = [
         "| seq | cp | method | median step (s) | min-max (s) | tokens/s | tokens/s/rank | "
-        "peak MiB/rank | step act. MiB/rank | act. vs cp 1 | 1/cp | masks MiB/rank | "
-        "act. less masks vs cp 1 | cp MiB sent/rank/step (AG+RS / A2A / P2P) | formula MiB | "
-        "FSDP MiB |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-        "---: | ---: | ---: | ---: |",
+        "peak MiB/rank | step act. MiB/rank | act. vs cp 1 | 1/cp | "
+        "cp MiB sent/rank/step (AG+RS / A2A / P2P) | formula MiB | FSDP MiB |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+        "---: | ---: | ---: |",
     ]
     for r in rows:
         ref = base.get(r["seq_len"])
         ref_act = ref["activation_mib"] if ref else None
-        masks = mask_bytes(r, n_layer) / MiB
         sent = r["cp_sent_mib"]
         counted = r["method"] != "torch"  # torch's go through functional collectives
         parts = f"{sent['ag'] + sent['rs']:.1f} / {sent['a2a']:.1f} / {sent['p2p']:.1f}"
@@ -484,8 +467,6 @@ def markdown(rows: list[dict[str, Any]], notes: list[str], n_layer: int) -> str:
             f"{r['activation_mib']:.1f}",
             _ratio(r["activation_mib"], ref_act),
             f"{1 / r['cp']:.2f}",
-            f"{masks:.1f}",
-            _ratio(r["activation_mib"] - masks, ref_act),
             (f"{r['cp_sent_total_mib']:.1f} ({parts})" if counted else "not counted"),
             f"{r['formula_mib']:.1f}",
             f"{r['fsdp_mib']:.1f}",
@@ -513,7 +494,7 @@ def render(paths: list[Path], n_layer: int) -> str:
     assert len(layers) == 1, f"reports of different depths: {sorted(layers)}"
     notes = [f"skipped {why} (at {', '.join(where)})" for why, where in skipped.items()] + notes
     rows.sort(key=lambda r: (r["seq_len"], r["cp"]))  # stable: methods keep their order
-    return markdown(rows, notes, layers.pop())
+    return markdown(rows, notes)
 
 
 def main() -> None:
@@ -595,7 +576,7 @@ def main() -> None:
             args.out.write_text(json.dumps(report, indent=1))
     notes = [f"skipped {why} (at {', '.join(where)})" for why, where in skipped.items()]
     notes += [f"(launch retried once: {line})" for line in retried]
-    print(markdown(rows, notes, args.layers))
+    print(markdown(rows, notes))
     print(
         f"\n{device}, {args.repeats} repeats x {args.steps} steps per method, batch {args.batch}, "
         f"{args.layers} layers, d_model {args.d_model}, {args.heads} heads; full report: {args.out}"

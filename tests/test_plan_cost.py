@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from plait.plan import Layout, Workload, device, preset, roofline
+from plait.plan import Layout, Workload, device, preset, roofline, timing
 from plait.plan.calibration import CALIBRATION_RUNS, calibrate, calibrate_stacks
 from plait.plan.devices import memory_bandwidth
+from plait.plan.models import gpt
 from plait.plan.roofline import (
     elementwise_seconds,
     gemm_fraction,
@@ -19,7 +20,7 @@ from plait.plan.roofline import (
     profile,
 )
 from plait.plan.schedule import layout_shape, pipeline_stages, stage_makespan
-from plait.plan.spec import PlanLayout, Software
+from plait.plan.spec import ModelSpec, PlanLayout, Software
 from plait.plan.timing import EFFICIENCY, STACK_SCALE, predict_time
 
 H100 = device("h100")
@@ -257,3 +258,65 @@ def test_cold_10240_gpu_search_cpu_time() -> None:
     assert out.returncode == 0, out.stderr
     seconds = float(out.stdout.strip())
     assert seconds < 2.0 * 2.5, f"cold 10,240-GPU search took {seconds:.2f} s of CPU"
+
+
+def test_loss_bytes_follow_the_stacks_loss_kernel() -> None:
+    # Megatron's vocab-parallel cross-entropy (logits.float(), max, in-place subtract, exp,
+    # sum, divide; backward multiply and the cast back) against torch's eager loss and the
+    # fused flash-attn kernel llm-foundry runs (read the logits; backward read, write).
+    assert roofline.loss_bytes("megatron-fp32", 2) == 52
+    assert roofline.loss_bytes("eager-fp32", 2) == 32
+    assert roofline.loss_bytes("fused", 2) == 6
+    d = device("h100")
+    prof = profile(d)
+    assert prof is not None
+    model = preset("llama3-8b")
+
+    def head(loss: str) -> float:
+        fwd, bwd = roofline.head_kernels(model, 1, 4096, 2, prof, d.flops, loss)
+        return fwd + bwd
+
+    assert head("fused") < head("eager-fp32") < head("megatron-fp32")
+    assert roofline.stack("megatron-core").loss == "megatron-fp32"
+    assert roofline.stack("llm-foundry").loss == "fused"
+    # a small model's head weighs more: its throughput moves more with the loss's bytes
+    small, large = gpt(24, 16, 2048, 4096, vocab=131072), gpt(48, 56, 7168, 4096, vocab=131072)
+
+    def slowdown(m: ModelSpec) -> float:
+        layout, work = Layout(dp_replicate=8), Workload(4096, 8)
+        shape = layout_shape(m, layout)
+        fused = predict_time(m, layout, work, H100, shape, software=Software("llm-foundry"))
+        core = dataclasses.replace(roofline.stack("llm-foundry"), loss="megatron-fp32")
+        try:
+            roofline.STACKS["llm-foundry"] = core
+            slow = predict_time(m, layout, work, H100, shape, software=Software("llm-foundry"))
+        finally:
+            roofline.STACKS["llm-foundry"] = dataclasses.replace(core, loss="fused")
+        return fused.tokens_per_s_per_device / slow.tokens_per_s_per_device
+
+    assert slowdown(small) > slowdown(large) > 1.0
+
+
+def test_collectives_beside_compute_slow_it_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert timing.interference(H100) == pytest.approx(24 / 132)
+    assert timing.interference(device("a100")) == pytest.approx(24 / 108)
+    assert timing.interference(device("cpu")) == 0.0
+    assert timing.interference(dataclasses.replace(H100, measured=True)) == 0.0
+    # MPT-13B over 64 H100s at two sequences per rank (llm-foundry's run): FSDP's gathers
+    # and reductions all hide behind compute, yet take 24 of 132 SMs while they run.
+    model = gpt(40, 40, 5120, 2048, vocab=50368, tied=True)
+    layout, work = Layout(dp_shard=64), Workload(2048, 128)
+    shape = layout_shape(model, layout)
+    sw = Software("llm-foundry")
+    busy = predict_time(model, layout, work, H100, shape, software=sw)
+    monkeypatch.setattr(timing, "COLLECTIVE_CTAS", 0)
+    free = predict_time(model, layout, work, H100, shape, software=sw)
+    assert busy.step_time > 1.03 * free.step_time
+    # at most the SMs' share of every collective's time (the exposed part costs nothing more)
+    assert busy.step_time - free.step_time < 24 / 132 * sum(c.seconds for c in free.collectives)
+    # one GPU: nothing to run beside compute
+    one = Layout()
+    lone = predict_time(model, one, Workload(2048, 2), H100, layout_shape(model, one), software=sw)
+    monkeypatch.undo()
+    again = predict_time(model, one, Workload(2048, 2), H100, layout_shape(model, one), software=sw)
+    assert lone.step_time == again.step_time

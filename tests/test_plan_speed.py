@@ -174,7 +174,7 @@ RECORDED_10240 = {
         "pp=16 dp_replicate=4 dp_shard=40 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
     ],
     "n": 919,
-    "digest": "0737018c67468511",
+    "digest": "235a48b0fc4085b8",
 }
 
 _COLD_SEARCH = """

@@ -14,6 +14,9 @@ with figures measured on your machine.
 HBM bandwidth (:data:`MEMORY_BANDWIDTH`, the roofline's memory-bound kernels,
 :mod:`plait.plan.roofline`), datasheets: H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80 GB
 2.0 TB/s (the 40 GB part: 1.55), B200 8 TB/s. The ``cpu`` preset has none (no roofline).
+
+Streaming multiprocessors (:data:`STREAMING_MULTIPROCESSORS`), datasheets: H100 / H200
+SXM 132, A100 108, B200 148.
 """
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ from typing import Any
 
 from plait.plan.spec import DeviceSpec
 
-__all__ = ["DEVICES", "MEMORY_BANDWIDTH", "compute_peak", "device", "memory_bandwidth", "override"]
+__all__ = [
+    "DEVICES",
+    "MEMORY_BANDWIDTH",
+    "STREAMING_MULTIPROCESSORS",
+    "compute_peak",
+    "device",
+    "memory_bandwidth",
+    "override",
+    "streaming_multiprocessors",
+]
 
 _GIB = 2.0**30
 
@@ -47,6 +59,17 @@ MEMORY_BANDWIDTH: dict[str, float] = {
     "b200": 8.0e12,
 }
 """HBM bytes/s per device preset (datasheets; module docstring)."""
+
+STREAMING_MULTIPROCESSORS: dict[str, int] = {
+    "h100": 132,
+    "h200": 132,
+    "a100": 108,
+    "a100-40gb": 108,
+    "b200": 148,
+}
+"""Streaming multiprocessors per device preset (datasheets; module docstring): how many
+thread blocks run at once, which decides how much of the GPU a collective's blocks take
+from compute beside it (:data:`plait.plan.timing.COLLECTIVE_CTAS`)."""
 
 _ALIASES = {"h100-sxm": "h100", "a100-80gb": "a100", "gloo": "cpu"}
 
@@ -75,6 +98,12 @@ def compute_peak(spec: DeviceSpec, precision: str) -> float:
     if precision == "bf16":
         return spec.flops
     return spec.flops_fp32 or spec.flops / 2
+
+
+def streaming_multiprocessors(spec: DeviceSpec) -> int:
+    """Streaming multiprocessors of ``spec``'s preset (0 when unknown: a measured device
+    or the ``cpu`` preset, whose rates already include what collectives take)."""
+    return 0 if spec.measured else STREAMING_MULTIPROCESSORS.get(spec.name, 0)
 
 
 def memory_bandwidth(spec: DeviceSpec) -> float:

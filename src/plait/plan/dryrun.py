@@ -91,16 +91,18 @@ def step_memory(
     actions without its peers (:func:`pipeline_step`) instead of the schedule's runtime.
     """
     start = time.perf_counter()
+    # Every mesh is built before the fake tensors (building one reads real tensors).
     mesh = cfg.layout.mesh(cfg.device)
+    side_meshes = (cfg.layout.expert_mesh(cfg.device), cfg.layout.shard_mesh(cfg.device))
     pipelined = cfg.pp > 1 and pipeline_dry_run
     live = LiveTensors(device_type=torch.device(cfg.device).type)
     with tensors or nullcontext(), live:
         torch.manual_seed(seed)
         with torch.device(cfg.device):  # built in place: fake tensors cannot be moved
             model = GPT(model_config(cfg))
-        parts = Trainable(model, cfg, mesh)
+        parts = Trainable(model, cfg, mesh, side_meshes)
         del model  # a pipeline rank keeps only its stages
-        local = (cfg.local_batch, cfg.seq_len)
+        local = (cfg.local_batch, cfg.seq_len // cfg.cp)  # cp: this rank's tokens of each
         setup = live.current
         _create_optimizer_state(parts.optimizer)
         live.reset_peak()  # building the whole model before sharding it is not training

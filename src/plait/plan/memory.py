@@ -55,17 +55,22 @@ ones its experts receive (``n k`` with balanced routing) and one all-to-all's se
 receive buffers (``2 n k d``) are alive at a time (``extra["dispatch"]``).
 
 Context parallelism (``cp`` ranks, :mod:`plait.context`) divides every per-token part by
-``cp`` through ``n``, and its attention adds what :mod:`plait.context` keeps per block:
+``cp`` through ``n``, and its attention adds what :mod:`plait.context` keeps per block. No
+method builds a mask (blocks run through SDPA's fused kernels, unmasked or causal on the
+diagonal; only packed documents take tile-sized masks, and ``plait train`` packs none),
+and every method returns its output as ``(batch, heads, tokens, head dim)``, so the
+output projection's input is a copy of it (``d / tp`` beside the output):
 
-* ``allgather``: SDPA saves the whole sequence's keys and values, expanded to the query
-  heads (``2 cp d / tp`` per local token, in place of the local ``2 k / tp``), and its
-  boolean mask of the rank's queries by the sequence's keys: ``T / cp x T`` bytes per
-  microbatch (one mask, broadcast over its sequences);
-* ``ring``: nothing beyond the local q, k, v, output (its custom backward recomputes the
-  blocks);
+* ``allgather``: the fused blocks' backward saves the whole sequence's keys and values,
+  expanded to the query heads (``2 cp d / tp`` per local token, in place of the local
+  ``2 k / tp``), the local q, the output and its log-sum-exp;
+* ``ring``: the local q, k, v, the output and its log-sum-exp (its custom backward sends
+  the key/value blocks round again);
 * ``alltoall``: SDPA saves the head-split q and the expanded k, v (``3 d / tp`` per local
-  token in place of ``(d + 2 k) / tp``) and its output beside the local one (``d / tp``),
-  and one ``T x T`` boolean mask (balanced layouts need an explicit mask).
+  token in place of ``(d + 2 k) / tp``) and its output beside the returned one.
+
+The log-sum-exps (fp32, one per query head and token) are not counted, as without
+context parallelism (module docstring's last paragraph).
 
 Recipes (:class:`~plait.plan.spec.PlanLayout`'s ``recipe``). The counts above are
 plait's (``"plait"``: what its runtime keeps, checked against real and dry runs).
@@ -102,9 +107,12 @@ block's fp32 bucket in ``buffers``). Megatron-LM's distributed optimizer table: 
 
 Those are saved under ``--ac none``; under checkpointing they are rebuilt per block
 (``recompute``). ``extra["cp_attention"]`` is the working set of one block's attention
-in backward: the gradients of the gathered keys and values (``allgather``), of the
-head-split tensors (``alltoall``), or two travelling key/value blocks and their two fp32
-gradient accumulators (``ring``); with checkpointing, the recomputed mask too.
+in backward: the fp32 gradient accumulators of the local queries and of the gathered,
+expanded keys and values and the gathered gradient in the compute dtype (``allgather``),
+the gradients of the head-split q, k, v and output (``alltoall``), or the local queries'
+fp32 accumulator with two travelling key/value blocks and their two fp32 gradient
+accumulators (``ring``). It is alive while the block's attention runs backward, after its
+MLP's backward has freed the MLP's saved values and hidden gradient.
 
 Memory per rank under expert parallelism (``ep`` ranks of ``dp_shard x cp``, experts
 sharded over ``efsdp = dp_shard x cp / ep``): parameters, gradients and optimizer states
@@ -147,7 +155,6 @@ __all__ = [
     "RECIPE_KEEPS",
     "Keeps",
     "activation_elems_per_token",
-    "cp_mask_bytes",
     "cp_saved_elems_per_token",
     "cp_working_set",
     "first_rank_memory",
@@ -240,26 +247,17 @@ def _widths(model: ModelSpec, layout: Layout) -> tuple[float, float]:
 
 def cp_saved_elems_per_token(model: ModelSpec, layout: Layout) -> float:
     """Elements one block's context-parallel attention saves per local token under ``--ac
-    none`` beyond the q, k, v and output counted without it (module docstring): 0 without
-    context parallelism and for ``ring``."""
-    if layout.cp == 1 or layout.cp_method == "ring":
+    none`` beyond the q, k, v and output counted without it (module docstring): the output
+    projection's own copy of the output, and the gathered (``allgather``) or head-split
+    (``alltoall``) keys and values; 0 without context parallelism."""
+    if layout.cp == 1:
         return 0.0
     d, k = _widths(model, layout)
     if layout.cp_method == "allgather":  # the sequence's k, v at query heads, not the local
-        return 2 * layout.cp * d - 2 * k
+        return 2 * layout.cp * d - 2 * k + d
+    if layout.cp_method == "ring":  # the local q, k, v and output, and the projection's copy
+        return d
     return 3 * d - 2 * k  # alltoall: head-split q, k, v (expanded) and output, not local q, k, v
-
-
-def cp_mask_bytes(layout: Layout, work: Workload) -> float:
-    """Bytes of the boolean mask one block's context-parallel attention builds per
-    microbatch (balanced layouts cannot use SDPA's own causal mask): the rank's ``T / cp``
-    queries by the ``T`` keys (``allgather``), ``T x T`` (``alltoall``); 0 for ``ring``
-    (its masks are per block pair, built and dropped as the blocks pass) and without
-    context parallelism."""
-    t = work.seq_len
-    if layout.cp == 1 or layout.cp_method == "ring":
-        return 0.0
-    return t // layout.cp * t if layout.cp_method == "allgather" else float(t * t)
 
 
 def cp_working_set(model: ModelSpec, layout: Layout, work: Workload) -> float:
@@ -269,12 +267,12 @@ def cp_working_set(model: ModelSpec, layout: Layout, work: Workload) -> float:
         return 0.0
     n, e = microbatch_tokens(layout, work), compute_bytes(work)
     d, k = _widths(model, layout)
-    mask = cp_mask_bytes(layout, work) if layout.ac != "none" else 0.0  # else saved
-    if layout.cp_method == "allgather":  # gradients of the gathered, expanded k and v
-        return n * layout.cp * 2 * d * e + mask
+    dq = n * d * 4  # the local queries' fp32 gradient accumulator
+    if layout.cp_method == "allgather":  # fp32 accumulators of the gathered k, v, their grad
+        return dq + n * layout.cp * 2 * d * (4 + e)
     if layout.cp_method == "ring":  # two k, v blocks and two fp32 gradient accumulators
-        return 2 * (2 * n * k) * (e + 4)
-    return n * 4 * d * e + mask  # alltoall: gradients of the head-split q, k, v, output
+        return dq + 2 * (2 * n * k) * (e + 4)
+    return n * 4 * d * e  # alltoall: gradients of the head-split q, k, v, output
 
 
 def activation_elems_per_token(
@@ -377,8 +375,6 @@ def rank_memory(
     kinds = [(False, stage_dense), (True, load.stage_layers - stage_dense)]
     kinds = [(moe, count) for moe, count in kinds if count]
     per_microbatch = n * sum(saved_bytes(moe) * count for moe, count in kinds) * blocks_scale
-    if layout.ac == "none":  # context-parallel attention's masks, one per block
-        per_microbatch += cp_mask_bytes(layout, work) * load.stage_layers
     block_bytes = max(saved_bytes(moe) for moe, _ in kinds)  # the largest block
     if pipelined and not load.head and keeps.stage_output:
         # A stage's output is the root its backward starts from: kept until then.
@@ -438,17 +434,22 @@ def rank_memory(
         hidden = max(hidden, routed + model.expert_hidden * model.shared_experts / tp)
     flowing = n * (model.d_model + hidden) * e
     after = per_microbatch * load.in_flight_after_backward
-    moments = (
-        activations + logits + (held if zero else 0.0),
-        after + logits + held,
+    below = (  # a block's backward: the activations below it, its own or their recomputation
         per_microbatch * max(load.in_flight_after_backward, 1)
         - one_block
         + extra.get("recompute", one_block)
-        + flowing
         + held
-        + attention
         + (0.0 if (pipelined and not keeps.sharded_accumulation) or ds == 1 else p.block * 4)
-        + (p.block * 4 if zero == 2 else 0.0),
+        + (p.block * 4 if zero == 2 else 0.0)
+    )
+    # Its attention's backward runs after its MLP's: the MLP's saved values and hidden
+    # gradient are gone, the output's gradient flows in beside the attention's working set.
+    mlp_saved = n * (4 if model.gated else 2) * model.ffn_hidden / tp * e
+    in_attention = n * model.d_model * e + attention - mlp_saved
+    moments = (
+        activations + logits + (held if zero else 0.0),
+        after + logits + held,
+        below + max(flowing, in_attention),
         (0.0 if zero else grads) + buffers + held,
     )
     counted = activations + logits + extra.get("recompute", 0.0) + grads + buffers

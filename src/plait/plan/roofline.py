@@ -65,6 +65,17 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   selective checkpointing (its ``op`` policy) saves attention and every second matmul,
   recomputing the other matmuls and the memory-bound work.
 
+**The loss** over the logits (:data:`LOSS_BYTES`, per vocabulary element of the rank and
+token, forward and backward together, split 1 : 2): ``plait`` / ``torchtitan`` torch's
+eager loss, ``2 e + 28``; ``megatron-core`` and ``megatron-2021`` Megatron's
+vocab-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, the
+same in 2021's ``mpu``): ``logits.float()`` (read ``e``, write 4), max (read 4), the
+in-place subtraction, ``exp`` and the division (read and write 4 each), the sum (read 4);
+backward the multiply by the output gradient (read, write 4) and the cast back (read 4,
+write ``e``): ``2 e + 48``; ``llm-foundry`` flash-attn's fused cross-entropy (its
+default ``loss_fn``, ``fused_crossentropy``): the logits read forward, read and the
+gradient written backward, ``3 e``.
+
 Sequence parallelism runs the norms and residuals on ``tokens / tp``. Each kernel a block
 launches costs :data:`KERNEL_GAP` (3 us: launch latency, ramp and tail between dependent
 kernels) beside its roofline time; backward launches twice as many. The AdamW step moves
@@ -96,6 +107,7 @@ __all__ = [
     "BANDWIDTH_FRACTION",
     "GEMM_HALF",
     "KERNEL_GAP",
+    "LOSS_BYTES",
     "OPTIMIZER_BYTES",
     "PROFILES",
     "STACKS",
@@ -109,6 +121,7 @@ __all__ = [
     "gemm_fraction",
     "gemm_seconds",
     "head_kernels",
+    "loss_bytes",
     "profile",
     "stack",
 ]
@@ -193,6 +206,7 @@ class Stack:
     dropout: bool  # dropout after attention's softmax and in the residual additions
     kernels: int  # kernels one block's forward launches (backward: twice)
     selective: str  # what ``ac="selective"`` recomputes: "plait" or "torchtitan"
+    loss: str = "eager-fp32"  # the loss over the logits: :data:`LOSS_BYTES`
 
 
 STACKS: dict[str, Stack] = {
@@ -200,11 +214,23 @@ STACKS: dict[str, Stack] = {
     "torchtitan": Stack(
         "torchtitan", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "torchtitan"
     ),
-    "megatron-core": Stack("megatron-core", "cudnn", "fused", "fused", "fused", False, 12, "plait"),
-    "megatron-2021": Stack(
-        "megatron-2021", "materialized", "fused", "fused", "fused", True, 18, "plait"
+    "megatron-core": Stack(
+        "megatron-core", "cudnn", "fused", "fused", "fused", False, 12, "plait", "megatron-fp32"
     ),
-    "llm-foundry": Stack("llm-foundry", "fa2", "fused", "eager", "fused", False, 14, "plait"),
+    "megatron-2021": Stack(
+        "megatron-2021",
+        "materialized",
+        "fused",
+        "fused",
+        "fused",
+        True,
+        18,
+        "plait",
+        "megatron-fp32",
+    ),
+    "llm-foundry": Stack(
+        "llm-foundry", "fa2", "fused", "eager", "fused", False, 14, "plait", "fused"
+    ),
 }
 """The software stacks the cost model knows (module docstring, "Software stacks")."""
 
@@ -222,6 +248,15 @@ ATTENTION: dict[tuple[str, str], tuple[float, float]] = {
 FLOPs counted, by kernel and device generation (module docstring)."""
 
 _GENERATION = {"h100": "h100", "h200": "h100", "a100": "a100", "a100-40gb": "a100", "b200": "b200"}
+
+LOSS_BYTES: dict[str, tuple[float, float]] = {
+    "eager-fp32": (28.0, 2.0),
+    "megatron-fp32": (48.0, 2.0),
+    "fused": (0.0, 3.0),
+}
+"""HBM bytes per vocabulary element of the rank and token that the loss over the logits
+moves, forward and backward together, as ``(fixed, per byte of the compute dtype)``
+(module docstring, "The loss")."""
 
 KERNEL_GAP = 3e-6
 """Seconds between two dependent kernels of one stream (launch latency, the ramp and
@@ -358,14 +393,28 @@ def block_kernels(
     )
 
 
+def loss_bytes(loss: str, element: int) -> float:
+    """Bytes per vocabulary element of the rank and token of the loss kind ``loss``
+    (:data:`LOSS_BYTES`), forward and backward together."""
+    fixed, per_element = LOSS_BYTES[loss]
+    return fixed + per_element * element
+
+
 @functools.lru_cache(maxsize=4096)
 def head_kernels(
-    model: ModelSpec, tp: int, tokens: float, element: int, prof: KernelProfile, peak: float
+    model: ModelSpec,
+    tp: int,
+    tokens: float,
+    element: int,
+    prof: KernelProfile,
+    peak: float,
+    loss: str = "eager-fp32",
 ) -> tuple[float, float]:
-    """The head and its loss for ``tokens`` tokens on one rank (vocabulary split ``tp``
-    ways): forward and backward seconds (before the sustained fraction)."""
+    """The head and its ``loss`` (:data:`LOSS_BYTES`) for ``tokens`` tokens on one rank
+    (vocabulary split ``tp`` ways): forward and backward seconds (before the sustained
+    fraction)."""
     v = model.vocab / tp
     gemm = gemm_seconds(tokens, v, model.d_model, peak, prof, element)
-    loss = elementwise_seconds(tokens * v * (2 * element + 28), prof)
+    seconds = elementwise_seconds(tokens * v * loss_bytes(loss, element), prof)
     # The loss's bytes above cover its forward and backward; split them 1 : 2.
-    return gemm + loss / 3, 2 * gemm + 2 * loss / 3
+    return gemm + seconds / 3, 2 * gemm + 2 * seconds / 3

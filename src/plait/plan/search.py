@@ -250,8 +250,8 @@ def _layouts(
 def _cp_methods(shape: ModelShape, base: Layout, pinned: _Pinned) -> list[str]:
     """Context-parallel attention methods to search on grid ``base``: the fixed one, else
     ``ring`` (any cp the sequence allows takes it). Ring saves nothing beyond the local q,
-    k, v and builds no whole-sequence mask, so it holds the least memory of the three, and
-    it hides its exchange behind attention: the best start. The others can still win
+    k, v and output (as little as alltoall, less than allgather's gathered keys and
+    values), and it hides its exchange behind attention: the best start. The others can still win
     where their exchange is cheaper (all-to-all sends a share of the tokens that does not
     grow with cp); :func:`_other_cp_methods` tries them on the best layouts found."""
     if pinned.given("cp_method") or base.cp == 1:

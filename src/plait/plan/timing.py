@@ -46,6 +46,15 @@ overlaps it:
   the cores to the others: the pipeline then takes the longer of its busiest rank's work
   without a bubble and the makespan run up to ``oversubscription`` times faster.
 
+**Interference.** A data-parallel collective that runs beside compute (``fully_shard``'s
+gathers and reduce-scatters, ``replicate``'s and ZeRO's reductions, ZeRO's overlapped
+parameter gather, a pipeline stage's gathers and reductions) holds
+:data:`COLLECTIVE_CTAS` thread blocks, one per NCCL channel, for as long as it runs; the
+compute beside it runs on the other SMs. Each step adds ``COLLECTIVE_CTAS / SMs`` of the
+time its collectives ran hidden (their total minus what is exposed); a pipeline, of its
+busiest rank's. Not applied to tensor parallelism's overlapped collectives (userbuffers
+and async TP budget their own SMs) nor on measured devices.
+
 **Context parallelism** (``cp`` ranks per sequence, :mod:`plait.context`): a rank computes
 its ``seq_len / cp`` tokens of each of its data-parallel rank's sequences, each attending
 to the whole sequence (so attention's FLOPs per rank fall by ``cp`` like the rest; the
@@ -103,8 +112,8 @@ factor per software stack) are the fitted constants, on the four runs
 (:mod:`plait.plan.calibration`, which recomputes them); the roofline's other figures are
 cited (:mod:`plait.plan.roofline`). Every other published row is a prediction.
 
-Not modelled: ``torch.compile``'s fusions, communication slowing compute down when
-overlapped, collective latency growing with group size, data loading, host overheads
+Not modelled: ``torch.compile``'s fusions, communication slowing compute down beyond the
+SMs its kernels hold, collective latency growing with group size, data loading, host overheads
 (Python) other than the kernel gaps and ``fully_shard``'s measured per-unit work,
 Float8.
 """
@@ -126,7 +135,7 @@ from plait.plan.comm import (
     ring,
     tp_bytes_per_block,
 )
-from plait.plan.devices import compute_peak
+from plait.plan.devices import compute_peak, streaming_multiprocessors
 from plait.plan.models import attention_flops_per_token, flops_per_token
 from plait.plan.roofline import (
     BANDWIDTH_FRACTION,
@@ -153,6 +162,7 @@ from plait.plan.spec import (
 )
 
 __all__ = [
+    "COLLECTIVE_CTAS",
     "EFFICIENCY",
     "FLAT_EFFICIENCY",
     "STACK_SCALE",
@@ -162,22 +172,38 @@ __all__ = [
     "predict_time",
 ]
 
-EFFICIENCY = 0.7835
+EFFICIENCY = 0.7995
 """The sustained fraction: every roofline kernel time is divided by it (fitted by
 :mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
 
 _PLAIT = Software()  # what plait train runs
 
 STACK_SCALE: dict[str, float] = {
-    "torchtitan": 0.8901,
-    "megatron-2021": 1.1455,
-    "megatron-core": 1.0374,
-    "llm-foundry": 0.9711,
+    "torchtitan": 0.8785,
+    "megatron-2021": 1.1234,
+    "megatron-core": 1.0812,
+    "llm-foundry": 0.973,
 }
 """Per software stack (:data:`plait.plan.roofline.STACKS`), the factor its sustained
 fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
 list cost or save), fitted on that stack's one calibration run by
 :func:`plait.plan.calibration.calibrate_stacks`; 1 for a stack without one (``plait``)."""
+
+COLLECTIVE_CTAS = 24
+"""Thread blocks an NCCL collective holds while it runs (one per channel): an H100 trace
+of an all-gather beside a GEMM, as FSDP's prefetch runs them, shows 24 blocks
+(NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
+Degradation because of Tail Effect", 2025). While a data-parallel collective runs beside
+compute, those SMs are the collective's: compute runs at ``1 - COLLECTIVE_CTAS / SMs`` of
+its rate (module docstring, "Interference")."""
+
+
+def interference(device: DeviceSpec) -> float:
+    """Fraction of ``device``'s compute a collective running beside it takes
+    (:data:`COLLECTIVE_CTAS` of its streaming multiprocessors; 0 without a roofline)."""
+    sms = streaming_multiprocessors(device)
+    return min(1.0, COLLECTIVE_CTAS / sms) if sms and device.overlap else 0.0
+
 
 FLAT_EFFICIENCY = 0.3641
 """Devices without a roofline profile (the ``cpu`` preset, unknown names): the fraction
@@ -318,7 +344,7 @@ def _kernels(
     redo_gap = {"none": 0.0, "selective": gap / 2, "full": gap}[layout.ac]
     head_f = head_b = 0.0
     if load.head:
-        head_f, head_b = head_kernels(model, tp, n, e, prof, peak)
+        head_f, head_b = head_kernels(model, tp, n, e, prof, peak, kernels.loss)
     if load.embedding:  # the lookup's rows, and backward's scatter into the gradient
         rows = elementwise_seconds(n * model.d_model * e, prof)
         head_f, head_b = head_f + rows, head_b + 2 * rows
@@ -444,6 +470,11 @@ def _rank_times(
         exposed += zg_root + zg_block + max(0.0, zg_block - fwd) * max(p.blocks - 1, 0)
     else:  # after the optimizer step, before the next forward
         exposed += zg_root + p.blocks * zg_block
+    # Interference: what of the collectives runs beside compute slows it down.
+    reductions = p.blocks * reduce(*block) * (m if zero_stage(layout) == 2 else 1)
+    total = m * (gather_root + p.blocks * (gather_block + bwd_gather)) + reductions
+    total += reduce(p.root) + zg_root + p.blocks * zg_block
+    exposed += interference(device) * max(0.0, total - exposed)
     return _RankTimes(fwd, bwd, head_f, head_b, compute, exposed, 0.0, 0.0, host)
 
 
@@ -541,6 +572,13 @@ def _pipeline(
         start, end = max(start, late_start), max(end, late_end)
     hop = _microbatch_hop(model, layout, work, device)
     exposed = start + end + 2 * (pp * v - 1) * hop
+    # Interference: the busiest rank's gathers and reductions beyond what is exposed ran
+    # beside compute and slowed it down.
+    busy = max(
+        sum(times[s].gather + times[s].reduce for s in range(len(stages)) if owners[s] == r)
+        for r in range(pp)
+    )
+    exposed += interference(device) * max(0.0, busy - start - end)
     compute = max(sum(t.compute for s, t in enumerate(times) if owners[s] == r) for r in range(pp))
     host = max(t.host for t in times) * v
     return pipeline + exposed + host, compute, exposed, host

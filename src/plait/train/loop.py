@@ -110,9 +110,18 @@ class Trainable:
     the pipeline group. Shared by training and by the planner's dry runs
     (:mod:`plait.plan.dryrun`), so both run the same code."""
 
-    def __init__(self, model: GPT, cfg: TrainConfig, mesh: DeviceMesh | None) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        cfg: TrainConfig,
+        mesh: DeviceMesh | None,
+        side_meshes: tuple[DeviceMesh | None, DeviceMesh | None] | None = None,
+    ) -> None:
+        """``side_meshes``: the experts' and the shard mesh, if already built (a dry run
+        builds every mesh before its fake tensors: building one needs real ones); by
+        default built here (:func:`build_expert_mesh`, :func:`build_shard_mesh`)."""
         self.cfg = cfg
-        experts, shard = build_expert_mesh(cfg), build_shard_mesh(cfg)
+        experts, shard = side_meshes or (build_expert_mesh(cfg), build_shard_mesh(cfg))
         self.stages: list[Stage] = parallelize(model, cfg, mesh, experts, shard)
         self.modules = [s.module for s in self.stages]
         self.params = [p for m in self.modules for p in m.parameters()]
