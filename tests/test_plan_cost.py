@@ -17,6 +17,7 @@ from plait.plan.roofline import (
     elementwise_seconds,
     gemm_fraction,
     gemm_seconds,
+    k_half,
     profile,
 )
 from plait.plan.schedule import layout_shape, pipeline_stages, stage_makespan
@@ -34,6 +35,59 @@ def test_gemm_fraction_grows_with_size_and_saturates() -> None:
     assert fractions[-1] <= 0.8 and fractions[-1] - fractions[-2] < 0.02  # saturates
     # A small dimension alone holds a large GEMM back.
     assert gemm_fraction(16384, 64, 16384, 0.8) < 0.5 * gemm_fraction(16384, 16384, 16384, 0.8)
+
+
+def test_reduction_half_scales_with_the_per_sm_rate() -> None:
+    # K_half = GEMM_HALF x (peak / SMs) / the A100's: the tile's fixed prologue and
+    # epilogue cost 2.6x more main-loop steps on the H100 (989 / 132 vs 312 / 108).
+    assert k_half(device("a100")) == roofline.GEMM_HALF
+    assert k_half(device("a100-40gb")) == roofline.GEMM_HALF
+    assert k_half(device("h100")) == pytest.approx(128 * (989 / 132) / (312 / 108))
+    assert k_half(device("h200")) == k_half(device("h100"))
+    assert k_half(device("h100")) == pytest.approx(332, abs=1)
+    a100, h100 = profile(device("a100")), profile(device("h100"))
+    assert a100 is not None and h100 is not None
+    assert h100.k_half == k_half(device("h100"))
+    # Only K is priced per device: M and N keep one tile edge.
+    assert gemm_fraction(4096, 4096, 16384, 1.0, h100.k_half) == pytest.approx(
+        gemm_fraction(4096, 4096, 16384, 1.0) * (16384 / 16512) ** -1 * (16384 / 16716), rel=1e-3
+    )
+
+    def short_k_loss(prof: roofline.KernelProfile) -> float:
+        # the rate of a K = 2,048 GEMM (d 2,048) relative to a K = 16,384 one
+        short = gemm_fraction(8192, 8192, 2048, prof.gemm, prof.k_half)
+        return short / gemm_fraction(8192, 8192, 16384, prof.gemm, prof.k_half)
+
+    assert short_k_loss(a100) == pytest.approx(0.94, abs=0.01)
+    assert short_k_loss(h100) == pytest.approx(0.88, abs=0.01)
+    # Seconds follow: a short-K GEMM costs relatively more on the H100.
+    peak_a, peak_h = device("a100").flops, H100.flops
+
+    def seconds_ratio(prof: roofline.KernelProfile, peak: float) -> float:
+        short = gemm_seconds(8192, 8192, 2048, peak, prof, 2) * 8
+        return short / gemm_seconds(8192, 8192, 16384, peak, prof, 2)
+
+    assert seconds_ratio(h100, peak_h) > 1.05 * seconds_ratio(a100, peak_a)
+
+
+def test_short_k_slows_small_h100_models_more_than_large() -> None:
+    # Megatron-Core's 1.7B (d 2,048, tp 1) against its 462B (d 18,432, tp 8) on the H100:
+    # the per-device K_half takes more from the small model's block than the large one's.
+    small = gpt(24, 16, 2048, 4096, vocab=131072)
+    large = gpt(106, 128, 18432, 4096, vocab=131072)
+    prof = profile(H100)
+    assert prof is not None
+    flat = dataclasses.replace(prof, k_half=roofline.GEMM_HALF)
+
+    def slowdown(model: ModelSpec, tp: int) -> float:
+        args = (model, tp, 4096.0, 4096, 1, 2, False)
+        return (
+            roofline.block_kernels(*args, prof, H100.flops).gemm
+            / roofline.block_kernels(*args, flat, H100.flops).gemm
+        )
+
+    assert slowdown(small, 1) > 1.05
+    assert slowdown(small, 1) > slowdown(large, 8) + 0.03
 
 
 def test_memory_bound_op_is_priced_by_bandwidth() -> None:

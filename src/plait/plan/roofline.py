@@ -12,8 +12,19 @@ reaches and its bytes at the device's memory bandwidth:
   small dimensions (tiles and waves left part-empty, short main loops):
   ``GEMM_HALF = 128`` (one tile edge) gives a 1,024-cube 70% of the large-GEMM rate,
   4,096 91%, 16,384 98%, the shape of the size sweeps of the sources below. Backward runs
-  two GEMMs of the same three dimensions per forward one (``g`` is symmetric in them), so
-  twice the forward's time.
+  two GEMMs of the same three dimensions per forward one, so twice the forward's time.
+  **The reduction dimension** ``K`` is priced per device: ``g_K(K) = K / (K + K_half)``
+  (:func:`k_half`). Each output tile runs a main loop of ``K`` steps after a fixed
+  prologue (its first operand stages loaded) and before a fixed epilogue (the tile
+  written); those are memory latency, about the same on every generation, while the
+  loop's steps run at the device's tensor rate per SM: 2.89 TFLOP/s on the A100
+  (312 / 108), 7.49 on the H100 (989 / 132), 15.2 on the B200. The fixed part therefore
+  costs ``K`` steps 2.6 times longer on the H100: ``K_half = GEMM_HALF x`` (per-SM peak
+  / the A100's), 128 on the A100, 332 on the H100 and H200, 674 on the B200 (a K of
+  2,048: 94% of the long-K rate on the A100, 86% on the H100). The size sweeps agree:
+  ``mamf-finder``'s best H100 shapes have K 13,312 (v2) and 17,920 (v1), the A100's
+  5,120, and its README (``compute/accelerator/benchmarks``) sweeps the A100 to 5,376
+  and the H100 to 20,480 for its maximum.
 * **Attention** (flash attention, causal): the scores and weighted values of
   ``4 T d / (tp)`` FLOPs per token in forward, of which a causal kernel computes half
   (it skips masked tiles; the MFU convention still counts all of them), at
@@ -99,7 +110,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from plait.plan.devices import memory_bandwidth
+from plait.plan.devices import (
+    DEVICES,
+    STREAMING_MULTIPROCESSORS,
+    memory_bandwidth,
+    streaming_multiprocessors,
+)
 from plait.plan.spec import DeviceSpec, ModelSpec
 
 __all__ = [
@@ -121,6 +137,7 @@ __all__ = [
     "gemm_fraction",
     "gemm_seconds",
     "head_kernels",
+    "k_half",
     "loss_bytes",
     "profile",
     "stack",
@@ -141,6 +158,7 @@ class KernelProfile:
     attention_fwd: float  # flash attention forward, causal FLOPs counted
     attention_bwd: float
     bandwidth: float  # HBM bytes/s (datasheet)
+    k_half: float = GEMM_HALF  # the reduction length at half rate (:func:`k_half`)
 
 
 _H100 = (0.80, 0.35, 0.30)
@@ -164,16 +182,31 @@ def profile(device: DeviceSpec) -> KernelProfile | None:
     if not bandwidth:
         return None
     gemm, fwd, bwd = PROFILES[device.name]
-    return KernelProfile(gemm, fwd, bwd, bandwidth)
+    return KernelProfile(gemm, fwd, bwd, bandwidth, k_half(device))
 
 
-def _g(x: float) -> float:
-    return x / (x + GEMM_HALF)
+def k_half(device: DeviceSpec) -> float:
+    """The reduction length ``K`` at which a GEMM tile's main loop takes as long as its
+    fixed prologue and epilogue (module docstring, "The reduction dimension"):
+    :data:`GEMM_HALF` on the A100, scaled by the device's dense peak per streaming
+    multiprocessor over the A100's (the fixed part is latency, the same on both)."""
+    sms = streaming_multiprocessors(device)
+    if not sms:
+        return GEMM_HALF
+    reference = DEVICES["a100"]
+    per_sm = reference.flops / STREAMING_MULTIPROCESSORS[reference.name]
+    return GEMM_HALF * (device.flops / sms) / per_sm
 
 
-def gemm_fraction(m: float, n: float, k: float, gemm: float) -> float:
+def _g(x: float, half: float = GEMM_HALF) -> float:
+    return x / (x + half)
+
+
+def gemm_fraction(
+    m: float, n: float, k: float, gemm: float, reduction_half: float = GEMM_HALF
+) -> float:
     """Fraction of the peak an ``(m x k) @ (k x n)`` GEMM reaches (module docstring)."""
-    return gemm * _g(m) * _g(n) * _g(k)
+    return gemm * _g(m) * _g(n) * _g(k, reduction_half)
 
 
 def gemm_seconds(
@@ -183,7 +216,7 @@ def gemm_seconds(
     bandwidth, the longer."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    flops = 2.0 * m * n * k / (gemm_fraction(m, n, k, prof.gemm) * peak)
+    flops = 2.0 * m * n * k / (gemm_fraction(m, n, k, prof.gemm, prof.k_half) * peak)
     traffic = element * (m * k + k * n + m * n) / (prof.bandwidth * BANDWIDTH_FRACTION)
     return max(flops, traffic)
 

@@ -172,17 +172,17 @@ __all__ = [
     "predict_time",
 ]
 
-EFFICIENCY = 0.7995
+EFFICIENCY = 0.8113
 """The sustained fraction: every roofline kernel time is divided by it (fitted by
 :mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
 
 _PLAIT = Software()  # what plait train runs
 
 STACK_SCALE: dict[str, float] = {
-    "torchtitan": 0.8785,
-    "megatron-2021": 1.1234,
-    "megatron-core": 1.0812,
-    "llm-foundry": 0.973,
+    "torchtitan": 0.8857,
+    "megatron-2021": 1.1071,
+    "megatron-core": 1.1131,
+    "llm-foundry": 0.9589,
 }
 """Per software stack (:data:`plait.plan.roofline.STACKS`), the factor its sustained
 fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
