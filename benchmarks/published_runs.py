@@ -349,6 +349,18 @@ def _foundry(
     notes: tuple[str, ...] = _FOUNDRY_NOTES
     if pure:
         notes += ("bf16 PURE: FSDP gathers and reduces in bf16 (fp32 sharded parameters kept)",)
+    if ac:  # the runs' images: scripts/train/benchmarking/h100new.md at beb8dee6
+        notes += (
+            (
+                "torch 1.13 (table in the README since May 2023, before torch 2.1): the "
+                "non-reentrant checkpoint reruns the whole block"
+            )
+            if pure
+            else (
+                "image mosaicml/pytorch:2.1.0_cu121-nightly20230827 (h100new.md): the "
+                "non-reentrant checkpoint stops its recompute early, before the MLP's output GEMM"
+            ),
+        )
     if table == "H100 80GB BF16":
         notes += ("inter-node network not stated (preset 50 GB/s per GPU)",)
     else:
@@ -372,7 +384,7 @@ def _foundry(
         stated_mfu=mfu / 100,
         params=params,
         notes=notes,
-        software=Software("llm-foundry"),
+        software=Software("llm-foundry", ac_early_stop=False if pure else None),
     )
 
 

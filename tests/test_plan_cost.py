@@ -374,3 +374,60 @@ def test_collectives_beside_compute_slow_it_down(monkeypatch: pytest.MonkeyPatch
     monkeypatch.undo()
     again = predict_time(model, one, Workload(2048, 2), H100, layout_shape(model, one), software=sw)
     assert lone.step_time == again.step_time
+
+
+def _mpt_kernels() -> roofline.BlockKernels:
+    d = device("h100")
+    prof = profile(d)
+    assert prof is not None
+    model = gpt(48, 64, 7168, 2048, vocab=50368, tied=True)  # MPT-30B
+    return roofline.block_kernels(
+        model,
+        1,
+        6144,
+        2048,
+        1,
+        2,
+        False,
+        prof,
+        d.flops,
+        roofline.stack("llm-foundry"),
+        False,
+        "h100",
+    )
+
+
+def test_early_stop_tail_is_the_mlp_output_gemm_and_last_residual() -> None:
+    # torch >= 2.1's non-reentrant checkpoint (and plait.checkpoint) stop recomputing once
+    # the last saved tensor, the MLP output GEMM's input, is packed: that GEMM never runs.
+    d = device("h100")
+    prof = profile(d)
+    assert prof is not None
+    k = _mpt_kernels()
+    down = gemm_seconds(6144, 7168, 4 * 7168, d.flops, prof, 2)
+    residual = elementwise_seconds(6144 * 3 * 2 * 7168, prof)  # read two, write one
+    assert k.tail == pytest.approx(down + residual)
+    assert 0.25 < k.tail / k.forward < 0.4  # a third of the GEMMs, most of the forward
+    assert roofline.stack("llm-foundry").early_stop and roofline.stack("plait").early_stop
+    assert not roofline.stack("megatron-core").early_stop  # Megatron's own checkpoint
+    assert not roofline.stack("megatron-2021").early_stop
+
+
+def test_full_recompute_skips_the_tail_only_with_early_stop() -> None:
+    model = gpt(48, 64, 7168, 2048, vocab=50368, tied=True)
+    work = Workload(2048, 24)
+    h100 = device("h100")
+    lay = Layout(dp_shard=8, microbatches=1, ac="full")
+    shape = layout_shape(model, lay)
+
+    def step(layout: Layout, early_stop: bool | None = None) -> float:
+        software = Software("llm-foundry", ac_early_stop=early_stop)
+        return predict_time(model, layout, work, h100, shape, software=software).step_time
+
+    none = step(dataclasses.replace(lay, ac="none"))
+    early, whole = step(lay), step(lay, False)
+    assert step(lay, True) == early
+    assert none < early < whole
+    # the saving: every block's tail (one microbatch of 3 x 2048 tokens per rank)
+    saved = 48 * _mpt_kernels().tail / (EFFICIENCY * STACK_SCALE["llm-foundry"])
+    assert whole - early == pytest.approx(saved, rel=1e-3)

@@ -219,3 +219,15 @@ def test_update_readme_replaces_only_the_block(tmp_path: Path) -> None:
     (tmp_path / "bare.md").write_text("# nothing\n")
     with pytest.raises(ValueError, match="plan-published"):
         update_readme(tmp_path / "bare.md", "x")
+
+
+def test_foundry_checkpoint_early_stop_follows_the_runs_torch(rows: list[Row]) -> None:
+    # h100new.md lists torch 2.1 (nightly 2023-08-27) for the H100 and A100 80 GB rows;
+    # the A100 40 GB table predates torch 2.1: its checkpoint reruns the whole block.
+    foundry = [r for r in rows if r.run.code_base == "llm-foundry" and r.run.layout.ac == "full"]
+    assert len(foundry) == 7
+    for r in foundry:
+        old = "A100 40GB" in r.run.name
+        assert r.run.software.ac_early_stop is (False if old else None)
+    (h100,) = [t for t in series_trends(rows) if t.name.startswith("llm-foundry H100")]
+    assert h100.published > 0 and h100.agrees

@@ -174,7 +174,7 @@ RECORDED_10240 = {
         "pp=16 dp_replicate=4 dp_shard=40 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
     ],
     "n": 919,
-    "digest": "1192ec5246803c33",
+    "digest": "354558139eae2da0",
 }
 
 _COLD_SEARCH = """

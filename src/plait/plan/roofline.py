@@ -240,6 +240,7 @@ class Stack:
     kernels: int  # kernels one block's forward launches (backward: twice)
     selective: str  # what ``ac="selective"`` recomputes: "plait" or "torchtitan"
     loss: str = "eager-fp32"  # the loss over the logits: :data:`LOSS_BYTES`
+    early_stop: bool = True  # ``ac="full"`` stops its recompute at the last saved tensor
 
 
 STACKS: dict[str, Stack] = {
@@ -248,7 +249,16 @@ STACKS: dict[str, Stack] = {
         "torchtitan", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "torchtitan"
     ),
     "megatron-core": Stack(
-        "megatron-core", "cudnn", "fused", "fused", "fused", False, 12, "plait", "megatron-fp32"
+        "megatron-core",
+        "cudnn",
+        "fused",
+        "fused",
+        "fused",
+        False,
+        12,
+        "plait",
+        "megatron-fp32",
+        early_stop=False,
     ),
     "megatron-2021": Stack(
         "megatron-2021",
@@ -260,6 +270,7 @@ STACKS: dict[str, Stack] = {
         18,
         "plait",
         "megatron-fp32",
+        early_stop=False,
     ),
     "llm-foundry": Stack(
         "llm-foundry", "fa2", "fused", "eager", "fused", False, 14, "plait", "fused"
@@ -325,6 +336,7 @@ class BlockKernels:
     elementwise: float
     matmul_elements: float  # matrix elements per token the GEMMs above go through
     launches: int = 0  # kernels the forward launches
+    tail: float = 0.0  # of the forward: what runs after its last saved tensor is packed
 
     @property
     def forward(self) -> float:
@@ -376,6 +388,9 @@ def block_kernels(
         mlp = [(n, f / tp, d), (n, d, f / tp)]
         gemms += [(n, f / tp, d), *mlp] if model.gated else mlp
         width = f / tp
+    # The MLP's output GEMM packs its saved input before it runs; nothing after it saves
+    # a tensor (the residual addition saves none). MoE blocks: not analysed, 0.
+    last = 0.0 if moe else gemm_seconds(n, d, f / tp, peak, prof, element)
     gemm = sum(gemm_seconds(m, nn, kk, peak, prof, element) for m, nn, kk in gemms)
     elements = sum(nn * kk * (m / n) for m, nn, kk in gemms)
     # Attention: 4 T d / (tp cp) FLOPs per token (each token of the rank's T / cp attends
@@ -416,6 +431,8 @@ def block_kernels(
         + act * width  # the MLP's activation (over the routed / shared widths)
         + scores
     )
+    if not moe:
+        last += elementwise_seconds(n * residual * d / split, prof)
     return BlockKernels(
         gemm,
         attn_fwd,
@@ -423,6 +440,7 @@ def block_kernels(
         elementwise_seconds(n * per_token, prof),
         elements,
         kernels.kernels,
+        last,
     )
 
 

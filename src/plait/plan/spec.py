@@ -113,7 +113,15 @@ class Software:
       rather than after the optimizer step, exposed;
     * ``grad_reduce_fp32``: data-parallel gradient reductions in fp32 (plait's, DeepSpeed's)
       or, False, in the compute dtype (Megatron-Core's ``grad_reduce_in_fp32=False``
-      default).
+      default);
+    * ``ac_early_stop``: whether ``ac="full"`` stops recomputing a block as soon as every
+      tensor its backward saved is rebuilt (torch's non-reentrant checkpoint since 2.1,
+      ``torch.utils.checkpoint.set_checkpoint_early_stop``, and ``plait.checkpoint``):
+      the block's last GEMM, the MLP's output projection, packs its saved input before
+      it runs and is never recomputed, nor the residual addition after it. ``None``: the
+      stack's (:data:`plait.plan.roofline.STACKS`: True but for Megatron's own
+      checkpoint function, which reruns the whole block); False for torch before 2.1
+      (non-reentrant checkpoint reran the whole function) or reentrant checkpointing.
 
     The default is what ``plait train`` runs.
     """
@@ -122,6 +130,7 @@ class Software:
     tp_overlap: str = "none"
     param_gather_overlap: bool = False
     grad_reduce_fp32: bool = True
+    ac_early_stop: bool | None = None
 
     def __post_init__(self) -> None:
         if self.tp_overlap not in TP_OVERLAPS:

@@ -8,7 +8,9 @@ with a fraction of the peak that depends on the GEMM's shape; backward twice the
 and the memory-bound passes, flash attention's backward its own. Every kernel time is
 divided by ``EFFICIENCY``, the sustained fraction. Checkpointing adds its recomputation:
 ``selective`` recomputes attention and the memory-bound work (plait keeps only matmul
-outputs), ``full`` the whole block forward. Devices without a roofline profile (the
+outputs), ``full`` the whole block forward, less what runs after the block's last saved
+tensor where the checkpoint stops early (``Software.ac_early_stop``: the MLP's output
+GEMM and the residual addition after it). Devices without a roofline profile (the
 ``cpu`` preset) run every FLOP at ``FLAT_EFFICIENCY`` of the peak; measured devices at
 their measured rates.
 
@@ -323,7 +325,8 @@ def _kernels(
         kinds.append((p.dense_blocks, False))
     if p.moe_blocks:
         kinds.append((p.moe_blocks, True))
-    fwd = bwd = gemm = attn = redo = 0.0
+    early = kernels.early_stop if software.ac_early_stop is None else software.ac_early_stop
+    fwd = bwd = gemm = attn = redo = full = 0.0
     launches = 0.0
     for count, moe in kinds:
         k = block_kernels(
@@ -335,11 +338,12 @@ def _kernels(
         gemm += share * k.gemm
         attn += share * k.attention_fwd
         launches += share * k.launches
+        full += share * (k.forward - (k.tail if early else 0.0))
         if kernels.selective == "torchtitan":  # keeps attention and every second matmul
             redo += share * (k.gemm / 2 + k.elementwise)
         else:  # plait keeps matmul outputs
             redo += share * (k.attention_fwd + k.elementwise)
-    recompute = {"none": 0.0, "selective": redo, "full": fwd}[layout.ac]
+    recompute = {"none": 0.0, "selective": redo, "full": full}[layout.ac]
     gap = KERNEL_GAP * launches  # per forward; backward launches twice as many
     redo_gap = {"none": 0.0, "selective": gap / 2, "full": gap}[layout.ac]
     head_f = head_b = 0.0
