@@ -135,12 +135,17 @@ def check_settings(path: Path, expected: Mapping[str, Any]) -> None:
     wrong = [(k, saved[k], v) for k, v in expected.items() if saved[k] != v]
     if not wrong:
         return
-    described = ", ".join(f"{k} {s} (this run: {flag(k)} {v})" for k, s, v in wrong)
+    described = ", ".join(f"{k} {s} (this run: {_option(k)} {v})" for k, s, v in wrong)
     raise ConfigError(
         f"checkpoint {path} was saved from a different model: {described}. A checkpoint "
         "loads only into the model it was saved from: drop those flags to continue the run "
         "as it was saved, or start a new run in another --run-dir"
     )
+
+
+def _option(setting: str) -> str:
+    """The flag that sets ``setting`` (the model file's hash: its ``--model-config``)."""
+    return "--model-config with content" if setting == "model_hash" else flag(setting)
 
 
 def checkpoint_group(fault_timeout: float) -> dist.ProcessGroup | None:

@@ -75,6 +75,11 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         ("n_head", "attention heads"),
         ("d_model", "model width"),
         ("dropout", "dropout probability"),
+        (
+            "model_config",
+            "a Hugging Face config.json of a Llama-family model to train instead of the GPT "
+            "(its vocabulary >= 256; --n-layer, --n-head, --d-model ignored)",
+        ),
     ],
     "mixture of experts": [
         ("experts", "routed experts per block (0: a dense MLP in every block)"),
@@ -266,9 +271,12 @@ def _describe(cfg: TrainConfig) -> str:
     sp = f" sequence_parallel={cfg.sequence_parallel}" if cfg.tp > 1 else ""
     ep = f" ep={cfg.ep}" if cfg.ep > 1 else ""
     moe = f", MoE {cfg.experts} experts top-{cfg.top_k}" if cfg.experts else ""
+    model = f"GPT {cfg.n_layer} layers x d{cfg.d_model}{moe}"
+    if cfg.model_config:
+        model = f"Llama of {cfg.model_config}"
     return (
         f"plait train: {cfg.nproc} x {cfg.device} worker(s), {dims}{ep}{pipe}{sp}, ac={cfg.ac}, "
-        f"mp={cfg.mp}; GPT {cfg.n_layer} layers x d{cfg.d_model}{moe}, "
+        f"mp={cfg.mp}; {model}, "
         f"{cfg.batch_size} x {cfg.seq_len} tokens per step, {cfg.steps} steps"
     )
 

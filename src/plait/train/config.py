@@ -62,6 +62,9 @@ class TrainConfig:
     n_head: int = 4
     d_model: int = 128
     dropout: float = 0.0
+    # "": plait's GPT (the flags above); else a Hugging Face config.json of a Llama model
+    model_config: str = ""
+    model_hash: str = ""  # auto: the sha256 of the model_config file (set by resolve)
     # mixture of experts (0 experts: dense MLPs)
     experts: int = 0
     top_k: int = 2

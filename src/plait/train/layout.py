@@ -11,16 +11,22 @@ settings outside the layout.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+from pathlib import Path
 
 import torch
 
 from plait import layout as rules
 from plait.pipeline import SCHEDULES
 from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag
+from plait.train.llama import LlamaConfig, LlamaConfigError
 from plait.train.model import GPTConfig
 
-__all__ = ["default_device", "default_nproc", "model_shape", "resolve"]
+__all__ = ["default_device", "default_nproc", "llama_config", "model_shape", "resolve"]
+
+#: The byte-level data's vocabulary: a model's must hold it.
+BYTE_VOCAB = 256
 
 _CPU_WORKERS = 4
 
@@ -35,8 +41,52 @@ def default_nproc(device: str) -> int:
     return max(1, torch.cuda.device_count()) if device == "cuda" else _CPU_WORKERS
 
 
+def llama_config(cfg: TrainConfig) -> LlamaConfig:
+    """The Llama configuration of ``--model-config``, or ConfigError saying what is wrong
+    with it (or what it cannot train on: the byte data, ``--seq-len``)."""
+    path = cfg.model_config
+    try:
+        llama = LlamaConfig.from_file(path)
+    except LlamaConfigError as err:
+        raise ConfigError(f"--model-config {err}") from err
+    if llama.vocab_size < BYTE_VOCAB:
+        raise ConfigError(
+            f"--model-config {path}: vocab_size {llama.vocab_size} is smaller than the "
+            f"{BYTE_VOCAB} byte values plait train's data holds: use a vocab_size of at "
+            f"least {BYTE_VOCAB}"
+        )
+    if cfg.seq_len > llama.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings "
+            f"{llama.max_position_embeddings} ({path}): use --seq-len "
+            f"{llama.max_position_embeddings} or less"
+        )
+    return llama
+
+
+def model_hash(path: str) -> str:
+    """The sha256 of the model configuration file ``path``."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as err:
+        raise ConfigError(f"--model-config {path}: cannot read it ({err.strerror})") from err
+
+
 def model_shape(cfg: TrainConfig) -> rules.ModelShape:
-    """What the layout rules need of ``cfg``'s GPT (byte tokens, shaped by its flags)."""
+    """What the layout rules need of ``cfg``'s model: the GPT (byte tokens, shaped by its
+    flags), or the Llama of ``--model-config``."""
+    if cfg.model_config:
+        llama = llama_config(cfg)
+        sizes = (
+            llama.num_hidden_layers,
+            llama.num_attention_heads,
+            llama.num_key_value_heads,
+            llama.hidden_size,
+            llama.intermediate_size,
+            llama.vocab_size,
+            cfg.seq_len,
+        )
+        return rules.ModelShape(*sizes, tokens="tokens")
     gpt = GPTConfig(
         seq_len=cfg.seq_len,
         n_layer=cfg.n_layer,
@@ -82,7 +132,10 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         )
     layout = _fill(cfg, world)
     _refuse(rules.check(layout, shape, cfg.batch_size, world, SCHEDULES))
-    cfg = cfg.replace(device=device, nproc=world.size, **dataclasses.asdict(layout))
+    digest = model_hash(cfg.model_config) if cfg.model_config else ""
+    cfg = cfg.replace(
+        device=device, nproc=world.size, model_hash=digest, **dataclasses.asdict(layout)
+    )
     _check_features(cfg)
     return cfg
 
@@ -193,6 +246,16 @@ def _check_local_gpus(device: str, nproc: int) -> None:
 
 
 def _check_features(cfg: TrainConfig) -> None:
+    if cfg.model_config and cfg.experts:
+        raise ConfigError(
+            f"--experts {cfg.experts} with --model-config: the Llama model has dense MLPs "
+            "only; drop --experts"
+        )
+    if cfg.model_config and cfg.dropout:
+        raise ConfigError(
+            f"--dropout {cfg.dropout} with --model-config: the Llama model has no dropout "
+            "(as its Hugging Face configs); drop --dropout"
+        )
     if cfg.cp > 1 and cfg.dropout:
         raise ConfigError(
             f"--dropout {cfg.dropout} with --cp {cfg.cp}: context-parallel attention has no "

@@ -34,6 +34,8 @@ from plait.train.checkpointing import (
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.data import Corpus, global_batch, load_corpus
 from plait.train.faults import FaultInjector
+from plait.train.layout import llama_config
+from plait.train.llama import Llama
 from plait.train.metrics import MetricsLog, gather_peak_memory
 from plait.train.model import GPT, GPTConfig
 from plait.train.optimizer import (
@@ -44,6 +46,7 @@ from plait.train.optimizer import (
     set_lr,
 )
 from plait.train.parallelize import (
+    Model,
     Stage,
     build_expert_mesh,
     build_mesh,
@@ -68,6 +71,7 @@ MODEL_SETTINGS = (
     "top_k",
     "shared_experts",
     "expert_hidden",
+    "model_hash",  # of --model-config's file ("": the GPT)
 )
 
 #: Load-balancing settings: they change training, not the shape of the weights.
@@ -91,7 +95,15 @@ def model_settings(cfg: TrainConfig) -> dict[str, Any]:
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
     balance = {name: getattr(cfg, name) for name in BALANCE_SETTINGS}
-    return GPTConfig(dropout=cfg.dropout, **model_settings(cfg), **balance)
+    gpt = {name: value for name, value in model_settings(cfg).items() if name != "model_hash"}
+    return GPTConfig(dropout=cfg.dropout, **gpt, **balance)
+
+
+def build_model(cfg: TrainConfig) -> Model:
+    """``cfg``'s model, on the CPU: the Llama of ``--model-config``, else the GPT."""
+    if cfg.model_config:
+        return Llama(llama_config(cfg), cfg.seq_len)
+    return GPT(model_config(cfg))
 
 
 def _rank() -> int:
@@ -112,7 +124,7 @@ class Trainable:
 
     def __init__(
         self,
-        model: GPT,
+        model: Model,
         cfg: TrainConfig,
         mesh: DeviceMesh | None,
         side_meshes: tuple[DeviceMesh | None, DeviceMesh | None] | None = None,
@@ -170,7 +182,7 @@ class _Session:
         self.run_dir = Path(cfg.run_dir)
         self.corpus: Corpus = load_corpus(cfg.data, cfg.seq_len)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = GPT(model_config(cfg)).to(cfg.device)
+        model = build_model(cfg).to(cfg.device)
         self.mesh = build_mesh(cfg)
         self.parts = Trainable(model, cfg, self.mesh)
         self.stages, self.modules = self.parts.stages, self.parts.modules

@@ -170,6 +170,11 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
+    @property
+    def seq_len(self) -> int:
+        """The longest sequence it takes."""
+        return self.cfg.seq_len
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` to logits ``(B, T, vocab)``.
 

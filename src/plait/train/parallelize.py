@@ -44,7 +44,9 @@ Megatron's expert-tensor parallelism, are left out).
 
 The tensor-parallel plan (torchtitan's and Megatron's): in each block, attention's q, k
 and v column-wise (each rank computes ``n_head / tp`` heads) and its output projection
-row-wise, the MLP's first linear column-wise and its second row-wise; the token embedding
+row-wise, the MLP's first linear column-wise and its second row-wise (a Llama block's
+SwiGLU: ``gate`` and ``up`` column-wise, ``down`` row-wise; its q and k/v heads split alike,
+so the kv heads must divide by tp too); the token embedding
 row-wise (the vocabulary split over the ranks) and the head column-wise, its logits left
 sharded by vocabulary for ``loss_parallel``. With sequence parallelism (the default) the
 activations between those layers stay sharded on the sequence dimension: the norms run on
@@ -58,7 +60,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -89,7 +91,11 @@ from plait.mesh import mesh_coordinate
 from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_rank
 from plait.replicate import replicate
 from plait.train.config import TrainConfig
+from plait.train.llama import Llama, LlamaBlock
 from plait.train.model import GPT, Block
+
+#: A model ``plait train`` builds: the GPT, or a Llama from a ``config.json``.
+Model: TypeAlias = GPT | Llama
 
 __all__ = [
     "Stage",
@@ -112,7 +118,7 @@ SELECTIVE_OPS = frozenset(
 class Stage:
     """One pipeline stage held by this rank (the whole model when there is no pipeline)."""
 
-    def __init__(self, index: int, n_stages: int, module: GPT) -> None:
+    def __init__(self, index: int, n_stages: int, module: Model) -> None:
         self.index = index
         self.n_stages = n_stages
         self.module = module
@@ -144,7 +150,7 @@ def build_expert_mesh(cfg: TrainConfig) -> DeviceMesh | None:
     return cfg.layout.expert_mesh(cfg.device)
 
 
-def _split(model: GPT, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
+def _split(model: Model, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
     if cfg.pp == 1:
         return [Stage(0, 1, model)]
     style = schedule_spec(cfg.schedule).style
@@ -152,10 +158,10 @@ def _split(model: GPT, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
     # Blocks in contiguous runs; the embeddings go with the first, the head with the last.
     plan = stage_layers(model, cfg.n_stages, layers="blocks")
     modules = split_model(model, plan, stages=mine)
-    return [Stage(s, cfg.n_stages, cast(GPT, m)) for s, m in zip(mine, modules, strict=True)]
+    return [Stage(s, cfg.n_stages, cast(Model, m)) for s, m in zip(mine, modules, strict=True)]
 
 
-def tensor_parallel_plan(module: GPT, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(module: Model, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan (module docstring) of ``module``, a whole model or a
     pipeline stage (only the parts it holds), by submodule name."""
     between = Shard(1) if sequence_parallel else Replicate()  # activations between layers
@@ -174,6 +180,11 @@ def tensor_parallel_plan(module: GPT, sequence_parallel: bool) -> dict[str, Para
         "mlp.shared_experts.w3": ColwiseParallel(),
         "mlp.shared_experts.w2": RowwiseParallel(),
     }
+    swiglu: dict[str, ParallelStyle] = {  # a Llama block's MLP
+        "mlp.gate": ColwiseParallel(),
+        "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=between),
+    }
     moe: dict[str, ParallelStyle] = {}
     if sequence_parallel:
         # Norms on sequence shards; attention and the MLP gather the sequence on entry (their
@@ -181,6 +192,7 @@ def tensor_parallel_plan(module: GPT, sequence_parallel: bool) -> dict[str, Para
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         block |= {"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather}
         mlp["mlp"] = gather
+        swiglu["mlp"] = gather
         # A MoE's output is whole and the same on every tp rank: each keeps its positions.
         moe["mlp"] = PrepareModuleInputOutput(
             input_layouts=(Shard(1),),
@@ -192,10 +204,13 @@ def tensor_parallel_plan(module: GPT, sequence_parallel: bool) -> dict[str, Para
     plan: dict[str, ParallelStyle] = {}
     if module.tok_emb:  # falsy on pipeline stages without it
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
-    if module.pos_emb and sequence_parallel:
+    if isinstance(module, GPT) and module.pos_emb and sequence_parallel:
         # Its output, (T, C), has the sequence on dim 0: each rank adds its positions.
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
     for i, b in enumerate(module.blocks):
+        if isinstance(b, LlamaBlock):
+            plan |= {f"blocks.{i}.{name}": style for name, style in (block | swiglu).items()}
+            continue
         if not isinstance(b, Block):
             continue
         styles = block | mlp
@@ -219,11 +234,11 @@ def loss_context(cfg: TrainConfig) -> AbstractContextManager[Any]:
     return loss_parallel() if cfg.tp > 1 else nullcontext()
 
 
-def _blocks(module: GPT) -> list[Block]:
-    return [b for b in module.blocks if isinstance(b, Block)]
+def _blocks(module: Model) -> list[Block | LlamaBlock]:
+    return [b for b in module.blocks if isinstance(b, (Block, LlamaBlock))]
 
 
-def _checkpoint(module: GPT, ac: str) -> None:
+def _checkpoint(module: Model, ac: str) -> None:
     if ac == "none":
         return
     options: dict[str, Any] = {"selective": {"policy": SELECTIVE_OPS}, "offload": {"offload": True}}
@@ -244,7 +259,7 @@ def _token_dims(cfg: TrainConfig) -> tuple[str, ...]:
 
 
 def _moe(
-    module: GPT, cfg: TrainConfig, mesh: DeviceMesh | None, experts: DeviceMesh | None
+    module: Model, cfg: TrainConfig, mesh: DeviceMesh | None, experts: DeviceMesh | None
 ) -> None:
     """Expert parallelism and load balancing of ``module``'s MoE blocks (recipe step 4)."""
     dims = _token_dims(cfg)
@@ -271,7 +286,7 @@ def _expert_placement(block: Block, cfg: TrainConfig, experts: DeviceMesh | None
     return lambda p: placement if id(p) in own else None
 
 
-def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh | None) -> None:
+def _shard(module: Model, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh | None) -> None:
     bf16 = cfg.mp == "bf16"
     shard = functools.partial(
         fully_shard,
@@ -283,12 +298,12 @@ def _shard(module: GPT, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh 
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     )
     for block in _blocks(module):
-        placement = _expert_placement(block, cfg, experts)
+        placement = _expert_placement(block, cfg, experts) if isinstance(block, Block) else None
         shard(block, reshard_after_forward=cfg.reshard_after_forward, shard_placement_fn=placement)
     shard(module)  # the root: embeddings, head, and what runs at the end of backward
 
 
-def _context_parallel(module: GPT, cfg: TrainConfig, mesh: DeviceMesh) -> None:
+def _context_parallel(module: Model, cfg: TrainConfig, mesh: DeviceMesh) -> None:
     """Every attention of ``module`` over the whole sequence from this rank's tokens, and
     the position embedding at their global positions (recipe step 3)."""
     apply_context_parallel(module, mesh[CP], method=cast(Method, cfg.cp_method))
@@ -296,7 +311,7 @@ def _context_parallel(module: GPT, cfg: TrainConfig, mesh: DeviceMesh) -> None:
 
 
 def parallelize(
-    model: GPT,
+    model: Model,
     cfg: TrainConfig,
     mesh: DeviceMesh | None,
     experts: DeviceMesh | None = None,

@@ -18,31 +18,35 @@ from plait.train.checkpointing import (
     verify_checkpoint,
 )
 from plait.train.config import ConfigError, from_mapping
-from plait.train.loop import model_config
-from plait.train.model import GPT
+from plait.train.loop import build_model
+from plait.train.parallelize import Model
 
 __all__ = ["generate", "load_model", "sample_command"]
 
+BYTES = 256  # the byte tokenizer's vocabulary
 
-def load_model(checkpoint: Path) -> GPT:
-    """The whole model of ``checkpoint``, on CPU, in eval mode (its files checked first)."""
+
+def load_model(checkpoint: Path) -> Model:
+    """The whole model of ``checkpoint`` (the GPT, or the Llama of its ``--model-config``),
+    on CPU, in eval mode (its files checked first)."""
     verify_checkpoint(checkpoint)
     cfg = from_mapping(read_info(checkpoint).config)
-    model = GPT(model_config(cfg))
+    model = build_model(cfg)
     load_weights(checkpoint, model, verify=False)
     return model.eval()
 
 
 @torch.no_grad()
 def generate(
-    model: GPT, prompt: bytes, n_tokens: int, temperature: float, top_k: int, seed: int
+    model: Model, prompt: bytes, n_tokens: int, temperature: float, top_k: int, seed: int
 ) -> bytes:
-    """``n_tokens`` bytes continuing ``prompt`` (temperature 0: always the likeliest)."""
+    """``n_tokens`` bytes continuing ``prompt`` (temperature 0: always the likeliest). The
+    tokens are bytes: a model with a larger vocabulary samples among its first 256."""
     generator = torch.Generator().manual_seed(seed)
     idx = torch.tensor([list(prompt) or [ord("\n")]], dtype=torch.long)  # (1, T)
     start = idx.shape[1]
     for _ in range(n_tokens):
-        logits = model(idx[:, -model.cfg.seq_len :])[:, -1, :]  # (1, vocab)
+        logits = model(idx[:, -model.seq_len :])[:, -1, :BYTES]  # (1, 256)
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
