@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -35,14 +34,12 @@ from plait.train.sample import load_model
 
 from harness import run_on_ranks
 from train_helpers import TINY, forbid_launch, run_train
+from train_helpers import assert_losses_close as _assert_close
+from train_helpers import train_on_rank as _train_on_rank
 
 #: A few steps with gradient clipping active (the tiny model's gradient norm exceeds 0.5
 #: in the first steps), so clipping over DTensor gradients is part of every comparison.
 TP_TINY = TINY.replace(grad_clip=0.5)
-
-
-def _train_on_rank(cfg: TrainConfig, run_dir: str) -> TrainResult:
-    return run_train(cfg, dist.get_world_size(), Path(run_dir))
 
 
 @functools.cache
@@ -54,17 +51,6 @@ def _reference(tmp: str) -> TrainResult:
 @pytest.fixture(scope="module")
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("train_tp"))
-
-
-#: How far a loss may be from the single-process run's: a few float32 roundings of a loss
-#: near 5 (2.4e-7 apart). Enough to catch a gradient clipped wrongly in one step (1e-5).
-TOLERANCE = 3e-6
-
-
-def _assert_close(actual: list[float], expected: list[float], tol: float = TOLERANCE) -> None:
-    assert len(actual) == len(expected)
-    for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
-        assert math.isclose(a, e, rel_tol=0, abs_tol=tol), (step, a, e, actual, expected)
 
 
 def _assert_trains_like_one_process(results: list[TrainResult], expected: TrainResult) -> None:

@@ -68,6 +68,7 @@ __all__ = [
     "find_schedule",
     "flag",
     "grids",
+    "moe_tp_width",
     "tp_splits",
 ]
 
@@ -398,6 +399,13 @@ def grids(sizes: Mapping[str, int | None], world: int) -> Iterator[dict[str, int
 
     if world >= 1:
         yield from fill(0, world, {})
+
+
+def moe_tp_width(expert_hidden: int, shared_experts: int, d_model: int) -> int:
+    """The feed-forward width tensor parallelism splits in a mixture-of-experts block
+    (``ModelShape.d_mlp`` of a MoE model): its shared experts' (the routed experts are
+    split by ``ep``, not ``tp``), or without them ``d_model``, already a split."""
+    return expert_hidden * shared_experts or d_model
 
 
 def tp_splits(model: ModelShape, sequence_parallel: bool) -> list[Split]:

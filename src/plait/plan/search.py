@@ -70,6 +70,7 @@ from plait.layout import (
     fewest_microbatches,
     find_schedule,
     grids,
+    moe_tp_width,
     tp_splits,
 )
 from plait.pipeline.schedules import SCHEDULES
@@ -140,6 +141,54 @@ class Candidate:
     fits: bool
 
 
+@dataclass(frozen=True)
+class _Pricing:
+    """What pricing a layout needs besides the layout: the model, its work, the device,
+    the memory budget and the cost model's settings (one for :func:`plan`'s grid and its
+    retries alike, so they price the same way)."""
+
+    model: ModelSpec
+    work: Workload
+    device: DeviceSpec
+    budget: float
+    efficiency: float
+    software: Software | None
+
+    def price(self, layout: Layout) -> tuple[float, Candidate | None] | None:
+        """``layout``'s peak memory per rank and, when it fits the budget, its candidate
+        (timed only then); None for a pipeline shape plait's schedules refuse."""
+        try:
+            pipeline = layout_shape(self.model, layout)
+        except ValueError:
+            return None
+        memory = peak_memory(self.model, layout, self.work, pipeline)
+        if memory.total > self.budget:
+            return memory.total, None
+        timing = predict_time(
+            self.model,
+            layout,
+            self.work,
+            self.device,
+            pipeline,
+            self.efficiency,
+            software=self.software,
+        )
+        return memory.total, Candidate(layout, memory, timing, True)
+
+    def fitting(
+        self, layouts: Iterator[Layout], shape: ModelShape, world: World
+    ) -> list[Candidate]:
+        """The candidates of ``layouts`` that the rules allow and that fit."""
+        found = []
+        for layout in layouts:
+            if check(layout, shape, self.work.global_batch, world, SCHEDULES):
+                continue
+            priced = self.price(layout)
+            if priced is not None and priced[1] is not None:
+                found.append(priced[1])
+        return found
+
+
 def model_shape(model: ModelSpec, work: Workload) -> ModelShape:
     """What the layout rules need of ``model`` running ``work``.
 
@@ -149,7 +198,7 @@ def model_shape(model: ModelSpec, work: Workload) -> ModelShape:
     m = model
     ffn = m.ffn_hidden
     if m.experts:
-        shared = m.expert_hidden * m.shared_experts or m.d_model
+        shared = moe_tp_width(m.expert_hidden, m.shared_experts, m.d_model)
         ffn = math.gcd(shared, m.ffn_hidden) if m.dense_layers else shared
     shape = (m.layers, m.heads, m.kv_heads, m.d_model, ffn, m.vocab, work.seq_len)
     return ModelShape(*shape, experts=m.experts)
@@ -259,33 +308,13 @@ def _cp_methods(shape: ModelShape, base: Layout, pinned: _Pinned) -> list[str]:
     return ["ring"]
 
 
-def _other_cp_methods(
-    found: list[Candidate],
-    model: ModelSpec,
-    shape: ModelShape,
-    work: Workload,
-    device: DeviceSpec,
-    world: World,
-    budget: float,
-    efficiency: float,
-) -> list[Candidate]:
-    """The other attention methods on the first :data:`CP_METHOD_RETRIES` of ``found``
-    (fastest first) with context parallelism: those that the rules allow and that fit."""
-    tried = [c.layout for c in found if c.layout.cp > 1][:CP_METHOD_RETRIES]
-    more: list[Candidate] = []
-    for layout in tried:
+def _other_cp_methods(found: list[Candidate]) -> Iterator[Layout]:
+    """The other attention methods of the first :data:`CP_METHOD_RETRIES` layouts of
+    ``found`` (fastest first) with context parallelism."""
+    for layout in [c.layout for c in found if c.layout.cp > 1][:CP_METHOD_RETRIES]:
         for method in CP_METHODS:
-            other = dataclasses.replace(layout, cp_method=method)
-            if method == layout.cp_method or check(
-                other, shape, work.global_batch, world, SCHEDULES
-            ):
-                continue
-            pipeline = layout_shape(model, other)
-            memory = peak_memory(model, other, work, pipeline)
-            if memory.total <= budget:
-                timing = predict_time(model, other, work, device, pipeline, efficiency)
-                more.append(Candidate(other, memory, timing, True))
-    return more
+            if method != layout.cp_method:
+                yield dataclasses.replace(layout, cp_method=method)
 
 
 def _ep_options(shape: ModelShape, dp_shard: int, pinned: _Pinned) -> list[int]:
@@ -347,37 +376,15 @@ def stages_options(layout: Layout, layers: int) -> list[int]:
     return sorted(options - {layout.stages_per_rank})
 
 
-def _other_stages(
-    found: list[Candidate],
-    model: ModelSpec,
-    shape: ModelShape,
-    work: Workload,
-    device: DeviceSpec,
-    world: World,
-    budget: float,
-    efficiency: float,
-) -> list[Candidate]:
-    """The other stages per rank (:func:`stages_options`) on the first
+def _other_stages(found: list[Candidate], layers: int) -> Iterator[Layout]:
+    """The other stages per rank (:func:`stages_options`) of the first
     :data:`STAGES_RETRIES` interleaved layouts of ``found`` (fastest first), at their
-    microbatch counts: those the rules allow and that fit. Searched after the rest, not
-    with it: every new pipeline shape is a schedule to generate, and most are far from the
-    best."""
-    tried = [c.layout for c in found if stages_options(c.layout, model.layers)]
-    more: list[Candidate] = []
+    microbatch counts. Searched after the rest, not with it: every new pipeline shape is a
+    schedule to generate, and most are far from the best."""
+    tried = [c.layout for c in found if stages_options(c.layout, layers)]
     for layout in tried[:STAGES_RETRIES]:
-        for v in stages_options(layout, model.layers):
-            other = dataclasses.replace(layout, stages_per_rank=v)
-            if check(other, shape, work.global_batch, world, SCHEDULES):
-                continue
-            try:
-                pipeline = layout_shape(model, other)
-            except ValueError:
-                continue  # a shape plait's schedules refuse
-            memory = peak_memory(model, other, work, pipeline)
-            if memory.total <= budget:
-                timing = predict_time(model, other, work, device, pipeline, efficiency)
-                more.append(Candidate(other, memory, timing, True))
-    return more
+        for v in stages_options(layout, layers):
+            yield dataclasses.replace(layout, stages_per_rank=v)
 
 
 def _options(layout: Layout, pinned: _Pinned) -> Iterator[Layout]:
@@ -521,19 +528,17 @@ def plan(
     fitting: list[Candidate] = []
     smallest: tuple[float, Layout] | None = None
     budget = memory_fraction * device.memory
+    pricing = _Pricing(model, work, device, budget, efficiency, software)
     grid = _layouts(shape, work, world, device.gpus_per_node, pinned)
     for layout in _flavours(grid, zero, recipe):
-        try:
-            pipeline = layout_shape(model, layout)
-        except ValueError:
+        priced = pricing.price(layout)
+        if priced is None:
             continue  # a shape plait's schedules refuse
-        memory = peak_memory(model, layout, work, pipeline)
-        if smallest is None or memory.total < smallest[0]:
-            smallest = (memory.total, layout)
-        if memory.total > budget:
-            continue
-        timing = predict_time(model, layout, work, device, pipeline, efficiency, software=software)
-        fitting.append(Candidate(layout, memory, timing, True))
+        peak, candidate = priced
+        if smallest is None or peak < smallest[0]:
+            smallest = (peak, layout)
+        if candidate is not None:
+            fitting.append(candidate)
     if smallest is None:
         raise PlanError(
             f"no layout of {gpus} devices can run {model.name} with --global-batch "
@@ -548,14 +553,19 @@ def plan(
             f"{budget / _GIB:.1f} GiB usable ({memory_fraction:.0%} of {device.memory / _GIB:.1f}"
             " GiB): use more or larger devices, a shorter sequence or a smaller batch"
         )
-    fitting.sort(key=lambda c: (-c.timing.tokens_per_s_per_device, c.memory.total))
+    fitting.sort(key=_fastest)
     if not pinned.given("stages_per_rank"):
-        fitting += _other_stages(fitting, model, shape, work, device, world, budget, efficiency)
-        fitting.sort(key=lambda c: (-c.timing.tokens_per_s_per_device, c.memory.total))
+        fitting += pricing.fitting(_other_stages(fitting, model.layers), shape, world)
+        fitting.sort(key=_fastest)
     if not pinned.given("cp_method"):
-        fitting += _other_cp_methods(fitting, model, shape, work, device, world, budget, efficiency)
-        fitting.sort(key=lambda c: (-c.timing.tokens_per_s_per_device, c.memory.total))
+        fitting += pricing.fitting(_other_cp_methods(fitting), shape, world)
+        fitting.sort(key=_fastest)
     return fitting
+
+
+def _fastest(c: Candidate) -> tuple[float, float]:
+    """Sort key: fastest first, then least memory."""
+    return (-c.timing.tokens_per_s_per_device, c.memory.total)
 
 
 def _flavours(layouts: Iterator[Layout], zero: int, recipe: str) -> Iterator[Layout]:

@@ -98,10 +98,9 @@ def model_shape(cfg: TrainConfig) -> rules.ModelShape:
         expert_hidden=cfg.expert_hidden,
     )
     heads = gpt.n_head  # no grouped-query attention: as many KV heads
-    # Tensor parallelism splits a MoE block's shared experts as it splits a dense MLP (the
-    # routed experts are split by expert parallelism instead); without shared experts,
-    # nothing of the block's feed-forward is split but the model width, already listed.
-    mlp = (gpt.d_expert * gpt.shared_experts or gpt.d_model) if gpt.experts else gpt.d_mlp
+    mlp = gpt.d_mlp
+    if gpt.experts:
+        mlp = rules.moe_tp_width(gpt.d_expert, gpt.shared_experts, gpt.d_model)
     sizes = (gpt.n_layer, heads, heads, gpt.d_model, mlp, gpt.vocab_size, gpt.seq_len)
     return rules.ModelShape(*sizes, from_flags=True, tokens="byte tokens", experts=cfg.experts)
 
