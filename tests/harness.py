@@ -20,7 +20,8 @@ Contract:
   **kwargs)`` on every rank inside an initialised default process group (gloo, CPU,
   ``torch.set_num_threads(1)``) and returns the per-rank results, indexed by rank.
 * Before each body: seeds (torch, random, numpy) are reset to 0, grad mode is on and the
-  default dtype is float32. After it, every process group the body created is destroyed.
+  default dtype is float32. After it, every process group the body created is destroyed
+  (once every rank has finished the body, unless ``leaves_group_broken``).
 * If a rank raises, ``RankError`` is raised here with that rank's traceback (and those of
   any other failing rank); ranks still blocked waiting for it are reported as such.
 * If the ranks do not all finish within ``timeout`` seconds, ``RankTimeout`` is raised
@@ -86,7 +87,7 @@ def run_on_ranks(
         pool = _POOLS[world_size] = _Pool(world_size)
     failed = True
     try:
-        result = pool.run(fn, args, kwargs, timeout)
+        result = pool.run(fn, args, kwargs, timeout, settle=not leaves_group_broken)
         failed = False
         return result
     finally:
@@ -139,13 +140,18 @@ class _Pool:
         return all(p.is_alive() for p in self.procs)
 
     def run(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+        settle: bool = True,
     ) -> list[Any]:
         payload = pickle.dumps((fn, args, kwargs))
         name = getattr(fn, "__qualname__", repr(fn))
         offsets = [os.path.getsize(log) for log in self.logs]
         for conn in self.conns:
-            conn.send((list(sys.path), name, payload))
+            conn.send((list(sys.path), name, payload, settle))
         return self._gather(name, timeout, offsets)
 
     def _gather(self, name: str, timeout: float, offsets: list[int]) -> list[Any]:
@@ -285,7 +291,7 @@ def _worker_main(rank: int, world_size: int, store: str, conn: Connection, log: 
             break
         if message is None:
             break
-        sys_path, name, payload = message
+        sys_path, name, payload, settle = message
         for entry in sys_path:
             if entry not in sys.path:
                 sys.path.append(entry)
@@ -296,6 +302,12 @@ def _worker_main(rank: int, world_size: int, store: str, conn: Connection, log: 
             _reset_state()
             reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
             pickle.dumps(reply)  # fail here, with a traceback, if the result cannot travel
+            if settle and _live_groups() != groups_before:
+                # gloo's connection handshake is asymmetric: one rank may return from
+                # new_group while its peer still reads the last handshake bytes. A body
+                # that never uses its group would then destroy it under the peer
+                # ("Connection closed by peer"); all ranks first leave the body together.
+                dist.barrier()
         except BaseException:
             reply = ("error", traceback.format_exc())
         finally:
