@@ -20,8 +20,9 @@ Contract:
   **kwargs)`` on every rank inside an initialised default process group (gloo, CPU,
   ``torch.set_num_threads(1)``) and returns the per-rank results, indexed by rank.
 * Before each body: seeds (torch, random, numpy) are reset to 0, grad mode is on and the
-  default dtype is float32. After it, every process group the body created is destroyed
-  (once every rank has finished the body, unless ``leaves_group_broken``).
+  default dtype is float32. After it, once every rank has finished the body, every process
+  group the body created is destroyed (with ``leaves_group_broken`` the workers are
+  replaced instead).
 * If a rank raises, ``RankError`` is raised here with that rank's traceback (and those of
   any other failing rank); ranks still blocked waiting for it are reported as such.
 * If the ranks do not all finish within ``timeout`` seconds, ``RankTimeout`` is raised
@@ -311,7 +312,11 @@ def _worker_main(rank: int, world_size: int, store: str, conn: Connection, log: 
         except BaseException:
             reply = ("error", traceback.format_exc())
         finally:
-            _destroy_groups_since(groups_before)
+            if settle:
+                _destroy_groups_since(groups_before)
+            # else: the pool is replaced after this body; destroying its groups now could
+            # cancel sends still in flight that a peer of a deliberately failing rank is
+            # waiting for (its error must reach the test, not a hang).
         sys.stdout.flush()
         conn.send(reply)
     dist.destroy_process_group()

@@ -149,6 +149,9 @@ def run_actions(
         for stage in stages.values():
             stage.end_step()
     except BaseException as error:
+        # Sends already posted still reach their peers: a peer that read a header goes on
+        # to receive its metadata and payload, which gloo moves only inside wait().
+        _finish_sends(runner.sent)
         remaining = [*runner.pending, *(a for s in steps[done:] for a in _actions_of(s))]
         failed_here = isinstance(error, Exception)  # not an interrupt
         if runner.messaged or (agreement is None and failed_here):
@@ -168,8 +171,9 @@ def _actions_of(step: Action | OverlappedPair) -> Sequence[Action]:
 
 
 def _finish_sends(sent: list[SentTensor]) -> None:
-    """Wait for abort messages on a daemon thread: gloo moves a send whose receive is not
-    posted yet only inside ``wait()``, and a peer that never looks must not block us."""
+    """Wait for ``sent`` (abort messages, or a failed step's sends in flight) on a daemon
+    thread: gloo moves a send whose receive is not posted yet only inside ``wait()``, and a
+    peer that never looks must not block us."""
 
     def wait_all() -> None:
         for work, _, what in sent:
