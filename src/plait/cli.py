@@ -1,5 +1,5 @@
-"""The ``plait`` command (also ``python -m plait``): ``plait train``, ``plait sample`` and
-``plait plan``.
+"""The ``plait`` command (also ``python -m plait``): ``plait train``, ``plait sample``,
+``plait export``, ``plait tokenizer`` and ``plait plan``.
 
 It sits above both: training (:mod:`plait.train.cli`) and the planner
 (:mod:`plait.plan.cli`) each bring their own arguments and runners, and the planner gives
@@ -30,7 +30,7 @@ def _plan(cfg: TrainConfig) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="composable parallelism for PyTorch")
-    commands = parser.add_subparsers(dest="command", metavar="{train,sample,plan}")
+    commands = parser.add_subparsers(dest="command", metavar="{train,sample,export,tokenizer,plan}")
     train_cli.add_parsers(commands, planner=True)
     plan_cli.add_parser(commands)
     return parser

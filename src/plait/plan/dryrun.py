@@ -54,6 +54,7 @@ from plait.train.layout import resolve
 from plait.train.loop import Trainable, model_config
 from plait.train.model import GPT
 from plait.train.parallelize import forward_context, loss_context
+from plait.train.step import StepBatch
 
 __all__ = ["DRY_RUN_SCHEDULES", "MeasuredMemory", "dry_run", "pipeline_step", "step_memory"]
 
@@ -112,7 +113,9 @@ def step_memory(
             if pipelined:
                 pipeline_step(parts, cfg, x)
             else:
-                parts.stepper.train(x, y)
+                # One document per row; the loss over every token of the global batch.
+                tokens = torch.full((), cfg.batch_size * cfg.seq_len, device=cfg.device)
+                parts.stepper.train(StepBatch(x, y, None, None, tokens))
             parts.update()
             del x, y
     return MeasuredMemory(live.peak, setup, time.perf_counter() - start)

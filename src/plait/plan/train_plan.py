@@ -7,13 +7,15 @@ The layout goes both ways whole: :class:`~plait.train.config.TrainConfig`'s layo
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from plait.plan.devices import device as device_preset
-from plait.plan.models import gpt
+from plait.plan.models import from_hf_config, gpt
 from plait.plan.report import all_to_all_per_step, cp_per_step, size
 from plait.plan.search import Candidate, describe, evaluate
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 from plait.train.config import TrainConfig
+from plait.train.layout import model_config_bytes
 
 __all__ = ["config_of_layout", "local_device", "model_of_config", "plan_of_config", "plan_summary"]
 
@@ -33,8 +35,12 @@ def local_device(kind: str) -> DeviceSpec:
 
 
 def model_of_config(cfg: TrainConfig) -> ModelSpec:
-    """The planner's description of the GPT ``plait train`` builds from ``cfg`` (its MoE
-    blocks included: same parameters as ``GPT(GPTConfig(...))``)."""
+    """The planner's description of the model ``plait train`` builds from ``cfg``: the GPT
+    (its MoE blocks included: same parameters as ``GPT(GPTConfig(...))``), or the
+    ``--model-config`` file or preset (:func:`plait.plan.models.from_hf_config`)."""
+    if cfg.model_config:
+        values = json.loads(model_config_bytes(cfg.model_config))
+        return from_hf_config({"_name_or_path": cfg.model_config, **values})
     return gpt(
         cfg.n_layer,
         cfg.n_head,

@@ -1,4 +1,4 @@
-"""``plait train`` and ``plait sample``: their arguments and what they run.
+"""``plait train``, ``plait sample`` and ``plait export``: their arguments and what they run.
 
 The ``plait`` command (:mod:`plait.cli`) mounts these beside ``plait plan``; :func:`main`
 runs them on their own. Every ``plait train`` flag is a field of
@@ -28,10 +28,15 @@ from plait.train.checkpointing import (
 )
 from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag, load_toml
 from plait.train.config import from_mapping as config_from_mapping
+from plait.train.hf import check_init_from, export_run, with_default_model_config
 from plait.train.launch import WorkerFailed, launch, under_torchrun
 from plait.train.layout import resolve
+from plait.train.llama import families_help
+from plait.train.loggers import check_logging
 from plait.train.loop import CONFIG_FILE, model_settings
+from plait.train.presets import preset_names
 from plait.train.sample import sample_command
+from plait.train.tokenizer import tokenizer_command
 from plait.train.worker import default_run_dir
 
 __all__ = ["Planner", "add_parsers", "build_config", "main", "run"]
@@ -63,22 +68,47 @@ examples:
   plait train --experts 4 --top-k 2 --ep 2 --dp-shard 2
   plait train --run-dir runs/a --steps 600 --stop-after 200
   plait train --run-dir runs/a --resume
+  plait tokenizer train --data texts/ --vocab 8192 --out tok/tokenizer.json
+  plait train --data texts/ --tokenizer tok/tokenizer.json
+  plait train --init-from path/to/hf-model --tokenizer path/to/hf-model/tokenizer.json
+  plait export --run-dir runs/a --out runs/a-hf
 """
 
 # Per group: (field, help). The flag, its type or choices and the default shown come from
 # TrainConfig.
 _FLAGS: dict[str, list[tuple[str, str]]] = {
     "data and model": [
-        ("data", "a text file or a directory of them (default: the Python stdlib)"),
-        ("seq_len", "tokens (bytes) per sequence"),
+        (
+            "data",
+            "a file or a directory of them: text (a file is a document), .jsonl/.json (one "
+            "object per line) or .parquet records (default: the Python stdlib)",
+        ),
+        ("tokenizer", "a Hugging Face tokenizer.json (default: bytes, vocabulary 256)"),
+        ("vocab_size", f"the GPT's vocabulary ({_AUTO}: the tokenizer's; more pads it)"),
+        ("text_field", "the field of a .jsonl/.parquet record holding its text"),
+        (
+            "messages_field",
+            "the field holding a chat instead: a list of {role, content}; only the assistant "
+            "answers take loss",
+        ),
+        ("chat_template", "a file holding the Jinja chat template (default: the tokenizer's)"),
+        ("seq_len", "tokens per sequence"),
         ("n_layer", "transformer blocks"),
         ("n_head", "attention heads"),
         ("d_model", "model width"),
         ("dropout", "dropout probability"),
         (
             "model_config",
-            "a Hugging Face config.json of a Llama-family model to train instead of the GPT "
-            "(its vocabulary >= 256; --n-layer, --n-head, --d-model ignored)",
+            "a Hugging Face config.json, or a preset name, of a model to train instead of "
+            f"the GPT; families: {families_help()}; presets: {preset_names()} (its "
+            "vocabulary >= the tokenizer's; --n-layer, --n-head, --d-model ignored; a MoE "
+            "config brings its own experts, router and balance-loss weight)",
+        ),
+        (
+            "init_from",
+            "a Hugging Face model directory (config.json, model.safetensors or shards) to "
+            "start from instead of random weights; its config.json is the --model-config "
+            "unless one is given (ignored with --resume)",
         ),
     ],
     "mixture of experts": [
@@ -144,6 +174,17 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
     "faults": [
         ("fault_timeout", "seconds a worker waits for a peer before the run fails"),
     ],
+    "logging (metrics.jsonl is always written)": [
+        ("tensorboard", "also write TensorBoard event files to <run-dir>/tensorboard"),
+        ("wandb", "also log to a Weights & Biases run (files in <run-dir>/wandb)"),
+        ("wandb_project", "the W&B project"),
+        ("wandb_mode", "offline: no network, `wandb sync` later; online: upload as it runs"),
+        (
+            "peak_flops",
+            "one device's peak FLOP/s for MFU (default: NVIDIA's dense peak for known GPUs, "
+            "a matmul benchmark on CPU)",
+        ),
+    ],
 }
 
 
@@ -163,8 +204,8 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, text: str) -> None:
 
 
 def add_parsers(commands: Any, *, planner: bool = False) -> None:
-    """Add ``train`` and ``sample`` to an ``argparse`` sub-command set; with ``planner``,
-    ``train`` takes ``--plan`` (:func:`run` then needs a :data:`Planner`)."""
+    """Add ``train``, ``sample`` and ``export`` to an ``argparse`` sub-command set; with
+    ``planner``, ``train`` takes ``--plan`` (:func:`run` then needs a :data:`Planner`)."""
     train = commands.add_parser(
         "train",
         help="train a small GPT with any composition of parallelisms",
@@ -188,10 +229,39 @@ def add_parsers(commands: Any, *, planner: bool = False) -> None:
     sample.add_argument("--run-dir", required=True, help="the run to sample from")
     sample.add_argument("--checkpoint", help="a checkpoint directory (default: the latest)")
     sample.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    sample.add_argument("--tokens", type=int, default=400, help="bytes to generate")
+    sample.add_argument("--tokens", type=int, default=400, help="tokens to generate")
     sample.add_argument("--temperature", type=float, default=0.8)
     sample.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     sample.add_argument("--seed", type=int, default=0)
+    tokenizer = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
+    actions = tokenizer.add_subparsers(dest="action", metavar="{train}", required=True)
+    bpe = actions.add_parser(
+        "train",
+        help="train a byte-level BPE on --data's files",
+        description="Train a byte-level BPE (special tokens <|endoftext|>, <|im_start|>, "
+        "<|im_end|>) on the files plait train --data reads; write tokenizer.json and, beside "
+        "it, tokenizer_config.json with a ChatML chat template. Use it with --tokenizer.",
+    )
+    bpe.add_argument("--data", required=True, help="a file or directory, as plait train's")
+    bpe.add_argument("--vocab", type=int, required=True, help="ids in all (at least 259)")
+    bpe.add_argument("--out", required=True, help="the tokenizer.json to write")
+    bpe.add_argument("--text-field", default="text", help="a record's text field")
+    bpe.add_argument("--messages-field", default="messages", help="a record's chat field")
+    export = commands.add_parser(
+        "export",
+        help="write a run's checkpoint as a Hugging Face model directory (safetensors)",
+        description="Write a Llama-family run's checkpoint (any layout) as a directory that "
+        "transformers' AutoModelForCausalLM.from_pretrained reads: config.json, "
+        "model.safetensors (or shards and their index) and the run's tokenizer files.",
+    )
+    export.add_argument("--run-dir", required=True, help="the run to export")
+    export.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="split the weights into files of at most this size (default: 5GB)",
+    )
 
 
 def build_config(flags: dict[str, Any]) -> TrainConfig:
@@ -215,6 +285,8 @@ def build_config(flags: dict[str, Any]) -> TrainConfig:
 def _check_paths(cfg: TrainConfig) -> None:
     if cfg.data and not Path(cfg.data).exists():
         raise ConfigError(f"--data {cfg.data}: no such file or directory")
+    if cfg.chat_template and not Path(cfg.chat_template).is_file():
+        raise ConfigError(f"--chat-template {cfg.chat_template}: no such file")
     if not cfg.run_dir:
         return
     latest = latest_checkpoint(cfg.run_dir)
@@ -237,13 +309,17 @@ def _check_paths(cfg: TrainConfig) -> None:
 def _train(flags: dict[str, Any], planner: Planner | None) -> None:
     flags = dict(flags)
     show_plan = flags.pop("plan", False)
-    cfg = build_config(flags)
+    cfg = with_default_model_config(build_config(flags))  # --init-from alone: its config
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
     cfg = resolve(cfg, world)
     if not under_torchrun() and not cfg.run_dir:
         cfg = cfg.replace(run_dir=default_run_dir())
     _check_paths(cfg)
+    check_logging(cfg)
+    warnings = check_init_from(cfg)
     if os.environ.get("RANK", "0") == "0":
+        for warning in warnings:
+            print(f"plait train: warning: {warning}", file=sys.stderr, flush=True)
         print(_describe(cfg), file=sys.stderr, flush=True)
         if show_plan and planner is not None:
             print(planner(cfg), file=sys.stderr, flush=True)
@@ -273,7 +349,7 @@ def _describe(cfg: TrainConfig) -> str:
     moe = f", MoE {cfg.experts} experts top-{cfg.top_k}" if cfg.experts else ""
     model = f"GPT {cfg.n_layer} layers x d{cfg.d_model}{moe}"
     if cfg.model_config:
-        model = f"Llama of {cfg.model_config}"
+        model = f"model of --model-config {cfg.model_config}"
     return (
         f"plait train: {cfg.nproc} x {cfg.device} worker(s), {dims}{ep}{pipe}{sp}, ac={cfg.ac}, "
         f"mp={cfg.mp}; {model}, "
@@ -282,12 +358,20 @@ def _describe(cfg: TrainConfig) -> str:
 
 
 def run(command: str, args: dict[str, Any], planner: Planner | None = None) -> int:
-    """Run ``command`` (``train`` or ``sample``) with its parsed ``args``; returns the exit
-    status: 2 for a configuration that cannot run, 1 for a failed run, 130 when interrupted.
-    ``planner``: what ``--plan`` prints (see :func:`add_parsers`)."""
+    """Run ``command`` (``train``, ``sample`` or ``export``) with its parsed ``args``;
+    returns the exit status: 2 for a configuration that cannot run, 1 for a failed run,
+    130 when interrupted. ``planner``: what ``--plan`` prints (see :func:`add_parsers`)."""
     try:
         if command == "train":
             _train(args, planner)
+        elif command == "export":
+            out = export_run(args["run_dir"], args["out"], args.get("step"), args["max_shard_size"])
+            print(
+                f"plait export: wrote {out}; load it with transformers' "
+                f"AutoModelForCausalLM.from_pretrained({str(out)!r})"
+            )
+        elif command == "tokenizer":
+            print(tokenizer_command(**args))
         else:
             print(sample_command(**args))
     except ConfigError as err:
@@ -304,10 +388,10 @@ def run(command: str, args: dict[str, Any], planner: Planner | None = None) -> i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``plait train`` and ``plait sample`` without the planner (:func:`plait.cli.main`
-    is the whole ``plait`` command)."""
+    """``plait train``, ``plait sample`` and ``plait export`` without the planner
+    (:func:`plait.cli.main` is the whole ``plait`` command)."""
     parser = argparse.ArgumentParser(prog="plait", description="composable parallelism for PyTorch")
-    add_parsers(parser.add_subparsers(dest="command", metavar="{train,sample}"))
+    add_parsers(parser.add_subparsers(dest="command", metavar="{train,sample,export,tokenizer}"))
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
     if command is None:

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULTS",
     "DEVICES",
     "PRECISIONS",
+    "WANDB_MODES",
     "ConfigError",
     "TrainConfig",
     "flag",
@@ -45,6 +46,7 @@ AC_MODES = ("none", "full", "selective", "offload")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("cpu", "cuda")
 AUX_LOSS_TYPES = ("sequence", "global")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 class ConfigError(ValueError):
@@ -57,6 +59,12 @@ class TrainConfig:
 
     # data and model
     data: str = ""  # "": the Python standard library's own source files
+    # "": bytes (vocabulary 256); else a Hugging Face tokenizer.json (plait.train.tokenizer)
+    tokenizer: str = ""
+    vocab_size: int = 0  # auto: the tokenizer's (set by resolve); more pads the model's
+    text_field: str = "text"  # the field of a JSON-lines / Parquet record holding a text
+    messages_field: str = "messages"  # ... or a chat: a list of {role, content}
+    chat_template: str = ""  # "": the tokenizer's; else a file holding a Jinja template
     seq_len: int = 128
     n_layer: int = 4
     n_head: int = 4
@@ -65,6 +73,11 @@ class TrainConfig:
     # "": plait's GPT (the flags above); else a Hugging Face config.json of a Llama model
     model_config: str = ""
     model_hash: str = ""  # auto: the sha256 of the model_config file (set by resolve)
+    # "": random initial weights; else a Hugging Face model directory (config.json and
+    # model.safetensors or its shards) whose weights the run starts from (plait.train.hf).
+    # Without model_config on the command line, the directory's config.json is the model's.
+    # Ignored when resuming: the run's checkpoint holds its weights.
+    init_from: str = ""
     # mixture of experts (0 experts: dense MLPs)
     experts: int = 0
     top_k: int = 2
@@ -113,6 +126,12 @@ class TrainConfig:
     stop_after: int = 0  # stop (with a checkpoint) after this step; 0: run to --steps
     # faults
     fault_timeout: float = 30.0  # seconds a collective may wait for a peer before failing
+    # logging (rank 0; metrics.jsonl is always written)
+    tensorboard: bool = False  # event files under <run_dir>/tensorboard
+    wandb: bool = False  # a Weights & Biases run under <run_dir>/wandb
+    wandb_project: str = "plait"
+    wandb_mode: str = "offline"  # offline: no network; online: sync as it runs
+    peak_flops: float = 0.0  # one device's peak FLOP/s for MFU; 0: auto (table or measured)
 
     @property
     def layout(self) -> Layout:
@@ -159,6 +178,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": DEVICES,
     "aux_loss_type": AUX_LOSS_TYPES,
     "cp_method": CP_METHODS,
+    "wandb_mode": WANDB_MODES,
 }
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
-from pathlib import Path
 
 import torch
 
@@ -22,11 +22,11 @@ from plait.pipeline import SCHEDULES
 from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag
 from plait.train.llama import LlamaConfig, LlamaConfigError
 from plait.train.model import GPTConfig
+from plait.train.presets import config_bytes, preset_names
+from plait.train.tokenizer import load_tokenizer
 
 __all__ = ["default_device", "default_nproc", "llama_config", "model_shape", "resolve"]
 
-#: The byte-level data's vocabulary: a model's must hold it.
-BYTE_VOCAB = 256
 
 _CPU_WORKERS = 4
 
@@ -41,19 +41,39 @@ def default_nproc(device: str) -> int:
     return max(1, torch.cuda.device_count()) if device == "cuda" else _CPU_WORKERS
 
 
+def model_config_bytes(value: str) -> bytes:
+    """The ``config.json`` of ``--model-config value`` (a file, or a preset of
+    :mod:`plait.train.presets`), or ConfigError."""
+    try:
+        return config_bytes(value)
+    except OSError as err:
+        raise ConfigError(
+            f"--model-config {value}: cannot read it ({err.strerror}); give a config.json "
+            f"or a preset: {preset_names()}"
+        ) from err
+
+
 def llama_config(cfg: TrainConfig) -> LlamaConfig:
-    """The Llama configuration of ``--model-config``, or ConfigError saying what is wrong
-    with it (or what it cannot train on: the byte data, ``--seq-len``)."""
+    """The Llama-family configuration of ``--model-config`` (a config.json or a preset),
+    or ConfigError saying what is wrong with it (or what it cannot train on: the byte
+    data, ``--seq-len``)."""
     path = cfg.model_config
     try:
-        llama = LlamaConfig.from_file(path)
+        values = json.loads(model_config_bytes(path))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--model-config {path}: not valid JSON: {err}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"--model-config {path}: not a JSON object")
+    try:
+        llama = LlamaConfig.from_hf(values)
     except LlamaConfigError as err:
-        raise ConfigError(f"--model-config {err}") from err
-    if llama.vocab_size < BYTE_VOCAB:
+        raise ConfigError(f"--model-config {path}: {err}") from err
+    vocab, tokenizer = tokenizer_vocab(cfg)
+    if llama.vocab_size < vocab:
         raise ConfigError(
             f"--model-config {path}: vocab_size {llama.vocab_size} is smaller than the "
-            f"{BYTE_VOCAB} byte values plait train's data holds: use a vocab_size of at "
-            f"least {BYTE_VOCAB}"
+            f"{vocab} ids of the tokenizer ({tokenizer}): use a model whose vocab_size is at "
+            f"least {vocab}, or the tokenizer it was made for (--tokenizer)"
         )
     if cfg.seq_len > llama.max_position_embeddings:
         raise ConfigError(
@@ -61,33 +81,61 @@ def llama_config(cfg: TrainConfig) -> LlamaConfig:
             f"{llama.max_position_embeddings} ({path}): use --seq-len "
             f"{llama.max_position_embeddings} or less"
         )
+    if llama.sliding_window is not None and cfg.seq_len > llama.sliding_window:
+        raise ConfigError(
+            f"--seq-len {cfg.seq_len} exceeds the model's sliding_window {llama.sliding_window} "
+            f"({path}): plait's attention has no window, so use --seq-len "
+            f"{llama.sliding_window} or less (or a config whose sliding_window is null)"
+        )
+    if llama.tie_word_embeddings and cfg.pp > 1:
+        # The first and the last stage would each hold, and train, their own copy.
+        raise ConfigError(
+            f"--pp {cfg.pp}: the model's head is tied to its token embedding "
+            f"(tie_word_embeddings in {path}), which sit on the first and the last pipeline "
+            "stage; plait does not sum a tied matrix's gradients across stages: use --pp 1 "
+            "(fully_shard, --tp and --cp keep the tie), or untie it (tie_word_embeddings "
+            "false)"
+        )
     return llama
 
 
+def tokenizer_vocab(cfg: TrainConfig) -> tuple[int, str]:
+    """The vocabulary the model must hold: ``--vocab-size`` once resolved, else the
+    ``--tokenizer``'s; and which file that is (for messages)."""
+    name = cfg.tokenizer or "bytes, the default"
+    if cfg.vocab_size:
+        return cfg.vocab_size, name
+    return load_tokenizer(cfg.tokenizer).vocab_size, name
+
+
 def model_hash(path: str) -> str:
-    """The sha256 of the model configuration file ``path``."""
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError as err:
-        raise ConfigError(f"--model-config {path}: cannot read it ({err.strerror})") from err
+    """The sha256 of the model configuration ``path``'s bytes (:func:`model_config_bytes`:
+    a preset's too, so another preset or file is another model)."""
+    return hashlib.sha256(model_config_bytes(path)).hexdigest()
 
 
 def model_shape(cfg: TrainConfig) -> rules.ModelShape:
-    """What the layout rules need of ``cfg``'s model: the GPT (byte tokens, shaped by its
-    flags), or the Llama of ``--model-config``."""
+    """What the layout rules need of ``cfg``'s model: the GPT (shaped by its flags, its
+    vocabulary the tokenizer's), or the Llama of ``--model-config``."""
     if cfg.model_config:
         llama = llama_config(cfg)
+        moe = llama.moe_shape is not None
+        dense = not moe or len(llama.moe_layers) < llama.num_hidden_layers
+        # tp splits the dense blocks' SwiGLU; a MoE's routed experts are split by ep, and
+        # without shared experts it leaves only the model width (moe_tp_width).
+        mlp = llama.intermediate_size if dense else rules.moe_tp_width(0, 0, llama.hidden_size)
         sizes = (
             llama.num_hidden_layers,
             llama.num_attention_heads,
             llama.num_key_value_heads,
             llama.hidden_size,
-            llama.intermediate_size,
+            mlp,
             llama.vocab_size,
             cfg.seq_len,
         )
-        return rules.ModelShape(*sizes, tokens="tokens")
+        return rules.ModelShape(*sizes, tokens="tokens", experts=llama.num_experts if moe else 0)
     gpt = GPTConfig(
+        vocab_size=tokenizer_vocab(cfg)[0],
         seq_len=cfg.seq_len,
         n_layer=cfg.n_layer,
         n_head=cfg.n_head,
@@ -102,7 +150,8 @@ def model_shape(cfg: TrainConfig) -> rules.ModelShape:
     if gpt.experts:
         mlp = rules.moe_tp_width(gpt.d_expert, gpt.shared_experts, gpt.d_model)
     sizes = (gpt.n_layer, heads, heads, gpt.d_model, mlp, gpt.vocab_size, gpt.seq_len)
-    return rules.ModelShape(*sizes, from_flags=True, tokens="byte tokens", experts=cfg.experts)
+    tokens = "tokens" if cfg.tokenizer else "byte tokens"
+    return rules.ModelShape(*sizes, from_flags=True, tokens=tokens, experts=cfg.experts)
 
 
 def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
@@ -113,6 +162,7 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """
     _check_choices(cfg)
     _check_positive(cfg)
+    cfg = cfg.replace(vocab_size=_vocab_size(cfg))
     shape = model_shape(cfg)
     _refuse(rules.check_tp(shape, cfg.tp, cfg.sequence_parallel))
     device = cfg.device or default_device()
@@ -137,6 +187,18 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     )
     _check_features(cfg)
     return cfg
+
+
+def _vocab_size(cfg: TrainConfig) -> int:
+    """``--vocab-size``, by default the tokenizer's; never smaller than the tokenizer's."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if cfg.vocab_size and cfg.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"--vocab-size {cfg.vocab_size} is smaller than the {tokenizer.vocab_size} ids of "
+            f"the tokenizer ({cfg.tokenizer or 'bytes, the default'}): drop --vocab-size (it "
+            "follows the tokenizer) or give one at least as large"
+        )
+    return cfg.vocab_size or tokenizer.vocab_size
 
 
 def _refuse(reasons: list[rules.Reason]) -> None:
@@ -186,6 +248,7 @@ _AT_LEAST_ONE = (
 )
 _AT_LEAST_ZERO = (  # 0: auto, or off (see TrainConfig)
     "nproc",
+    "vocab_size",
     rules.DP_SHARD,
     "stages_per_rank",
     "microbatches",
@@ -247,8 +310,9 @@ def _check_local_gpus(device: str, nproc: int) -> None:
 def _check_features(cfg: TrainConfig) -> None:
     if cfg.model_config and cfg.experts:
         raise ConfigError(
-            f"--experts {cfg.experts} with --model-config: the Llama model has dense MLPs "
-            "only; drop --experts"
+            f"--experts {cfg.experts} with --model-config: the model's config.json says "
+            "whether it has experts (Mixtral's num_local_experts, Qwen3-MoE's num_experts) "
+            "and how many; drop --experts"
         )
     if cfg.model_config and cfg.dropout:
         raise ConfigError(

@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait import spmd
-from plait.context import shard_sequence
 from plait.experts import expert_load, update_expert_bias
-from plait.layout import CP, DP_REPLICATE, DP_SHARD, PP
+from plait.layout import DP_REPLICATE, DP_SHARD, PP
 from plait.mesh import collective_device, mesh_coordinate
 from plait.train.checkpointing import (
     CheckpointDamaged,
@@ -32,11 +31,14 @@ from plait.train.checkpointing import (
     save_checkpoint,
 )
 from plait.train.config import ConfigError, TrainConfig
-from plait.train.data import Corpus, global_batch, load_corpus
+from plait.train.data import TokenData, load_data, record_fingerprint
 from plait.train.faults import FaultInjector
-from plait.train.layout import llama_config
+from plait.train.flops import flops_per_token, mfu, total_peak
+from plait.train.hf import check_init_from, load_hf_checkpoint, parameter_shapes
+from plait.train.layout import llama_config, model_config_bytes, tokenizer_vocab
 from plait.train.llama import Llama
-from plait.train.metrics import MetricsLog, gather_peak_memory
+from plait.train.loggers import open_loggers
+from plait.train.metrics import gather_peak_memory
 from plait.train.model import GPT, GPTConfig
 from plait.train.optimizer import (
     build_optimizer,
@@ -53,9 +55,10 @@ from plait.train.parallelize import (
     build_shard_mesh,
     parallelize,
 )
+from plait.train.presets import RUN_FILE as MODEL_CONFIG_FILE
 from plait.train.progress import Progress
 from plait.train.report import imbalance, plot_loss_curve, summary_table
-from plait.train.step import Stepper, global_mean, make_stepper
+from plait.train.step import StepBatch, Stepper, global_loss, make_stepper, step_batch
 
 __all__ = ["TrainResult", "Trainable", "model_settings", "train"]
 
@@ -72,6 +75,7 @@ MODEL_SETTINGS = (
     "shared_experts",
     "expert_hidden",
     "model_hash",  # of --model-config's file ("": the GPT)
+    "vocab_size",  # the tokenizer's: a checkpoint refuses a run with another vocabulary
 )
 
 #: Load-balancing settings: they change training, not the shape of the weights.
@@ -96,6 +100,7 @@ def model_settings(cfg: TrainConfig) -> dict[str, Any]:
 def model_config(cfg: TrainConfig) -> GPTConfig:
     balance = {name: getattr(cfg, name) for name in BALANCE_SETTINGS}
     gpt = {name: value for name, value in model_settings(cfg).items() if name != "model_hash"}
+    gpt["vocab_size"] = tokenizer_vocab(cfg)[0]  # the resolved one, or the tokenizer's
     return GPTConfig(dropout=cfg.dropout, **gpt, **balance)
 
 
@@ -104,6 +109,15 @@ def build_model(cfg: TrainConfig) -> Model:
     if cfg.model_config:
         return Llama(llama_config(cfg), cfg.seq_len)
     return GPT(model_config(cfg))
+
+
+def model_flops_per_token(cfg: TrainConfig) -> float:
+    """Training FLOPs per token of ``cfg``'s model (:func:`plait.train.flops.flops_per_token`:
+    PaLM's ``6 N + 12 L H Q T``), counted on a copy built on the meta device: shapes only,
+    no memory, no random draws."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return flops_per_token(model, cfg.seq_len)
 
 
 def _rank() -> int:
@@ -133,6 +147,9 @@ class Trainable:
         builds every mesh before its fake tensors: building one needs real ones); by
         default built here (:func:`build_expert_mesh`, :func:`build_shard_mesh`)."""
         self.cfg = cfg
+        #: ``(blocks, experts)`` of a model with MoE blocks (the GPT's ``--experts``, a
+        #: Llama's config.json), None for a dense one.
+        self.moe_shape = model.moe_shape
         experts, shard = side_meshes or (build_expert_mesh(cfg), build_shard_mesh(cfg))
         self.stages: list[Stage] = parallelize(model, cfg, mesh, experts, shard)
         self.modules = [s.module for s in self.stages]
@@ -140,8 +157,9 @@ class Trainable:
         self.optimizer = build_optimizer(self.modules, cfg)
         self.stepper: Stepper = make_stepper(self.stages, cfg, mesh)
         self.pipeline_group = mesh[PP].get_group() if mesh and cfg.pp > 1 else None
-        #: Tokens routed to each expert of each block in the last step, ``(n_layer,
-        #: experts)``: global counts, the same on every rank (None for a dense model).
+        #: Tokens routed to each expert of each block in the last step, ``moe_shape``
+        #: (dense blocks' rows zero): global counts, the same on every rank (None for a
+        #: dense model).
         self.expert_load: torch.Tensor | None = None
 
     def update(self) -> torch.Tensor:
@@ -152,17 +170,17 @@ class Trainable:
         norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.cfg.experts:
-            self.expert_load = self._gather_expert_load()
+        if self.moe_shape is not None:
+            self.expert_load = self._gather_expert_load(self.moe_shape)
             for module in self.modules:
                 update_expert_bias(module)  # resets the counts for the next step
         return norm
 
-    def _gather_expert_load(self) -> torch.Tensor:
+    def _gather_expert_load(self, shape: tuple[int, int]) -> torch.Tensor:
         """Every block's expert load, from the stages that hold it (one all-reduce over the
         pipeline ranks, whose stages hold different blocks)."""
         device = self.params[0].device
-        load = torch.zeros(self.cfg.n_layer, self.cfg.experts, dtype=torch.int64, device=device)
+        load = torch.zeros(shape, dtype=torch.int64, device=device)
         for module in self.modules:
             for name, counts in expert_load(module).items():
                 load[int(name.split(".")[1])] = counts  # "blocks.<i>.mlp"
@@ -180,12 +198,22 @@ class _Session:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.corpus: Corpus = load_corpus(cfg.data, cfg.seq_len)
+        self.data: TokenData = load_data(cfg)
+        if _rank() == 0 and (note := record_fingerprint(self.run_dir, self.data, cfg.resume)):
+            _warn(note)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg).to(cfg.device)
+        # --init-from (not when resuming: the checkpoint holds the weights): checked
+        # against the whole model's shapes, taken before the pipeline split.
+        init_from = cfg.init_from and not cfg.resume
+        if init_from:
+            check_init_from(cfg)
+            shapes = parameter_shapes(model)
         self.mesh = build_mesh(cfg)
         self.parts = Trainable(model, cfg, self.mesh)
         self.stages, self.modules = self.parts.stages, self.parts.modules
+        if init_from:  # into this rank's shards of the parallelized stages
+            load_hf_checkpoint(self.modules, cfg.init_from, expected=shapes)
         self.optimizer, self.stepper = self.parts.optimizer, self.parts.stepper
         dp_shard = mesh_coordinate(self.mesh, DP_SHARD)
         self.dp_rank = mesh_coordinate(self.mesh, DP_REPLICATE) * cfg.dp_shard + dp_shard
@@ -198,27 +226,24 @@ class _Session:
         # must stay identical after dropout.
         torch.manual_seed(cfg.seed + 1 + _rank() // cfg.tp)
 
-    def batch(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share of global batch ``index`` of ``split``, on the device."""
+    def batch(self, split: str, index: int) -> StepBatch:
+        """This rank's share of global batch ``index`` of ``split``, on the device: its rows'
+        documents and positions, cut to its tokens of each row with ``--cp``, and the global
+        batch's count of loss tokens (:func:`~plait.train.step.step_batch`: collective)."""
         cfg = self.cfg
-        x, y = global_batch(
-            self.corpus, split, cfg.seed, index, cfg.batch_size, cfg.seq_len, self.dp_rank, cfg.dp
-        )
-        if cfg.cp > 1:  # this rank's tokens of every sequence (the model knows their places)
-            assert self.mesh is not None
-            x, y = (shard_sequence(t, self.mesh[CP], dim=1) for t in (x, y))
-        return x.to(cfg.device), y.to(cfg.device)
+        rows = self.data.batch(split, index, cfg.batch_size, self.dp_rank, cfg.dp)
+        return step_batch(rows.inputs, rows.targets, rows.documents, cfg, self.mesh)
 
     def train_step(self, step: int) -> tuple[float, float]:
         """Optimizer step ``step`` (0-based); returns (global loss, gradient norm)."""
         set_lr(self.optimizer, lr_at(step, self.cfg))
         self.faults.step = step + 1
-        local = self.stepper.train(*self.batch("train", step))
+        local = self.stepper.train(self.batch("train", step))
         self.faults.step = 0
         norm = self.parts.update()
         spmd.check("end of a training step")  # free unless divergence checking is on
         # Read back only now, the step queued: one wait for the device per step.
-        return global_mean(local, self.cfg), float(norm)
+        return global_loss(local, self.cfg)[0], float(norm)
 
     def expert_record(self) -> dict[str, Any]:
         """The last step's expert load for its metrics record ({} for a dense model):
@@ -229,18 +254,23 @@ class _Session:
         return {"expert_load": load.tolist(), "expert_imbalance": imbalance(load)}
 
     def validate(self) -> float:
+        """The validation loss: token-weighted over the loss tokens of all its batches."""
         # Evaluation mode: no dropout, and experts count no load (it is the training
         # steps' load that balancing acts on and the metrics report).
         for module in self.modules:
             module.eval()
+        losses, tokens = [], []
         try:
-            losses = [
-                self.stepper.evaluate(*self.batch("val", i)) for i in range(self.cfg.eval_batches)
-            ]
+            for i in range(self.cfg.eval_batches):
+                batch = self.batch("val", i)
+                losses.append(self.stepper.evaluate(batch))
+                tokens.append(batch.tokens)
         finally:
             for module in self.modules:
                 module.train()
-        return global_mean(torch.stack(losses), self.cfg)
+        counts = torch.stack(tokens).tolist()  # global counts, the same on every rank
+        means = global_loss(torch.stack(losses), self.cfg)
+        return sum(m * n for m, n in zip(means, counts, strict=True)) / sum(counts)
 
     def save(self, step: int) -> Path:
         cfg = self.cfg
@@ -280,31 +310,44 @@ class _Session:
 
 
 class _Reporter:
-    """Rank 0's side of a session: metrics file, progress bar, summary; silent elsewhere."""
+    """Rank 0's side of a session: the loggers (metrics.jsonl, TensorBoard, W&B), the progress
+    display, the summary; silent elsewhere. Each training record gains ``mfu``."""
 
     def __init__(self, cfg: TrainConfig, start: int, enabled: bool) -> None:
         self.cfg = cfg
         self.enabled = enabled
         self.session_steps: list[dict[str, Any]] = []
+        # Every rank takes part (on CPU the processes benchmark their shared cores together).
+        self.peak = total_peak(cfg.device, cfg.mp, cfg.peak_flops)
         if not enabled:
             return
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        self.log = MetricsLog(run_dir, start if cfg.resume else None)
+        if cfg.model_config:  # the config.json it trains (a preset's too): its model_hash
+            (run_dir / MODEL_CONFIG_FILE).write_bytes(model_config_bytes(cfg.model_config))
+        self.log = open_loggers(cfg, start if cfg.resume else None)
+        self.flops_per_token = model_flops_per_token(cfg)
         self.progress = Progress(cfg.steps, start)
         last = f"{cfg.stop_after} (--stop-after) of {cfg.steps}" if cfg.stop_after else cfg.steps
         self.progress.note(f"training steps {start + 1}..{last}; run directory {run_dir}")
+        self.progress.note(
+            f"MFU: {self.flops_per_token:.3g} model FLOPs per token over a peak of "
+            f"{self.peak.flops:.3g} FLOP/s ({self.peak.source})"
+        )
 
     def step(self, record: dict[str, Any]) -> None:
         if self.enabled:
+            utilisation = mfu(record["tokens_per_s"], self.flops_per_token, self.peak.flops)
+            record = {**record, "mfu": utilisation}
             self.session_steps.append(record)
-            self.log.write(**record)
-            self.progress.update(record["step"], record["loss"], record["tokens_per_s"])
+            self.log.log(record["step"], {k: v for k, v in record.items() if k != "step"})
+            step, loss, tokens_per_s = record["step"], record["loss"], record["tokens_per_s"]
+            self.progress.update(step, loss, tokens_per_s, utilisation)
 
     def validation(self, step: int, loss: float) -> None:
         if self.enabled:
-            self.log.write(step=step, val_loss=loss)
+            self.log.log(step, {"val_loss": loss})
             self.progress.note(f"step {step}: validation loss {loss:.4f}")
 
     def checkpoint(self, step: int, path: Path) -> None:
@@ -325,7 +368,11 @@ class _Reporter:
         self.progress.close()
         self.log.close()
         run_dir = self.cfg.run_dir
-        print(summary_table(self.cfg, self.log.records, self.session_steps, memory, run_dir))
+        mfu_of = (self.flops_per_token, self.peak)
+        table = summary_table(
+            self.cfg, self.log.records, self.session_steps, memory, run_dir, mfu_of=mfu_of
+        )
+        print(table)
         print(plot_loss_curve(self.log.records, run_dir))
         print(f"sample from it: plait sample --run-dir {run_dir}", flush=True)
 

@@ -2,7 +2,8 @@
 
 One JSON object per line, in step order. Training steps carry ``loss`` (global batch),
 ``lr``, ``grad_norm``, ``step_time`` (seconds, evaluation and checkpoints excluded),
-``tokens_per_s`` and ``tokens`` (seen so far), and with mixture-of-experts blocks
+``tokens_per_s``, ``tokens`` (seen so far) and ``mfu`` (model FLOPs utilisation, a
+fraction: :mod:`plait.train.flops`), and with mixture-of-experts blocks
 ``expert_load`` (tokens routed to each expert of each block in the step, summed over the
 global batch: a list per block) and ``expert_imbalance`` (the worst block's max / mean);
 validation records carry ``val_loss``. Both

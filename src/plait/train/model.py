@@ -13,6 +13,12 @@ A pipeline stage is the same class with parts removed (``plait.pipeline.split_mo
 parts outside the stage become falsy pass-through placeholders, and ``forward`` skips the
 embeddings and the head when they are falsy. So every parameter a stage keeps has the name
 it has in the whole model, and checkpoints of pipelined and unpipelined runs are interchangeable.
+
+Packed rows (several documents in one row of the batch): ``forward(idx, documents)`` keeps
+attention inside each document and restarts positions at 0 in each, as transformers does
+with packed sequences and position ids (:class:`Packing`, shared with
+:mod:`plait.train.llama`); ``forward(idx)`` is one document per row, plain causal
+attention. The loss ignores targets equal to :data:`IGNORE` (chat prompts, padding).
 """
 
 from __future__ import annotations
@@ -25,7 +31,85 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from plait.context import packed_documents
 from plait.experts import AuxLossType, MoE
+
+#: A target that takes no part in the loss (torch's ``cross_entropy`` default ``ignore_index``).
+IGNORE = -100
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its document, ``(B, T)`` int64, from ``documents`` ``(B, T)``:
+    per row, the index of the document each token belongs to (non-decreasing). Whole rows
+    only: a row split over ranks (context parallelism) must be computed whole and sharded."""
+    t = documents.shape[-1]
+    index = torch.arange(t, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[..., 1:] = documents[..., 1:] != documents[..., :-1]
+    # The latest document start at or before each token.
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - first
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What every attention of one forward needs of packed rows (built once per forward by
+    :func:`packing`, handed to each block, so a recomputing checkpointed block sees it too).
+
+    ``positions`` ``(B, T)``: each token's position in its document. Exactly one of:
+    ``mask`` ``(B, 1, T, T)`` bool, True where a query may attend to a key (same document,
+    not later): the whole rows are on this rank; ``documents`` ``(B, T)``: this rank's
+    document ids of rows split by context parallelism, for its attention
+    (:func:`plait.context.packed_documents`)."""
+
+    positions: torch.Tensor
+    mask: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
+
+
+def packing(
+    documents: torch.Tensor | None, positions: torch.Tensor | None, sharded: bool
+) -> Packing | None:
+    """The :class:`Packing` of one forward over rows with ``documents`` (None: one document
+    per row, plain causal attention: returns None). ``positions``: each token's position in
+    its document, computed from ``documents`` when None, which needs whole rows; with
+    ``sharded`` (the rows are split over context-parallel ranks) they must be given,
+    computed on the whole rows and sharded like the inputs."""
+    if documents is None:
+        return None
+    if sharded:
+        if positions is None:
+            raise ValueError(
+                "packed rows under context parallelism need positions: compute them on the "
+                "whole rows (document_positions) and shard them like the inputs"
+            )
+        return Packing(positions, documents=documents)
+    if positions is None:
+        positions = document_positions(documents)
+    t = documents.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+    return Packing(positions, mask=(same & causal)[:, None])
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pack: Packing | None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal SDPA of ``q``, ``k``, ``v`` ``(B, heads, T, d)``, kept inside documents with
+    ``pack``: through its mask, or (rows split by context parallelism, whose attention
+    builds no mask of the whole row) through ``packed_documents``, opened here so that
+    each call, a checkpointed block's recompute or another pipeline microbatch's included,
+    sees its own documents."""
+    if pack is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    if pack.mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pack.mask, dropout_p=dropout_p)
+    with packed_documents(pack.documents):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
 
 @dataclass(frozen=True)
@@ -85,14 +169,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
         b, t = x.shape[0], x.shape[1]  # x: (B, T, C)
         # (B, heads, T, head_dim), heads = this rank's: all of them without tensor parallelism.
         q, k, v = (
             p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
         )
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        y = causal_attention(q, k, v, pack, dropout)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
 
 
@@ -130,8 +214,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp: nn.Module = moe_block(cfg) if cfg.experts else MLPBlock(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
+        # pack by keyword: tensor parallelism prepares attention's positional input only.
+        x = x + self.attn(self.ln1(x), pack=pack)
         return x + self.mlp(self.ln2(x))
 
 
@@ -171,36 +256,75 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     @property
+    def moe_shape(self) -> tuple[int, int] | None:
+        """``(n_layer, experts)``: the shape of the expert-load table of a model with MoE
+        blocks; None for a dense model (as :attr:`plait.train.llama.Llama.moe_shape`)."""
+        return (self.cfg.n_layer, self.cfg.experts) if self.cfg.experts else None
+
+    @property
     def seq_len(self) -> int:
         """The longest sequence it takes."""
         return self.cfg.seq_len
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token ids ``(B, T)`` to logits ``(B, T, vocab)``.
 
-        A pipeline stage without the embeddings takes hidden states ``(B, T, C)`` instead,
-        and one without the head returns hidden states.
+        ``documents`` ``(B, T)``: packed rows, each token's document index in its row
+        (non-decreasing); attention stays inside documents and positions restart at 0 in
+        each (:func:`packing`). None: one document per row. ``positions`` ``(B, T)``: the
+        tokens' positions in their documents, needed (computed on the whole rows, sharded
+        like the inputs) when ``self.positions`` says the rows are split over
+        context-parallel ranks. A pipeline stage without the embeddings takes hidden states
+        ``(B, T, C)`` instead, and one without the head returns hidden states.
         """
         t = x.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds seq_len={self.cfg.seq_len}")
+        pack = packing(documents, positions, sharded=self.positions is not None)
         if self.tok_emb and self.pos_emb:  # falsy on stages without them (split_model)
-            pos = self.positions if self.positions is not None else torch.arange(t, device=x.device)
+            if pack is not None:
+                pos = pack.positions  # (B, T)
+            elif self.positions is not None:
+                pos = self.positions
+            else:
+                pos = torch.arange(t, device=x.device)
             x = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, pack)
         if self.ln_f and self.head:
             x = self.head(self.ln_f(x))  # (B, T, vocab)
         return x
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T).
+    """Mean next-token cross-entropy of ``logits`` (B, T, V) against ``targets`` (B, T)
+    over the targets that are not :data:`IGNORE` (as :func:`token_loss`)."""
+    return _cross_entropy(logits, targets, "mean")
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The *sum* of the next-token cross-entropies of ``logits`` (B, T, V) against
+    ``targets`` (B, T), over the targets that are not :data:`IGNORE`: divided by the loss
+    tokens of the whole global batch, the token-weighted mean every layout computes alike.
 
     Computed in float32 whatever the logits' dtype (bf16 logits lose too much in the softmax).
     Under tensor parallelism the logits are a DTensor sharded by vocabulary and this runs
     inside ``loss_parallel`` (its backward too); the loss, a DTensor replicated over the tp
     ranks, is returned as its local value (the loss itself), gradients flowing through.
     """
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return _cross_entropy(logits, targets, "sum")
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
+        targets.reshape(-1),
+        ignore_index=IGNORE,
+        reduction=reduction,
+    )
     return loss.to_local() if isinstance(loss, DTensor) else loss

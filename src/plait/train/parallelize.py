@@ -11,8 +11,12 @@
    and a tail chunk each: :mod:`plait.context`), which share their data-parallel rank's
    batch; every attention runs over the whole sequence from the local tokens
    (``--cp-method``: keys and values all-gathered, ringed, or all-to-all by heads), and
-   the position embedding takes the tokens' global positions.
-4. **Expert parallelism** (``--ep``, with ``--experts``): every block's routed experts are
+   the position embedding takes the tokens' global positions. Rows packed with several
+   documents: their document ids and positions in documents are computed on the whole
+   rows and sharded alike (:func:`plait.train.step.step_batch`), and each attention
+   passes the ids to the context-parallel attention (``packed_documents``).
+4. **Expert parallelism** (``--ep``, with ``--experts`` or a ``--model-config`` of a
+   mixture of experts: Mixtral, Qwen3-MoE): every MoE block's routed experts are
    sharded over the ``ep`` dimension of the experts' mesh (``dp_shard x cp`` split into
    ``(efsdp, ep)``: :meth:`plait.layout.Layout.expert_mesh`), tokens sent to them by
    all-to-all (:func:`plait.experts.expert_parallel`). Every MoE balances its load over
@@ -46,7 +50,8 @@ The tensor-parallel plan (torchtitan's and Megatron's): in each block, attention
 and v column-wise (each rank computes ``n_head / tp`` heads) and its output projection
 row-wise, the MLP's first linear column-wise and its second row-wise (a Llama block's
 SwiGLU: ``gate`` and ``up`` column-wise, ``down`` row-wise; its q and k/v heads split alike,
-so the kv heads must divide by tp too); the token embedding
+so the kv heads must divide by tp too; Qwen3's per-head query and key norms run on the
+local heads, their gains replicated with gradients summed over tp); the token embedding
 row-wise (the vocabulary split over the ranks) and the head column-wise, its logits left
 sharded by vocabulary for ``loss_parallel``. With sequence parallelism (the default) the
 activations between those layers stay sharded on the sequence dimension: the norms run on
@@ -185,6 +190,12 @@ def tensor_parallel_plan(module: Model, sequence_parallel: bool) -> dict[str, Pa
         "mlp.up": ColwiseParallel(),
         "mlp.down": RowwiseParallel(output_layouts=between),
     }
+    # Qwen3's per-head query and key norms see this rank's heads (dim 1 of (B, heads, T,
+    # d)): their gains replicated over tp, whose ranks' gradients differ and are summed.
+    qk_norms: dict[str, ParallelStyle] = {
+        f"attn.{name}": SequenceParallel(sequence_dim=1, use_local_output=True)
+        for name in ("q_norm", "k_norm")
+    }
     moe: dict[str, ParallelStyle] = {}
     if sequence_parallel:
         # Norms on sequence shards; attention and the MLP gather the sequence on entry (their
@@ -205,11 +216,15 @@ def tensor_parallel_plan(module: Model, sequence_parallel: bool) -> dict[str, Pa
     if module.tok_emb:  # falsy on pipeline stages without it
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if isinstance(module, GPT) and module.pos_emb and sequence_parallel:
-        # Its output, (T, C), has the sequence on dim 0: each rank adds its positions.
-        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+        # Its output, (T, C), or (B, T, C) for packed rows' per-row positions, has the
+        # sequence on dim -2: each rank adds its positions.
+        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-2))
     for i, b in enumerate(module.blocks):
         if isinstance(b, LlamaBlock):
-            plan |= {f"blocks.{i}.{name}": style for name, style in (block | swiglu).items()}
+            styles = block | (moe if isinstance(b.mlp, MoE) else swiglu)
+            if b.attn.q_norm is not None:
+                styles |= qk_norms
+            plan |= {f"blocks.{i}.{name}": style for name, style in styles.items()}
             continue
         if not isinstance(b, Block):
             continue
@@ -226,6 +241,12 @@ def tensor_parallel_plan(module: Model, sequence_parallel: bool) -> dict[str, Pa
             input_layouts=between, output_layouts=Shard(-1), use_local_output=False
         )
     return plan
+
+
+def _tied(module: Model) -> bool:
+    """Whether ``module`` holds both the token embedding and a head that shares its matrix."""
+    emb, head = module.tok_emb, module.head
+    return bool(emb and head) and head.weight is emb.weight  # type: ignore[union-attr]
 
 
 def loss_context(cfg: TrainConfig) -> AbstractContextManager[Any]:
@@ -270,12 +291,17 @@ def _moe(
         set_load_balance_mesh(module, dp)
     for m in module.modules():
         if isinstance(m, MoE):
-            # Each microbatch's loss is scaled by 1/microbatches (both steppers): so is the
-            # auxiliary losses' gradient.
+            # Each microbatch's forward adds its own auxiliary losses: weighted 1/microbatches,
+            # they average over the microbatches (and, by the gradient averaging of
+            # fully_shard / replicate, over the data-parallel ranks), as the one-process loss
+            # counts them once. (The token loss needs no such factor: each microbatch's is
+            # its tokens' sum over the global batch's count, plait.train.step.)
             m.aux_loss_scale = 1.0 / cfg.microbatches
 
 
-def _expert_placement(block: Block, cfg: TrainConfig, experts: DeviceMesh | None) -> Any:
+def _expert_placement(
+    block: Block | LlamaBlock, cfg: TrainConfig, experts: DeviceMesh | None
+) -> Any:
     """``shard_placement_fn`` of ``block``'s unit: its expert-parallel experts in a group on
     ``efsdp`` (HSDP: ``(dp_replicate, efsdp)``), the rest on the unit's mesh."""
     if experts is None or not isinstance(block.mlp, MoE):
@@ -298,7 +324,7 @@ def _shard(module: Model, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMes
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
     )
     for block in _blocks(module):
-        placement = _expert_placement(block, cfg, experts) if isinstance(block, Block) else None
+        placement = _expert_placement(block, cfg, experts)
         shard(block, reshard_after_forward=cfg.reshard_after_forward, shard_placement_fn=placement)
     shard(module)  # the root: embeddings, head, and what runs at the end of backward
 
@@ -321,17 +347,22 @@ def parallelize(
     ``mesh``: the layout's (:func:`build_mesh`); ``experts``: the experts' mesh
     (:func:`build_expert_mesh`; None without ``--ep``); ``shard``: what tensor parallelism
     and fully_shard use with ``--cp`` (:func:`build_shard_mesh`; default ``mesh``)."""
+    has_experts = model.moe_shape is not None  # the GPT's --experts, a Llama's config
     stages = _split(model, cfg, mesh_coordinate(mesh, PP))  # 1. pipeline split
     inner = shard if shard is not None else mesh
     for stage in stages:
         if cfg.tp > 1:  # 2. tensor parallelism
             assert inner is not None
             plan = tensor_parallel_plan(stage.module, cfg.sequence_parallel)
+            tied = _tied(stage.module)
             parallelize_module(stage.module, inner[TP], plan)
+            if tied:  # each style made its own DTensor: one matrix again (both Shard(0))
+                assert stage.module.head and stage.module.tok_emb
+                stage.module.head.weight = stage.module.tok_emb.weight
         if cfg.cp > 1:  # 3. context parallelism: sequences split, attention exact
             assert mesh is not None
             _context_parallel(stage.module, cfg, mesh)
-        if cfg.experts:  # 4. expert parallelism, load balancing over the dp ranks
+        if has_experts:  # 4. expert parallelism, load balancing over the dp ranks
             _moe(stage.module, cfg, mesh, experts)
         _checkpoint(stage.module, cfg.ac)  # 5. activation checkpointing per block
         if cfg.dp_shard * cfg.cp > 1:  # 6. data parallelism per block, then the root

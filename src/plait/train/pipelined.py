@@ -4,8 +4,14 @@ The schedule (``--schedule``, torch's class names) splits the local batch into
 ``--microbatches`` pieces and runs this rank's actions: forwards and backwards of its
 stages, sends and receives between neighbouring ranks, and, for stages under
 ``fully_shard`` / ``replicate``, one gather, free and gradient reduction per step. Only the
-rank holding the last stage computes losses; its local loss is the mean of the
-microbatches' (equal microbatches: the mean over the local batch).
+rank holding the last stage computes losses.
+
+Packed rows: the documents and positions go to every stage as keyword arguments, which the
+schedule cuts into microbatches like the inputs, so each stage's forward (and a
+checkpointed block's recompute) sees its own microbatch's, with nothing sent between
+stages. The loss of microbatch i is its tokens' sum over the global batch's count, times
+the gradient ranks (:mod:`plait.train.step`); the schedule seeds each backward with 1
+(``scale_grads=False``): the microbatches' gradients add up to the global batch's.
 """
 
 from __future__ import annotations
@@ -17,10 +23,19 @@ from plait.layout import PP
 from plait.mesh import mesh_device
 from plait.pipeline import SCHEDULE_CLASSES, PipelineScheduleSingle, PipelineStage, schedule_spec
 from plait.train.config import TrainConfig
-from plait.train.model import lm_loss
+from plait.train.model import token_loss
 from plait.train.parallelize import Stage, forward_context, loss_context
+from plait.train.step import StepBatch, gradient_ranks
 
 __all__ = ["PipelineStepper"]
+
+
+def _microbatch_loss(
+    logits: torch.Tensor, targets: torch.Tensor, tokens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The schedule's ``loss_fn``: microbatch tokens' loss sum over the global count, times
+    the gradient ranks ``scale``."""
+    return token_loss(logits, targets) * (scale / tokens)
 
 
 class PipelineStepper:
@@ -28,6 +43,7 @@ class PipelineStepper:
 
     def __init__(self, stages: list[Stage], cfg: TrainConfig, mesh: DeviceMesh) -> None:
         self.cfg = cfg
+        self.scale = float(gradient_ranks(cfg))
         group, device = mesh[PP].get_group(), mesh_device(mesh)
         pipeline_stages = [
             PipelineStage(s.module, s.index, s.n_stages, device, group=group) for s in stages
@@ -38,23 +54,38 @@ class PipelineStepper:
         self.schedule = schedule_class(
             pipeline_stages[0] if single else pipeline_stages,  # type: ignore[arg-type]
             cfg.microbatches,
-            loss_fn=lm_loss,
+            loss_fn=_microbatch_loss,
+            scale_grads=False,
         )
         self.has_loss = any(s.is_last for s in stages)
 
     def _local_loss(self, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         if not self.has_loss:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack([loss.float() for loss in losses]).mean()
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / self.scale
 
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def train(self, batch: StepBatch) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         with loss_context(self.cfg), forward_context(self.cfg):  # backwards run in step too
-            self.schedule.step(inputs, target=targets, losses=losses)
-        return self._local_loss(losses, inputs.device)
+            self.schedule.step(
+                batch.inputs,
+                target=batch.targets,
+                losses=losses,
+                return_outputs=False,
+                loss_kwargs={"tokens": batch.tokens, "scale": self.scale},
+                **batch.model_kwargs(),
+            )
+        return self._local_loss(losses, batch.inputs.device)
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, batch: StepBatch) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         with loss_context(self.cfg), forward_context(self.cfg):
-            self.schedule.eval(inputs, target=targets, losses=losses)
-        return self._local_loss(losses, inputs.device)
+            self.schedule.eval(
+                batch.inputs,
+                target=batch.targets,
+                losses=losses,
+                return_outputs=False,
+                loss_kwargs={"tokens": batch.tokens, "scale": self.scale},
+                **batch.model_kwargs(),
+            )
+        return self._local_loss(losses, batch.inputs.device)

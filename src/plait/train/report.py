@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from plait.train.config import TrainConfig
+from plait.train.flops import Peak, mfu
+from plait.train.progress import format_mfu
 
 __all__ = ["expert_rows", "imbalance", "plot_loss_curve", "summary_table"]
 
@@ -61,9 +63,13 @@ def summary_table(
     session_steps: list[dict[str, Any]],
     peak_memory: list[int],
     run_dir: str | Path,
+    *,
+    mfu_of: tuple[float, Peak] | None = None,
 ) -> str:
     """The end-of-run table. ``records``: the whole run's metrics (a resumed run's too);
-    ``session_steps``: the training records of this session, timed here."""
+    ``session_steps``: the training records of this session, timed here; ``mfu_of``: the
+    model's training FLOPs per token and the peak (:mod:`plait.train.flops`), for the MFU
+    of the steady tokens/s."""
     times = [r["step_time"] for r in session_steps]
     steady = times[1:] or times  # the first step also pays for warm-up (allocations, plans)
     tokens = cfg.batch_size * cfg.seq_len * len(steady)
@@ -73,6 +79,15 @@ def summary_table(
         ("steps", f"{records[-1]['step'] if records else 0} of {cfg.steps}"),
         ("layout", f"{cfg.nproc} x {cfg.device} ({_layout(cfg)})"),
         ("tokens/s", f"{tokens / sum(steady):,.0f}" if times else "-"),
+    ]
+    if mfu_of is not None:
+        per_token, peak = mfu_of
+        rate = mfu(tokens / sum(steady), per_token, peak.flops) if times else None
+        rows += [
+            ("MFU", f"{format_mfu(rate)} ({per_token:.3g} FLOPs per token)"),
+            ("peak FLOP/s", f"{peak.flops:.3g} ({peak.source})"),
+        ]
+    rows += [
         ("median step time", f"{statistics.median(times) * 1000:,.1f} ms" if times else "-"),
     ]
     if val:

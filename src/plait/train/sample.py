@@ -1,11 +1,13 @@
 """``plait sample``: text generated from a run's checkpoint, in one process.
 
 The checkpoint may come from any layout (sharded, replicated, pipelined): DCP reassembles
-full tensors for the plain model built here from the run's saved configuration.
+full tensors for the plain model built here from the run's saved configuration. The prompt
+is encoded, and the continuation decoded, by the run's tokenizer (``--tokenizer``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,10 +22,9 @@ from plait.train.checkpointing import (
 from plait.train.config import ConfigError, from_mapping
 from plait.train.loop import build_model
 from plait.train.parallelize import Model
+from plait.train.tokenizer import load_tokenizer
 
 __all__ = ["generate", "load_model", "sample_command"]
-
-BYTES = 256  # the byte tokenizer's vocabulary
 
 
 def load_model(checkpoint: Path) -> Model:
@@ -38,15 +39,24 @@ def load_model(checkpoint: Path) -> Model:
 
 @torch.no_grad()
 def generate(
-    model: Model, prompt: bytes, n_tokens: int, temperature: float, top_k: int, seed: int
-) -> bytes:
-    """``n_tokens`` bytes continuing ``prompt`` (temperature 0: always the likeliest). The
-    tokens are bytes: a model with a larger vocabulary samples among its first 256."""
+    model: Model,
+    prompt: Sequence[int],
+    n_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    vocab: int = 256,
+    stop: int | None = None,
+) -> list[int]:
+    """Up to ``n_tokens`` token ids continuing the ids ``prompt`` (bytes for the byte
+    tokenizer; temperature 0: always the likeliest), drawn among the first ``vocab`` ids
+    (the tokenizer's: a model's vocabulary may be larger). Ends early, leaving it out, at
+    the id ``stop`` (the tokenizer's eos)."""
     generator = torch.Generator().manual_seed(seed)
     idx = torch.tensor([list(prompt) or [ord("\n")]], dtype=torch.long)  # (1, T)
     start = idx.shape[1]
     for _ in range(n_tokens):
-        logits = model(idx[:, -model.seq_len :])[:, -1, :BYTES]  # (1, 256)
+        logits = model(idx[:, -model.seq_len :])[:, -1, :vocab]  # (1, vocab)
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -55,8 +65,10 @@ def generate(
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        if stop is not None and int(nxt) == stop:
+            break
         idx = torch.cat([idx, nxt], dim=1)
-    return bytes(idx[0, start:].tolist())
+    return idx[0, start:].tolist()
 
 
 def sample_command(
@@ -68,10 +80,18 @@ def sample_command(
     top_k: int,
     seed: int,
 ) -> str:
-    """The prompt and its continuation, as text (undecodable bytes replaced)."""
+    """The prompt and its continuation, as text: the run's tokenizer encodes the prompt
+    (an empty one starts from its bos or eos, or a newline) and decodes the continuation
+    (for bytes: undecodable ones replaced); sampling stops early at the tokenizer's eos."""
     path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
     if path is None:
         raise ConfigError(f"--run-dir {run_dir} holds no checkpoint; train first (plait train)")
     model = load_model(path)
-    out = generate(model, prompt.encode(), tokens, temperature, top_k, seed)
-    return prompt + out.decode("utf-8", errors="replace")
+    tokenizer = load_tokenizer(from_mapping(read_info(path).config).tokenizer)
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        start = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+        ids = [start] if start is not None else tokenizer.encode("\n")
+    vocab, stop = tokenizer.vocab_size, tokenizer.eos_id
+    out = generate(model, ids, tokens, temperature, top_k, seed, vocab=vocab, stop=stop)
+    return prompt + tokenizer.decode(out)

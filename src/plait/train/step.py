@@ -6,38 +6,75 @@ Two implementations of :class:`Stepper`, chosen by :func:`make_stepper`:
   gradients accumulate, communication held back until the last one;
 * with one, the pipeline schedule runs the microbatches (:mod:`plait.train.pipelined`).
 
-Both return this rank's *local* mean loss as a 0-d float32 tensor, or zero on ranks that
-compute no loss (pipeline ranks without the last stage); :func:`global_mean` turns that
-into the loss of the global batch.
+They take a :class:`StepBatch` (:func:`step_batch`: this rank's share of a global batch,
+its packed documents and the global count of loss tokens). The loss of a step is the
+token-weighted mean over the whole global batch: the sum of the cross-entropies of every
+target that is not ``IGNORE``, on every rank, divided by how many there are in the global
+batch, so uneven loss tokens per row, microbatch or rank (chat answers) give the
+gradients of one process on the whole batch, at any layout. Each rank's backward starts
+from its own tokens' sum divided by that global count, times the number of ranks
+``fully_shard`` / ``replicate`` average gradients over (``dp x cp``): their mean then is
+the global batch's gradient. Steppers return this rank's *contribution* (its tokens' loss
+sum over the global count; zero on ranks that compute no loss: pipeline ranks without
+the last stage), which :func:`global_loss` sums into the loss of the global batch.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait import spmd
+from plait.context import shard_sequence
 from plait.fsdp import FSDPModule
+from plait.layout import CP
 from plait.mesh import collective_device
 from plait.replicate import ReplicateModule
 from plait.train.config import TrainConfig
-from plait.train.model import lm_loss
+from plait.train.model import IGNORE, document_positions, token_loss
 from plait.train.parallelize import Stage, forward_context, loss_context
 
-__all__ = ["Stepper", "global_mean", "make_stepper"]
+__all__ = ["StepBatch", "Stepper", "global_loss", "gradient_ranks", "make_stepper", "step_batch"]
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """This rank's share of one global batch, as the steppers take it (on the device).
+
+    ``inputs`` / ``targets`` ``(b, T_local)`` int64 (``targets`` ``IGNORE`` where no loss);
+    with context parallelism ``T_local`` is this rank's tokens of each row, in the cp
+    layout. ``documents`` / ``positions`` ``(b, T_local)``: each token's document index
+    and its position in that document, computed on the whole rows and then sharded like
+    the inputs; both None when no row holds several documents (the models' plain causal
+    path). ``tokens``: the loss tokens (targets that are not ``IGNORE``) of the whole
+    global batch, a 0-d int64 tensor on the device, at least 1."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    documents: torch.Tensor | None
+    positions: torch.Tensor | None
+    tokens: torch.Tensor
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The models' keyword arguments for these rows (none for unpacked rows)."""
+        if self.documents is None or self.positions is None:
+            return {}
+        return {"documents": self.documents, "positions": self.positions}
 
 
 class Stepper(Protocol):
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def train(self, batch: StepBatch) -> torch.Tensor:
         """Forward and backward of this rank's part of a global batch; gradients are then
-        ready for the optimizer. Returns the local mean loss (detached)."""
+        ready for the optimizer. Returns this rank's contribution to the global batch's
+        loss (detached, 0-d float32; see the module docstring)."""
         ...
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The local mean loss without gradients."""
+    def evaluate(self, batch: StepBatch) -> torch.Tensor:
+        """This rank's contribution to the loss, without gradients."""
         ...
 
 
@@ -50,22 +87,77 @@ def make_stepper(stages: list[Stage], cfg: TrainConfig, mesh: DeviceMesh | None)
     return DataParallelStepper(stages[0], cfg)
 
 
-def global_mean(local: torch.Tensor, cfg: TrainConfig) -> float:
-    """The mean over data-parallel ranks of their local losses (the global batch's loss
-    for equal local batches); ranks without a loss contribute zero. ``local`` may hold
-    several losses, one per batch: the mean of the batches' global losses, for one
-    collective and one wait for the device. The ``tp`` ranks of a data-parallel rank hold
-    the same loss (of the same batch), so the sum over all ranks counts it ``tp`` times;
-    its ``cp`` ranks hold the losses of equal shares of its tokens, averaged alike."""
-    total = local.detach().float().reshape(-1)
-    copies = 1
+def gradient_ranks(cfg: TrainConfig) -> int:
+    """How many ranks ``fully_shard`` / ``replicate`` average each gradient over: the
+    data-parallel ranks and, with ``--cp``, the context-parallel ones (each holds a share of
+    its data-parallel rank's tokens). Every backward is scaled up by it, so that their mean
+    is the sum the token-weighted loss needs."""
+    return cfg.dp * cfg.cp
+
+
+def _several_documents(documents: torch.Tensor) -> bool:
+    """Whether some row holds more than one document (ids are non-decreasing per row)."""
+    return bool((documents[:, -1] != documents[:, 0]).any())
+
+
+def step_batch(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    documents: torch.Tensor,
+    cfg: TrainConfig,
+    mesh: DeviceMesh | None,
+) -> StepBatch:
+    """This rank's :class:`StepBatch` from its data-parallel share of a global batch:
+    ``inputs``, ``targets`` and ``documents`` ``(b, T)`` of whole rows (host tensors, as the
+    data gives them). Positions in documents are computed on the whole rows; then every
+    tensor is cut to this rank's tokens of each row (``--cp``: ``shard_sequence``) and moved
+    to the device. The global count of loss tokens is one all-reduce of the local counts
+    over the world (every rank calls this: a collective when there are several)."""
+    docs: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    if _several_documents(documents):  # else the models keep plain causal attention
+        docs, positions = documents, document_positions(documents)
+    if cfg.cp > 1:  # this rank's tokens of every row (the model knows their places)
+        assert mesh is not None
+        group = mesh[CP]
+        inputs, targets = (shard_sequence(t, group, dim=1) for t in (inputs, targets))
+        if docs is not None and positions is not None:
+            docs, positions = (shard_sequence(t, group, dim=1) for t in (docs, positions))
+    count = (targets != IGNORE).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        world, copies = dist.group.WORLD, cfg.dp * cfg.cp * cfg.tp
+        # Every rank counts its own tokens; the pp and tp ranks of one (dp, cp) rank hold
+        # the same ones, so the world's sum counts each pp * tp times.
+        world = dist.group.WORLD
+        count = count.to(collective_device(world))
+        spmd.record("all_reduce", count, world, "the loss tokens")
+        spmd.wait(dist.all_reduce(count, group=world, async_op=True), "all_reduce of tokens")
+        count = count // (cfg.pp * cfg.tp)
+    device = cfg.device
+
+    def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return StepBatch(
+        inputs.to(device),
+        targets.to(device),
+        moved(docs),
+        moved(positions),
+        count.clamp(min=1).to(device),  # a batch without loss tokens: loss and gradients 0
+    )
+
+
+def global_loss(local: torch.Tensor, cfg: TrainConfig) -> list[float]:
+    """The global batch's loss from every rank's contribution ``local`` (one per batch:
+    several batches cost one collective and one wait for the device). The ``tp`` ranks of a
+    data-parallel rank hold the same contribution (of the same tokens), so the sum over the
+    world counts it ``tp`` times; pipeline ranks without the last stage contribute zero."""
+    total = local.detach().float().reshape(-1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.group.WORLD
         total = total.to(collective_device(world)).clone()
         spmd.record("all_reduce", total, world, "the loss")
         spmd.wait(dist.all_reduce(total, group=world, async_op=True), "all_reduce of the loss")
-    losses = total.tolist()
-    return sum(loss / copies for loss in losses) / len(losses)
+    return [loss / cfg.tp for loss in total.tolist()]
 
 
 def _set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
@@ -74,28 +166,45 @@ def _set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
         module.set_requires_gradient_sync(enabled)
 
 
+def _rows(batch: StepBatch, m: int) -> list[StepBatch]:
+    """``batch`` cut into ``m`` microbatches of rows (the global count kept)."""
+
+    def cut(t: torch.Tensor | None) -> list[Any]:
+        return [None] * m if t is None else list(t.chunk(m))
+
+    parts = zip(
+        *(cut(t) for t in (batch.inputs, batch.targets, batch.documents, batch.positions)),
+        strict=True,
+    )
+    return [StepBatch(x, y, d, p, batch.tokens) for x, y, d, p in parts]
+
+
 class DataParallelStepper:
     """No pipeline: the whole model on every rank, gradient accumulation over microbatches."""
 
     def __init__(self, stage: Stage, cfg: TrainConfig) -> None:
         self.module = stage.module
         self.cfg = cfg
+        self.scale = float(gradient_ranks(cfg))
 
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def train(self, batch: StepBatch) -> torch.Tensor:
         m = self.cfg.microbatches
-        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
-        for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):
-            # Each microbatch's loss is scaled by 1/m, so the accumulated gradient is that
-            # of the mean loss over the local batch; only the last backward communicates.
+        total = torch.zeros((), dtype=torch.float32, device=batch.inputs.device)
+        for i, mb in enumerate(_rows(batch, m)):
+            # Each microbatch's loss is its tokens' sum over the global count, so the
+            # accumulated gradient is this rank's share of the global batch's; only the
+            # last backward communicates (and averages over the gradient ranks: scaled up).
             _set_gradient_sync(self.module, i == m - 1)
             with loss_context(self.cfg):
                 with forward_context(self.cfg):
-                    loss = lm_loss(self.module(x), y) / m
-                loss.backward()
+                    logits = self.module(mb.inputs, **mb.model_kwargs())
+                    loss = token_loss(logits, mb.targets) / mb.tokens
+                (loss * self.scale).backward()
             total += loss.detach()
         return total
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, batch: StepBatch) -> torch.Tensor:
         with loss_context(self.cfg), forward_context(self.cfg):
-            return lm_loss(self.module(inputs), targets).float()
+            logits = self.module(batch.inputs, **batch.model_kwargs())
+            return (token_loss(logits, batch.targets) / batch.tokens).float()
