@@ -16,6 +16,9 @@ the gradient ranks (:mod:`plait.train.step`); the schedule seeds each backward w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -65,22 +68,17 @@ class PipelineStepper:
         return torch.stack([loss.detach().float() for loss in losses]).sum() / self.scale
 
     def train(self, batch: StepBatch) -> torch.Tensor:
-        losses: list[torch.Tensor] = []
-        with loss_context(self.cfg), forward_context(self.cfg):  # backwards run in step too
-            self.schedule.step(
-                batch.inputs,
-                target=batch.targets,
-                losses=losses,
-                return_outputs=False,
-                loss_kwargs={"tokens": batch.tokens, "scale": self.scale},
-                **batch.model_kwargs(),
-            )
-        return self._local_loss(losses, batch.inputs.device)
+        return self._run(self.schedule.step, batch)  # forwards and backwards
 
     def evaluate(self, batch: StepBatch) -> torch.Tensor:
+        return self._run(self.schedule.eval, batch)
+
+    def _run(self, run: Callable[..., Any], batch: StepBatch) -> torch.Tensor:
+        """``run`` (the schedule's ``step`` or ``eval``) over ``batch``'s microbatches;
+        this rank's contribution to the loss."""
         losses: list[torch.Tensor] = []
-        with loss_context(self.cfg), forward_context(self.cfg):
-            self.schedule.eval(
+        with loss_context(self.cfg), forward_context(self.cfg):  # backwards run in step too
+            run(
                 batch.inputs,
                 target=batch.targets,
                 losses=losses,
