@@ -68,24 +68,33 @@ def _split_docs(data: TokenData, split: str) -> list[list[int]]:
     return [t.tolist() for t in part.tokens.long().split(part.lengths.tolist())]
 
 
+def _stream_rows(data: TokenData, split: str, epoch: int, rows: range) -> list[int]:
+    """Which rows of ``epoch``'s stream the epoch's ``rows``-th taken rows are (its row
+    order is a permutation of the stream's rows)."""
+    taken = data.splits[split].epoch(epoch)[2].tolist()
+    assert sorted(taken) == list(range(data.rows_per_epoch(split)))
+    return [taken[r] for r in rows]
+
+
 def _expected_rows(data: TokenData, split: str, epoch: int, rows: range) -> list[list[int]]:
     """Rows of ``seq_len + 1`` tokens, ``seq_len`` apart, of the documents of ``split`` in
-    ``epoch``'s order, concatenated."""
+    ``epoch``'s order, concatenated; the ``rows``-th the epoch takes."""
     docs = _split_docs(data, split)
-    order, _ = data.splits[split].epoch(epoch)
+    order = data.splits[split].epoch(epoch)[0]
     assert sorted(order.tolist()) == list(range(len(docs)))  # a permutation
     stream = [t for i in order.tolist() for t in docs[i]]
     t = data.seq_len
-    return [stream[r * t : r * t + t + 1] for r in rows]
+    return [stream[r * t : r * t + t + 1] for r in _stream_rows(data, split, epoch, rows)]
 
 
 def _document_index(data: TokenData, split: str, epoch: int, rows: range) -> list[list[int]]:
     """For each row's input positions, the document (counted from the row's first) it is in."""
     docs = _split_docs(data, split)
-    order, _ = data.splits[split].epoch(epoch)
+    order = data.splits[split].epoch(epoch)[0]
     owner = [k for k, i in enumerate(order.tolist()) for _ in docs[i]]
     t = data.seq_len
-    return [[owner[r * t + j] - owner[r * t] for j in range(t)] for r in rows]
+    stream_rows = _stream_rows(data, split, epoch, rows)
+    return [[owner[r * t + j] - owner[r * t] for j in range(t)] for r in stream_rows]
 
 
 # ----------------------------------------------------------------------------------------
@@ -269,10 +278,11 @@ def test_chat_targets_are_the_answers(tmp_path: Path, bpe: HFTokenizer) -> None:
     batch = data.batch("train", 0, rows)
     expected = _expected_rows(data, "train", 0, range(rows))
     part = data.splits["train"]
-    order, _ = part.epoch(0)
+    order = part.epoch(0)[0]
     docs = part.trained.split(part.lengths.tolist())
     mask = [m for i in order.tolist() for m in docs[i].tolist()]
-    for r, (row, targets) in enumerate(zip(expected, batch.targets.tolist(), strict=True)):
+    stream_rows = _stream_rows(data, "train", 0, range(rows))
+    for r, row, targets in zip(stream_rows, expected, batch.targets.tolist(), strict=True):
         keep = mask[r * 8 + 1 : r * 8 + 9]
         assert targets == [t if k else IGNORE for t, k in zip(row[1:], keep, strict=True)]
     assert (batch.targets == IGNORE).any() and (batch.targets != IGNORE).any()

@@ -40,8 +40,11 @@ inputs are ``row[:-1]``, targets ``row[1:]``, :data:`IGNORE` where the target to
 no loss (a chat's prompt). A target across a document boundary is kept: the last token of
 a document, its eos when the tokenizer has one, predicts the first of the next document
 (with an eos this teaches how documents begin, which sampling from the eos relies on).
-Global batch ``step`` takes rows ``step * batch_size ...`` of the concatenation of epochs
-(epoch = row // rows per epoch), so a batch is a pure function of ``(seed, split, step)``:
+The rows of an epoch are then taken in an order shuffled by ``(seed, split, epoch)`` too,
+so a batch mixes rows from all over the corpus instead of neighbours from a few documents
+(its loss and gradient vary much less from step to step). Global batch ``step`` takes
+rows ``step * batch_size ...`` of the concatenation of epochs in that order (epoch = row
+// rows per epoch), so a batch is a pure function of ``(seed, split, step)``:
 every rank builds the same global batch and keeps its part, and a resumed run sees exactly
 the batches the uninterrupted run would have, mid-epoch too, with no loader state to save.
 """
@@ -361,16 +364,19 @@ class _Split:
             if doc.trained is not None:
                 self.trained[start : start + n] = doc.trained
         self.rows_per_epoch = max(0, (self.n_tokens - 1) // seq_len)
-        self._epochs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._epochs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def epoch(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The documents in ``epoch``'s order, and where each ends in its stream."""
+    def epoch(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The documents in ``epoch``'s order, where each ends in its stream, and the
+        order the epoch's rows are taken in (``k``-th row taken: row ``rows[k]`` of the
+        stream)."""
         if epoch not in self._epochs:
             generator = torch.Generator().manual_seed(_mix(self.seed, epoch))
             order = torch.randperm(self.n_docs, generator=generator)
+            rows = torch.randperm(self.rows_per_epoch, generator=generator)
             if len(self._epochs) >= 4:  # a batch spans one or two epochs: keep a few
                 self._epochs.pop(next(iter(self._epochs)))
-            self._epochs[epoch] = (order, torch.cumsum(self.lengths[order], 0))
+            self._epochs[epoch] = (order, torch.cumsum(self.lengths[order], 0), rows)
         return self._epochs[epoch]
 
     def rows(self, rows: torch.Tensor) -> Batch:
@@ -382,8 +388,8 @@ class _Split:
         epochs = rows // self.rows_per_epoch
         for e in epochs.unique().tolist():
             mine = epochs == e
-            order, ends = self.epoch(e)
-            first = (rows[mine] % self.rows_per_epoch) * t
+            order, ends, taken = self.epoch(e)
+            first = taken[rows[mine] % self.rows_per_epoch] * t
             pos = first[:, None] + torch.arange(t + 1)  # (rows, T + 1) in the epoch's stream
             k = torch.searchsorted(ends, pos, right=True)  # the epoch's k-th document
             begins = ends[k] - self.lengths[order[k]]
