@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 
@@ -9,6 +10,19 @@ import pytest
 import torch
 
 from harness import shutdown_pools
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _token_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``plait train``'s token cache (plait.train.data) in a temporary folder, never the
+    user's ~/.cache; set before any rank pool starts, so its workers inherit it."""
+    before = os.environ.get("PLAIT_DATA_CACHE")
+    os.environ["PLAIT_DATA_CACHE"] = str(tmp_path_factory.mktemp("plait-data-cache"))
+    yield
+    if before is None:
+        os.environ.pop("PLAIT_DATA_CACHE", None)
+    else:
+        os.environ["PLAIT_DATA_CACHE"] = before
 
 
 @pytest.fixture(autouse=True)

@@ -136,8 +136,10 @@ def test_plan_command_dry_runs_the_best_layout(capsys: pytest.CaptureFixture[str
     assert main([*gpt, "--gpus", "64", "--device", "cpu", "--top", "1", "--dry-run"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("dry run of ") and "(rank 0 of 64" in line and "predicted" in line
-    assert main(["--preset", "llama3-8b", "--gpus", "8", "--dry-run"]) == 2
-    assert "--dry-run runs plait's GPT" in capsys.readouterr().err
+    # Presets are dry-run through plait train's preset of their shapes (Llama 3.1's):
+    # tests/test_plan_dryrun_llama.py; one without is refused.
+    assert main(["--preset", "llama3-405b", "--gpus", "1024", "--top", "1", "--dry-run"]) == 2
+    assert "plait train has no preset of its shapes" in capsys.readouterr().err
 
 
 def test_plan_command_measures_this_cpu(capsys: pytest.CaptureFixture[str]) -> None:

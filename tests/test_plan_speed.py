@@ -164,17 +164,17 @@ def test_search_equals_the_search_without_shortcuts(
 #: memory model changes the figures.
 RECORDED_10240 = {
     "top": [
-        "dp_shard=10240 ac=full",
-        "dp_replicate=2 dp_shard=5120 ac=full",
-        "dp_replicate=4 dp_shard=2560 ac=full",
+        "dp_shard=5120 tp=2 ac=full",
+        "dp_replicate=2 dp_shard=2560 tp=2 ac=full",
+        "dp_replicate=4 dp_shard=1280 tp=2 ac=full",
     ],
     "piped": [
         "pp=16 dp_shard=160 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
         "pp=16 dp_replicate=2 dp_shard=80 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
         "pp=16 dp_replicate=4 dp_shard=40 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
     ],
-    "n": 919,
-    "digest": "354558139eae2da0",
+    "n": 869,
+    "digest": "fcee0c9d7a5f111e",
 }
 
 _COLD_SEARCH = """
@@ -220,4 +220,4 @@ def test_cold_10240_gpu_search_is_under_two_cpu_seconds(cold_10240: dict[str, ob
 def test_cold_10240_gpu_search_finds_the_recorded_layouts(cold_10240: dict[str, object]) -> None:
     got = {key: cold_10240[key] for key in RECORDED_10240}
     assert got == RECORDED_10240
-    assert describe(Layout(dp_shard=10240, ac="full")) == RECORDED_10240["top"][0]
+    assert describe(Layout(dp_shard=5120, tp=2, ac="full")) == RECORDED_10240["top"][0]

@@ -7,15 +7,20 @@ Everything is built here from a few standard-library files: nothing is downloade
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import os
+import shutil
 import sysconfig
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from plait.train import data as data_module
 from plait.train.cli import main
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.data import (
@@ -36,6 +41,8 @@ from plait.train.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
+
+from harness import run_on_ranks
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 BPE_FILES = ("bisect.py", "colorsys.py", "keyword.py")  # small, stable, plain ASCII
@@ -473,3 +480,194 @@ def test_missing_files_are_refused_before_launch(
     forbid_launch(monkeypatch, "a worker was started for a missing file")
     assert main(["train", "--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------
+# The token cache: tokenized once (per machine), the same batches
+# ----------------------------------------------------------------------------------------
+
+
+def _count_tokenizing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list whose length counts the calls of data._tokenize from now on."""
+    calls: list[int] = []
+    real = data_module._tokenize
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "_tokenize", counted)
+    return calls
+
+
+def _all_batches(data: TokenData) -> list[torch.Tensor]:
+    steps = [("train", s) for s in (0, 1, 5, 40)] + [("val", s) for s in (0, 3)]
+    return [x for split, step in steps for x in _fields(data.batch(split, step, 4))]
+
+
+def _same_data(a: TokenData, b: TokenData) -> bool:
+    return a.fingerprint == b.fingerprint and all(
+        torch.equal(x, y) for x, y in zip(_all_batches(a), _all_batches(b), strict=True)
+    )
+
+
+def _mixed_corpus(tmp_path: Path) -> Path:
+    """Texts and chats: tokens, masks and the split's hashes all go through the cache."""
+    records = [{"text": t * 3} for t in TEXTS] + [{"messages": m} for m in CHATS]
+    return _jsonl(tmp_path / "mixed.jsonl", records)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_cache_gives_the_same_batches(
+    tmp_path: Path, bpe: HFTokenizer, tokenizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _config(_mixed_corpus(tmp_path), tokenizer=bpe.name if tokenizer == "bpe" else "")
+    cache = tmp_path / "cache"
+    calls = _count_tokenizing(monkeypatch)
+    plain = load_data(cfg, use_cache=False)
+    assert len(calls) == 1 and not cache.exists()
+    cold = load_data(cfg, cache)
+    assert len(calls) == 2 and len(list(cache.glob("*.tokens"))) == 1
+    warm = load_data(cfg, cache)
+    assert len(calls) == 2  # a hit tokenizes nothing
+    assert _same_data(plain, cold) and _same_data(plain, warm)
+    assert not list(cache.glob(".*"))  # no temporary file left behind
+    # The environment variable names the folder; "off" turns the cache off.
+    monkeypatch.setenv("PLAIT_DATA_CACHE", str(cache))
+    assert _same_data(plain, load_data(cfg)) and len(calls) == 2
+    monkeypatch.setenv("PLAIT_DATA_CACHE", "off")
+    assert data_module.cache_dir() is None
+    load_data(cfg)
+    assert len(calls) == 3
+
+
+def test_single_document_through_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "one.txt"
+    path.write_text("".join(TEXTS) * 20)
+    cfg, cache = _config(path), tmp_path / "cache"
+    plain = load_data(cfg, use_cache=False)
+    assert _same_data(plain, load_data(cfg, cache)) and _same_data(plain, load_data(cfg, cache))
+
+
+def test_changes_invalidate_the_cache(
+    tmp_path: Path, bpe: HFTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    path = _jsonl(corpus / "a.jsonl", [{"text": t * 3} for t in TEXTS])
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(bpe.name, tok / "tokenizer.json")
+    cfg, cache = _config(corpus, tokenizer=str(tok / "tokenizer.json")), tmp_path / "cache"
+    calls = _count_tokenizing(monkeypatch)
+    first = load_data(cfg, cache)
+    load_data(cfg, cache)
+    assert len(calls) == 1
+
+    def changed(expect_new: bool = True) -> TokenData:
+        before = len(calls)
+        data = load_data(cfg, cache)
+        assert len(calls) == before + expect_new
+        assert _same_data(data, load_data(dataclasses.replace(cfg), use_cache=False))
+        return data
+
+    # The same size, rewritten at once: a file's bytes, not only its time, are in the key.
+    path.write_text(path.read_text().replace("aaaaa", "zzzzz"))
+    assert not _same_data(first, changed())
+    _jsonl(corpus / "b.jsonl", [{"text": "another document"}])  # a file more
+    changed()
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": ENDOFTEXT}))
+    with_eos = changed()  # the tokenizer's settings changed: documents end with its eos
+    assert with_eos.splits["train"].tokens[-1] == bpe.encode(ENDOFTEXT)[0]
+    changed(expect_new=False)  # back to a hit
+    cfg = dataclasses.replace(cfg, text_field="body")  # other fields: other records
+    with pytest.raises(ConfigError, match="neither a 'body' field"):
+        load_data(cfg, cache)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty"])
+def test_a_damaged_cache_file_is_rebuilt(
+    tmp_path: Path, damage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg, cache = _config(_mixed_corpus(tmp_path)), tmp_path / "cache"
+    plain = load_data(cfg, cache)
+    (file,) = cache.glob("*.tokens")
+    content = bytearray(file.read_bytes())
+    if damage == "flip":
+        content[-10] ^= 0xFF  # a byte of the last array (the split's hashes)
+    elif damage == "truncate":
+        content = content[: len(content) // 2]
+    elif damage == "garbage":
+        content = bytearray(b"not a cache file at all" * 10)
+    else:
+        content = bytearray()
+    file.write_bytes(bytes(content))
+    calls = _count_tokenizing(monkeypatch)
+    with pytest.warns(UserWarning, match=r"token cache .*tokenizing again"):
+        rebuilt = load_data(cfg, cache)
+    assert len(calls) == 1 and _same_data(plain, rebuilt)
+    assert _same_data(plain, load_data(cfg, cache)) and len(calls) == 1  # rewritten whole
+
+
+def test_an_unwritable_cache_only_warns(tmp_path: Path) -> None:
+    cfg = _config(_mixed_corpus(tmp_path))
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder would be")
+    with pytest.warns(UserWarning, match="cannot write it"):
+        data = load_data(cfg, blocker / "cache")
+    assert _same_data(data, load_data(cfg, use_cache=False))
+
+
+def _load_on_ranks(cfg: TrainConfig, cache: str, local_ranks: list[int] | None = None) -> Any:
+    """On each rank: load_data under the default group, counting tokenizations here;
+    ``local_ranks``: each rank's LOCAL_RANK, as torchrun sets it."""
+    calls = 0
+    if local_ranks is not None:
+        os.environ["LOCAL_RANK"] = str(local_ranks[dist.get_rank()])
+    real = data_module._tokenize
+
+    def counted(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    data_module._tokenize = counted  # type: ignore[assignment]
+    try:
+        data = load_data(cfg, Path(cache))
+    except ConfigError as err:
+        return calls, str(err)
+    finally:
+        data_module._tokenize = real  # type: ignore[assignment]
+        os.environ.pop("LOCAL_RANK", None)
+    return calls, [x.tolist() for x in _all_batches(data)], data.fingerprint
+
+
+def test_ranks_of_a_machine_tokenize_once(tmp_path: Path) -> None:
+    cfg, cache = _config(_mixed_corpus(tmp_path)), tmp_path / "cache"
+    plain = load_data(cfg, use_cache=False)
+    expected = ([x.tolist() for x in _all_batches(plain)], plain.fingerprint)
+    cold = run_on_ranks(2, _load_on_ranks, cfg, str(cache))
+    assert [c[0] for c in cold] == [1, 0]  # rank 0 tokenized, rank 1 read its file
+    assert all(tuple(c[1:]) == expected for c in cold)
+    warm = run_on_ranks(2, _load_on_ranks, cfg, str(cache))
+    assert [c[0] for c in warm] == [0, 0] and all(tuple(c[1:]) == expected for c in warm)
+
+
+@pytest.mark.parametrize(("local_ranks", "writers"), [([1, 0], [0, 1]), ([0, 0], [1, 1])])
+def test_local_rank_zero_tokenizes_for_its_machine(
+    tmp_path: Path, local_ranks: list[int], writers: list[int]
+) -> None:
+    """Under torchrun LOCAL_RANK 0 writes; two "machines" (both LOCAL_RANK 0) each do."""
+    cfg, cache = _config(_mixed_corpus(tmp_path)), tmp_path / "cache"
+    results = run_on_ranks(2, _load_on_ranks, cfg, str(cache), local_ranks)
+    assert [r[0] for r in results] == writers and results[0][1:] == results[1][1:]
+    assert len(list(cache.glob("*.tokens"))) == 1
+
+
+def test_a_failed_tokenizing_fails_every_rank(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"title": "no text"}\n')
+    results = run_on_ranks(2, _load_on_ranks, _config(path), str(tmp_path / "cache"))
+    assert "bad.jsonl:2" in results[0][1]  # the writer's own error
+    assert "failed on another rank" in results[1][1]
+    assert not (tmp_path / "cache").exists()

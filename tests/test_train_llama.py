@@ -15,6 +15,7 @@ import torch
 
 from plait.train.checkpointing import check_settings, list_checkpoints
 from plait.train.config import ConfigError
+from plait.train.hf import export_run
 from plait.train.layout import resolve
 from plait.train.llama import Llama, LlamaConfig, LlamaConfigError, rope_inv_freq
 from plait.train.loop import model_settings
@@ -232,6 +233,46 @@ def test_tied_head_layouts_match_single_process(
         assert_losses_close(result.losses, reference.losses, tol=1e-5)
 
 
-def test_tied_head_with_a_pipeline_refused(tied_config: str) -> None:
-    with pytest.raises(ConfigError, match=r"--pp 2: the model's head is tied"):
-        resolve(TINY.replace(model_config=tied_config, pp=2, dp_shard=1, nproc=2))
+TIED_PIPELINES: dict[str, tuple[int, dict[str, Any]]] = {
+    "pp2": (2, {"pp": 2, "dp_shard": 1, "schedule": "1F1B"}),
+    "pp2_dp_shard2": (4, {"pp": 2, "dp_shard": 2, "schedule": "1F1B"}),
+    # Tensor parallelism leaves the embedding's gradient replicated, the head's sharded.
+    "pp2_tp2": (4, {"pp": 2, "dp_shard": 1, "tp": 2, "schedule": "1F1B"}),
+    # V-shaped: the first and the last stage on rank 0, their gradients summed there.
+    "pp2_zbv": (2, {"pp": 2, "dp_shard": 1, "schedule": "ZBVZeroBubble"}),
+}
+
+
+@pytest.mark.parametrize("name", list(TIED_PIPELINES))
+def test_tied_head_with_a_pipeline_matches_single_process(
+    name: str, tied_config: str, tmp_path: Path
+) -> None:
+    """The first stage's embedding and the last stage's head, two copies of the tied
+    matrix, get the sum of their gradients (counted once by clipping): like one process."""
+    cfg = TINY.replace(model_config=tied_config, grad_clip=0.5)
+    reference = run_train(cfg, 1, tmp_path / "reference")
+    world, layout = TIED_PIPELINES[name]
+    results = run_on_ranks(world, train_on_rank, cfg.replace(**layout), str(tmp_path / name))
+    for result in results:
+        # Microbatches sum the gradients in another order (as for the untied pp2 layout).
+        assert_losses_close(result.losses, reference.losses, tol=1e-5)
+        assert_losses_close(list(result.val_losses.values()), list(reference.val_losses.values()))
+
+
+def test_tied_head_pipeline_checkpoint_resumes_in_one_process(
+    tied_config: str, tmp_path: Path
+) -> None:
+    """A pp 2 run's checkpoint (the tied matrix saved once, from either copy) continues in
+    one process, and one process's continues at pp 2, with the uninterrupted losses."""
+    cfg = TINY.replace(model_config=tied_config, grad_clip=0.5, steps=4, keep=5)
+    full = run_train(cfg, 1, tmp_path / "full")
+    pp2 = cfg.replace(**TIED_PIPELINES["pp2"][1])
+    run_on_ranks(2, train_on_rank, pp2.replace(stop_after=2), str(tmp_path / "pp"))
+    exported = export_run(tmp_path / "pp", tmp_path / "hf")  # one matrix, written once
+    assert json.loads((exported / "config.json").read_text())["tie_word_embeddings"]
+    one = run_train(cfg.replace(resume=True), 1, tmp_path / "pp")
+    assert_losses_close(one.losses, full.losses[2:], tol=1e-5)
+    run_train(cfg.replace(stop_after=2), 1, tmp_path / "one")
+    back = run_on_ranks(2, train_on_rank, pp2.replace(resume=True), str(tmp_path / "one"))
+    for result in back:
+        assert_losses_close(result.losses, full.losses[2:], tol=1e-5)

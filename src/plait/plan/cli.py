@@ -45,7 +45,7 @@ from plait.plan.spec import (
     Workload,
 )
 from plait.plan.timing import EFFICIENCY
-from plait.train.config import DEFAULTS, PRECISIONS
+from plait.train.config import DEFAULTS, PRECISIONS, TrainConfig
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -62,6 +62,7 @@ examples:
   plait plan --hf-config config.json --gpus 64 --device h200
   plait plan --n-layer 4 --d-model 128 --gpus 4 --device cpu
   plait plan --n-layer 32 --n-head 32 --d-model 4096 --seq-len 4096 --gpus 1024 --dry-run
+  plait plan --preset llama3-8b --seq-len 4096 --gpus 64 --dry-run
   plait plan --n-layer 16 --d-model 2048 --n-head 16 --experts 64 --top-k 4 --gpus 64
   plait plan --preset llama3-8b --gpus 64 --seq-len 65536 --cp 8 --cp-method ring
 """
@@ -214,8 +215,9 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
     out.add_argument(
         "--dry-run",
         action="store_true",
-        help="plait's GPT only: also run plait's real training step for rank 0 of the "
-        "best layout plait can dry-run (fake process group and tensors; a pipeline: "
+        help="also run plait's real training step (plait's GPT, or plait train's Llama of "
+        "--hf-config or of --preset llama3-8b / llama3-70b) for rank 0 of the best layout "
+        "plait can dry-run (fake process group and tensors; a pipeline: "
         "without tensor parallelism, schedules with full backwards, rank 0's own "
         "actions) and compare its measured peak memory with the prediction",
     )
@@ -352,34 +354,70 @@ def run(args: argparse.Namespace) -> int:
                 "(DeepSpeed, Megatron-LM); plait train does not run them"
             )
     if args.dry_run:
-        return _dry_run(args, ranked, work)
+        return _dry_run(args, ranked, work, model)
     return 0
 
 
-def _dry_runnable(layout: Layout) -> bool:
-    """Whether :func:`plait.plan.dryrun.dry_run` runs ``layout``: plait's own, and a
-    pipeline only without tensor parallelism and with a schedule of full backwards."""
+def _dry_runnable(layout: Layout, tied: bool = False) -> bool:
+    """Whether :func:`plait.plan.dryrun.dry_run` runs ``layout``: plait's own, not tensor
+    parallelism replicated without ``fully_shard``, and a pipeline only without tensor
+    parallelism, with a schedule of full backwards, and of a model whose head is not
+    ``tied`` to its embedding (plait train refuses that)."""
     from plait.pipeline.schedules import schedule_spec
-    from plait.plan.dryrun import DRY_RUN_SCHEDULES
+    from plait.plan.dryrun import DRY_RUN_SCHEDULES, replicated_tp
 
-    if isinstance(layout, PlanLayout):
+    if isinstance(layout, PlanLayout) or replicated_tp(layout):
         return False
     if layout.pp == 1:
         return True
+    if tied:
+        return False
     return layout.tp == 1 and schedule_spec(layout.schedule).name in DRY_RUN_SCHEDULES
 
 
-def _dry_run(args: argparse.Namespace, ranked: list[Candidate], work: Workload) -> int:
+#: ``--preset`` -> the ``plait train --model-config`` preset of the same shapes (Llama 3.1's
+#: published config.json: plait.train.presets), which ``--dry-run`` builds.
+TRAIN_PRESETS = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b"}
+
+
+def _model_config(args: argparse.Namespace) -> str:
+    """What ``--dry-run`` gives ``plait train --model-config``: the train preset of
+    ``--preset`` (:data:`TRAIN_PRESETS`), the ``--hf-config`` path, or "" (plait's GPT).
+    PlanError for a preset without a train preset, and for MoE flags on a config (the
+    Llama's experts are its config.json's)."""
+    if args.preset and args.preset.lower() not in TRAIN_PRESETS:
+        raise PlanError(
+            f"--dry-run --preset {args.preset}: plait train has no preset of its shapes; "
+            f"dry-run {', '.join(TRAIN_PRESETS)}, or give --hf-config"
+        )
+    given = [flag(n) for n in _MOE_FLAGS if getattr(args, n) is not None]
+    if (args.preset or args.hf_config) and given:
+        raise PlanError(
+            f"--dry-run with {', '.join(given)}: plait train builds a config's experts from "
+            "its config.json only; dry-run without them"
+        )
+    if args.preset:
+        return TRAIN_PRESETS[args.preset.lower()]
+    return str(args.hf_config or "")
+
+
+def _dry_run(
+    args: argparse.Namespace, ranked: list[Candidate], work: Workload, model: ModelSpec
+) -> int:
     """``--dry-run``: measure rank 0 of the best layout the dry run runs, and compare with
-    its prediction (rank 0's: with a pipeline, the first pipeline rank's)."""
-    if args.preset or args.hf_config:
-        print("plait plan: error: --dry-run runs plait's GPT (--n-layer, ...)", file=sys.stderr)
+    its prediction (rank 0's: with a pipeline, the first pipeline rank's). ``model``: the
+    planner's description of what ``plait train`` builds (plait's GPT or the Llama of
+    ``--hf-config`` / ``--preset``)."""
+    try:
+        model_config = _model_config(args)
+    except PlanError as err:
+        print(f"plait plan: error: {err}", file=sys.stderr)
         return 2
-    moe = args.experts or args.ep not in (None, 1)
-    if moe:
+    moe = args.experts or args.ep not in (None, 1) or model.experts
+    if moe:  # the router's token counts have data-dependent shapes: fake tensors lack them
         print("plait plan: error: --dry-run does not run MoE models yet", file=sys.stderr)
         return 2
-    candidates = [c for c in ranked if _dry_runnable(c.layout)]
+    candidates = [c for c in ranked if _dry_runnable(c.layout, model.tied)]
     if not candidates:
         print("plait plan: error: --dry-run: no layout it runs fits", file=sys.stderr)
         return 2
@@ -388,9 +426,15 @@ def _dry_run(args: argparse.Namespace, ranked: list[Candidate], work: Workload) 
 
     best = candidates[0]
     lay = best.layout
-    model = gpt(args.n_layer, args.n_head, args.d_model, work.seq_len)
-    cfg = config_of_layout(model, lay, work)
-    measured = dry_run(cfg, args.gpus)
+    if model_config:
+        cfg = _train_config(model_config, lay, work)
+    else:
+        cfg = config_of_layout(model, lay, work)
+    try:
+        measured = dry_run(cfg, args.gpus)
+    except ValueError as err:  # ConfigError: what plait train refuses of this model
+        print(f"plait plan: error: --dry-run of {describe(lay)}: {err}", file=sys.stderr)
+        return 2
     predicted = best.memory.total
     if lay.pp > 1:
         predicted = first_rank_memory(model, lay, work).total
@@ -400,6 +444,18 @@ def _dry_run(args: argparse.Namespace, ranked: list[Candidate], work: Workload) 
         f"({predicted / measured.peak - 1:+.1%})"
     )
     return 0
+
+
+def _train_config(model_config: str, layout: Layout, work: Workload) -> TrainConfig:
+    """The ``plait train`` configuration of ``layout`` for the Llama of ``model_config``
+    (a config.json or a train preset)."""
+    return TrainConfig(
+        model_config=model_config,
+        seq_len=work.seq_len,
+        batch_size=work.global_batch,
+        mp=work.precision,
+        **dataclasses.asdict(layout),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

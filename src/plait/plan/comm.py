@@ -207,8 +207,8 @@ def cp_traffic(model: ModelSpec, layout: Layout, work: Workload) -> CpTraffic:
     if cp == 1:
         return CpTraffic("", 0.0, 0, 0.0, 0)
     n, e, tp = microbatch_tokens(layout, work), compute_bytes(work), layout.tp
-    d = model.d_model / tp
-    k = model.kv_heads * (model.d_model // model.heads) / tp
+    d = model.q_width / tp
+    k = model.kv_width / tp
     block = 2 * n * k * e  # a rank's stacked keys and values
     if layout.cp_method == "allgather":
         sent = (cp - 1) * block

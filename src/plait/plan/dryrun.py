@@ -1,9 +1,11 @@
 """Dry runs: plait's real training step for one rank of a large world, in one process.
 
 :func:`step_memory` runs ``plait train``'s recipe, with the code training runs (the
-GPT, :class:`plait.train.loop.Trainable`: tensor parallelism, checkpointing,
+model of :func:`plait.train.loop.build_model`: the GPT, or the Llama-family model of
+``model_config``; :class:`plait.train.loop.Trainable`: tensor parallelism, checkpointing,
 ``fully_shard`` / ``replicate``; AdamW, gradient clipping, the optimizer step), for a few
-steps inside whatever process group is initialised, and measures the peak live tensor
+steps inside whatever process group is initialised (random token ids below the model's
+vocabulary: memory does not depend on them), and measures the peak live tensor
 memory of the training steps with :class:`~plait.plan.live.LiveTensors`. Real
 multi-process CPU runs call it on every rank.
 
@@ -47,16 +49,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.layout import Layout
 from plait.pipeline.schedules import schedule_spec
 from plait.plan.live import LiveTensors
 from plait.train.config import TrainConfig
 from plait.train.layout import resolve
-from plait.train.loop import Trainable, model_config
-from plait.train.model import GPT
+from plait.train.loop import Trainable, build_model
 from plait.train.parallelize import forward_context, loss_context
 from plait.train.step import StepBatch
 
-__all__ = ["DRY_RUN_SCHEDULES", "MeasuredMemory", "dry_run", "pipeline_step", "step_memory"]
+__all__ = [
+    "DRY_RUN_SCHEDULES",
+    "MeasuredMemory",
+    "dry_run",
+    "pipeline_step",
+    "replicated_tp",
+    "step_memory",
+]
 
 #: The pipeline schedules a dry run runs (full backwards: every action is F or B).
 DRY_RUN_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
@@ -100,7 +109,8 @@ def step_memory(
     with tensors or nullcontext(), live:
         torch.manual_seed(seed)
         with torch.device(cfg.device):  # built in place: fake tensors cannot be moved
-            model = GPT(model_config(cfg))
+            model = build_model(cfg)  # the GPT, or --model-config's Llama
+        vocab = _vocabulary(model)
         parts = Trainable(model, cfg, mesh, side_meshes)
         del model  # a pipeline rank keeps only its stages
         local = (cfg.local_batch, cfg.seq_len // cfg.cp)  # cp: this rank's tokens of each
@@ -108,8 +118,8 @@ def step_memory(
         _create_optimizer_state(parts.optimizer)
         live.reset_peak()  # building the whole model before sharding it is not training
         for _ in range(steps):
-            x = torch.randint(0, 256, local, device=cfg.device)
-            y = torch.randint(0, 256, local, device=cfg.device)
+            x = torch.randint(0, vocab, local, device=cfg.device)
+            y = torch.randint(0, vocab, local, device=cfg.device)
             if pipelined:
                 pipeline_step(parts, cfg, x)
             else:
@@ -176,6 +186,14 @@ def pipeline_step(parts: Trainable, cfg: TrainConfig, inputs: torch.Tensor) -> N
             sync.end_step()
 
 
+def _vocabulary(model: torch.nn.Module) -> int:
+    """The token ids ``model`` embeds (its embedding's rows): the batches' ids are below."""
+    embedding = getattr(model, "tok_emb", None)
+    if not isinstance(embedding, torch.nn.Embedding):
+        raise ValueError(f"{type(model).__name__} has no token embedding (tok_emb)")
+    return embedding.num_embeddings
+
+
 def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer``'s state as its first step would (AdamW's moments), without a
     forward and backward: an update with zero gradients, then the gradients dropped."""
@@ -191,14 +209,21 @@ def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def replicated_tp(layout: Layout) -> bool:
+    """Whether ``layout`` replicates tensor-parallel modules without ``fully_shard``
+    (``dp_replicate`` > 1, ``dp_shard x cp`` 1, ``tp`` > 1), which a dry run refuses."""
+    return layout.tp > 1 and layout.dp_replicate > 1 and layout.dp_shard * layout.cp == 1
+
+
 def dry_run(cfg: TrainConfig, world: int, steps: int = 1) -> MeasuredMemory:
     """:func:`step_memory` of rank 0 of a ``world``-rank run of ``cfg``, in this process,
     with a fake process group and fake tensors (module docstring).
 
     ``cfg`` is resolved for ``world`` (``dp_shard`` 0 takes what the other sizes leave).
     With a pipeline, rank 0 runs its own actions of the schedule (:func:`pipeline_step`).
-    Refuses (ValueError) a pipeline with tensor parallelism or split backwards, and a
-    process that already has a process group.
+    Refuses (ValueError) a pipeline with tensor parallelism or split backwards, tensor
+    parallelism replicated without ``fully_shard`` (:func:`replicated_tp`), and a process
+    that already has a process group.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -213,6 +238,12 @@ def dry_run(cfg: TrainConfig, world: int, steps: int = 1) -> MeasuredMemory:
         raise ValueError(
             f"dry run of --schedule {cfg.schedule}: only schedules with full backwards are "
             f"dry-run ({', '.join(DRY_RUN_SCHEDULES)})"
+        )
+    if replicated_tp(cfg.layout):
+        raise ValueError(
+            f"dry run of --dp-replicate {cfg.dp_replicate} with --tp {cfg.tp} and no "
+            "fully_shard: replicate's check of the tp mesh reads the mesh's ranks, which fake "
+            "tensors do not hold; dry-run with --dp-shard > 1 or without --tp"
         )
     if dist.is_initialized():
         raise ValueError("dry_run needs a process without a process group: it makes a fake one")

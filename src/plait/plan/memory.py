@@ -121,6 +121,17 @@ of the experts are ``1 / (dp_shard x cp)`` of all of them, like the dense ones; 
 ``unsharded``, the gradient staging (``buffers``) and the accumulated gradients, not the
 states.
 
+plait's Llama (``"plait"`` recipe, a gated model without learned positions:
+:class:`plait.train.llama.Llama`): k and v are repeated to the query heads before
+attention, which saves them so (``2 q / tp`` in place of ``2 k / tp``, ``q`` the query
+width ``heads x head_dim``); each RMSNorm (computed in fp32) saves an fp32 copy of its
+input beside its output, and Qwen3's per-head q and k norms their fp32 copies and outputs
+(:func:`rms_norm_bytes`); a block's backward holds SwiGLU's three hidden gradients. At the
+loss (plait's stepper holds the logits through backward, ``Keeps.logits_held``) the
+backward starts with two fp32 full-vocabulary gradients beside the saved log-probabilities
+(not under tp's ``loss_parallel``, measured as the forward's count), and, with blocks
+resharded after forward, no block is gathered then.
+
 Not modelled: the allocator's fragmentation and caching, CUDA context and library
 workspaces (the search leaves headroom for them), dropout masks, attention's per-row
 statistics, the root unit's gradient staging at the very end of backward (when activations
@@ -162,6 +173,7 @@ __all__ = [
     "predict_memory",
     "rank_memory",
     "recipe_keeps",
+    "rms_norm_bytes",
     "scores_elems_per_token",
 ]
 
@@ -188,7 +200,10 @@ class Keeps:
     * ``stage_output``: a pipeline stage keeps its output tensor until its backward (False:
       freed once sent, Megatron's ``deallocate_output_tensor``, Llama 3 section 3.3.2);
     * ``end_stage_fewer``: blocks fewer on the first and last pipeline stages (Llama 3
-      section 3.3.2: one, balancing the embedding and the head).
+      section 3.3.2: one, balancing the embedding and the head);
+    * ``logits_held``: the logits stay referenced through the loss's backward (plait's
+      stepper holds them), which starts with two fp32 full-vocabulary gradients (of the
+      log-probabilities and of the logits' fp32 copy) beside the saved log-probabilities.
     """
 
     activations: str = "plait"
@@ -198,6 +213,7 @@ class Keeps:
     sharded_accumulation: bool = False
     stage_output: bool = True
     end_stage_fewer: int = 0
+    logits_held: bool = False
 
     def __post_init__(self) -> None:
         if self.activations not in ("plait", "megatron", "torchtitan"):
@@ -213,7 +229,7 @@ class Keeps:
 #: Each recipe's :class:`Keeps` (module docstring, "Recipes"): ``recipe`` names a row of
 #: this table (:func:`plait.plan.spec.recipe`).
 RECIPE_KEEPS: dict[str, Keeps] = {
-    "plait": Keeps(),
+    "plait": Keeps(logits_held=True),
     "megatron": Keeps(activations="megatron"),
     "torchtitan": Keeps(activations="torchtitan"),
     "foundry": Keeps(loss="fused_ce", sharded_accumulation=True),
@@ -242,7 +258,7 @@ def scores_elems_per_token(model: ModelSpec, layout: Layout, work: Workload, kee
 def _widths(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     """A tp rank's query width and key (value) width."""
     tp = layout.tp
-    return model.d_model / tp, model.kv_heads * (model.d_model // model.heads) / tp
+    return model.q_width / tp, model.kv_width / tp
 
 
 def cp_saved_elems_per_token(model: ModelSpec, layout: Layout) -> float:
@@ -288,7 +304,7 @@ def activation_elems_per_token(
     ``keeps`` (default: the layout's recipe) counts them; attention probabilities apart
     (:func:`scores_elems_per_token`)."""
     d, f, tp = model.d_model, model.ffn_hidden, layout.tp
-    k = model.kv_heads * (d // model.heads)
+    q, k = model.q_width, model.kv_width
     norm = tp if layout.sequence_parallel and tp > 1 else 1
     mode = ac or layout.ac
     h, shared, rows = model.expert_hidden, model.expert_hidden * model.shared_experts, model.top_k
@@ -297,7 +313,7 @@ def activation_elems_per_token(
     if kind == "torchtitan" and mode == "selective" and not moe:
         # torchtitan's per-op policy: the block's input, every other matmul's output (wq,
         # wv, w1, w2), the attention kernel's output.
-        return d / norm + d / tp + k / tp + d / tp + f / tp + d / norm
+        return d / norm + q / tp + k / tp + q / tp + f / tp + d / norm
     if megatron and mode == "selective":
         mode = "none"  # recomputes core attention only, which flash attention saves nothing of
     if mode == "none":
@@ -306,17 +322,45 @@ def activation_elems_per_token(
         if moe:
             mlp = 2 * model.experts + 4 * shared / tp + rows * (2 * d + 4 * h)
         cp = cp_saved_elems_per_token(model, layout)
+        kv = 2 * k
+        if kind == "plait" and _plait_llama(model) and k < q:
+            kv = 2 * q  # plait's Llama repeats k, v to the query heads before attention
+            if layout.cp > 1 and layout.cp_method != "ring":
+                cp -= (kv - 2 * k) / tp  # their expanded (not local) k, v are counted there
         linear_inputs = 2 * d / norm if megatron else 2 * d  # saved split, or all-gathered
-        return 2 * d / norm + linear_inputs + (d + 2 * k) / tp + d / tp + mlp + cp
+        return 2 * d / norm + linear_inputs + (q + kv) / tp + q / tp + mlp + cp
     if mode == "selective":
         mlp = (2 if model.gated else 1) * f / tp + d
         if moe:
             kept_shared = 2 * shared / tp + d if shared else 0.0
             mlp = model.experts + kept_shared + rows * (2 * h + d)
-        return d / norm + (d + 2 * k) / tp + d + mlp
+        return d / norm + (q + 2 * k) / tp + d + mlp
     if mode == "full":
         return d / norm
     raise ValueError(f"--ac {mode}: the planner models none, selective and full")
+
+
+def _plait_llama(model: ModelSpec) -> bool:
+    """Whether ``model`` is a Llama-family model (SwiGLU, RMSNorm, no learned positions) as
+    plait's own recipe runs it (:class:`plait.train.llama.Llama`)."""
+    return model.gated and not model.norm_bias and not model.positions
+
+
+def rms_norm_bytes(
+    model: ModelSpec, layout: Layout, element: int, keeps: Keeps | None = None
+) -> float:
+    """Bytes per token one block's RMSNorms save under ``--ac none`` in plait's recipe of
+    a Llama beyond what :func:`activation_elems_per_token` counts (module docstring): the
+    fp32 copy of each block norm's input (plait's RMSNorm computes in fp32), and with
+    ``qk_norm`` the per-head norms' fp32 copies and normalized outputs (``element`` bytes)
+    of q and k; 0 for other models and recipes."""
+    if (keeps or recipe_keeps(layout)).activations != "plait" or not _plait_llama(model):
+        return 0.0
+    sp = layout.sequence_parallel and layout.tp > 1
+    block_norms = 2 * 4 * model.d_model / (layout.tp if sp else 1)
+    if not model.qk_norm:
+        return block_norms
+    return block_norms + (model.q_width + model.kv_width) / layout.tp * (4 + element)
 
 
 def rank_memory(
@@ -348,9 +392,12 @@ def rank_memory(
     autocast = bf16 and ds == 1 and not zero
     e_res = 4 if autocast and keeps.activations != "megatron" else e
 
+    resharded = 0.0  # blocks' gathered parameters not alive at the loss (resharded)
     if ds > 1:
         gathered_blocks = load.layers if (pipelined or not layout.reshard_after_forward) else 2
         unsharded = (p.root + p.largest_blocks(gathered_blocks)) * e
+        if gathered_blocks == 2 and keeps.logits_held:
+            resharded = p.largest_blocks(2) * e
     elif autocast:  # autocast's cache: a bf16 copy of every matrix, forward to backward
         head = model.vocab * model.d_model / tp if load.head else 0.0
         # Not of the routed experts: they multiply slices of their stacked weights, which
@@ -365,10 +412,13 @@ def rank_memory(
 
     scores = scores_elems_per_token(model, layout, work, keeps)
 
+    rms_fp32 = rms_norm_bytes(model, layout, e, keeps)
+
     def saved_bytes(moe: bool) -> float:  # one block, one token
         per_token = activation_elems_per_token(model, layout, moe=moe, keeps=keeps)
         kept_scores = scores if layout.ac == "none" else 0.0  # else recomputed
-        return (per_token - norm_part + kept_scores) * e + norm_part * e_res
+        norms = norm_part * e_res + (rms_fp32 if layout.ac == "none" else 0.0)
+        return (per_token - norm_part + kept_scores) * e + norms
 
     # The stage's dense blocks and MoE blocks (the dense ones lead: see shards.py).
     stage_dense = min(p.dense_blocks, load.stage_layers)
@@ -387,13 +437,16 @@ def rank_memory(
         if keeps.loss == "fused_ce":  # the logits of each microbatch in flight, one gradient
             extra["logits"] = n * v * e * (max(load.head_in_flight, 1) + 1)
         else:
-            extra["logits"] = n * v * (4 * max(load.head_in_flight, 1) + e + 4)
+            # The backward's two fp32 gradients beside the held logits, or (forward) the
+            # compute-dtype logits and their fp32 copy (also tp's loss_parallel backward's).
+            at_loss = e + 8 if keeps.logits_held and tp == 1 else e + 4
+            extra["logits"] = n * v * (4 * max(load.head_in_flight, 1) + at_loss)
         extra["logits"] += n * model.d_model * (e_res / (tp if sp else 1) + e)  # ln_f, head in
     if layout.ac != "none":
         full = max(
             activation_elems_per_token(model, layout, "none", moe=m, keeps=keeps) for m, _ in kinds
         )
-        extra["recompute"] = n * (full + scores) * e
+        extra["recompute"] = n * ((full + scores) * e + rms_fp32)
     attention = cp_working_set(model, layout, work)
     if attention:
         extra["cp_attention"] = attention
@@ -429,6 +482,8 @@ def rank_memory(
     # Inside a block's backward, gradients of activations: the output's (whole sequence
     # once tensor parallelism gathered it) and the MLP's hidden one.
     hidden = model.ffn_hidden / tp
+    if rms_fp32:  # plait's SwiGLU: the product's, silu's, up's and gate's gradients
+        hidden *= 3
     if p.moe_blocks:  # the routed rows' gradients and their experts' hidden ones
         routed = model.top_k * (model.d_model + model.expert_hidden)
         hidden = max(hidden, routed + model.expert_hidden * model.shared_experts / tp)
@@ -447,8 +502,8 @@ def rank_memory(
     mlp_saved = n * (4 if model.gated else 2) * model.ffn_hidden / tp * e
     in_attention = n * model.d_model * e + attention - mlp_saved
     moments = (
-        activations + logits + (held if zero else 0.0),
-        after + logits + held,
+        activations + logits + (held if zero else 0.0) - resharded,
+        after + logits + held - resharded,
         below + max(flowing, in_attention),
         (0.0 if zero else grads) + buffers + held,
     )

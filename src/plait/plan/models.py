@@ -83,7 +83,7 @@ def gpt(
     --experts`` builds it (``expert_hidden`` 0: :func:`expert_hidden_default`)."""
     if n_head < 1 or d_model % n_head:
         raise ValueError(f"--d-model {d_model} must be a positive multiple of --n-head {n_head}")
-    moe: dict[str, int] = {}
+    moe: dict[str, Any] = {}
     name = f"gpt-{n_layer}x{d_model}"
     if experts:
         hidden = expert_hidden or expert_hidden_default(4 * d_model, top_k, shared_experts)
@@ -127,7 +127,9 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
 
     Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads`` (default: no grouped-query attention), ``intermediate_size``,
-    ``vocab_size`` and ``tie_word_embeddings`` (default false), and the routed experts of a
+    ``vocab_size``, ``tie_word_embeddings`` (default false) and ``head_dim`` (default:
+    ``hidden_size / num_attention_heads``; Qwen3's and Qwen3-MoE's ``model_type`` add their
+    per-head query and key norms), and the routed experts of a
     mixture of experts where the config has them (:func:`_hf_moe`; attention is read as
     Llama's, so DeepSeek's latent attention is not exact). ValueError names a missing key.
     """
@@ -149,6 +151,7 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
             f"{', '.join(_HF_KEYS.values())}"
         )
     n = {field: int(values[key]) for field, key in _HF_KEYS.items()}
+    kind = values.get("model_type")
     spec = ModelSpec(
         name=name,
         layers=n["layers"],
@@ -158,6 +161,8 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
         ffn_hidden=n["ffn_hidden"],
         vocab=n["vocab"],
         tied=bool(values.get("tie_word_embeddings", False)),
+        head_dim=int(values.get("head_dim") or 0),
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
     )
     return dataclasses.replace(spec, **_hf_moe(values, n["ffn_hidden"]))
 
@@ -247,21 +252,22 @@ class ParamCounts:
 def param_counts(m: ModelSpec) -> ParamCounts:
     """Count ``m``'s parameters (see :class:`ParamCounts`)."""
     d, f = m.d_model, m.ffn_hidden
-    kv = m.kv_heads * (d // m.heads)  # width of k and of v
-    attn = d * d + 2 * d * kv + d * d  # q, k, v, output projection
+    q, kv = m.q_width, m.kv_width  # width of q, and of k and of v
+    attn = d * q + 2 * d * kv + q * d  # q, k, v, output projection
     mlp = (3 if m.gated else 2) * d * f
-    split_bias = (d + 2 * kv + f) if m.bias else 0  # q, k, v and the first MLP linear
+    split_bias = (q + 2 * kv + f) if m.bias else 0  # q, k, v and the first MLP linear
     replicated_bias = 2 * d if m.bias else 0  # the two row-wise output projections
     norm = d * (2 if m.norm_bias else 1)
+    qk_norms = 2 * m.dim_head if m.qk_norm else 0  # one gain per head dimension, shared
     moe: dict[str, int] = {}
     if m.experts:
         # plait.experts: a bias-free gate and bias-free SwiGLU experts (shared ones: one
         # SwiGLU as wide as all of them); the attention keeps its biases.
         h = m.expert_hidden
-        attn_bias = (d + 2 * kv) if m.bias else 0
+        attn_bias = (q + 2 * kv) if m.bias else 0
         moe = {
             "moe_split": attn + attn_bias + 3 * d * h * m.shared_experts,
-            "moe_replicated": (d if m.bias else 0) + 2 * norm + d * m.experts,
+            "moe_replicated": (d if m.bias else 0) + 2 * norm + qk_norms + d * m.experts,
             "router": d * m.experts,
             "expert": 3 * d * h,
             "experts": m.experts,
@@ -270,7 +276,7 @@ def param_counts(m: ModelSpec) -> ParamCounts:
         }
     return ParamCounts(
         block_split=attn + mlp + split_bias,
-        block_replicated=replicated_bias + 2 * norm,
+        block_replicated=replicated_bias + 2 * norm + qk_norms,
         embedding=m.vocab * d,
         positions=m.positions * d,
         final_norm=norm,
@@ -281,7 +287,7 @@ def param_counts(m: ModelSpec) -> ParamCounts:
 
 def attention_flops_per_token(m: ModelSpec, seq_len: int) -> float:
     """Forward FLOPs of one layer's attention scores and weighted values, per token."""
-    return 4.0 * seq_len * m.d_model
+    return 4.0 * seq_len * m.q_width
 
 
 def flops_per_token(m: ModelSpec, seq_len: int) -> float:

@@ -367,13 +367,13 @@ def block_kernels(
     ``tp`` ways, run by the stack ``kernels`` (``sp``: sequence parallelism, the norms
     and residuals on ``tokens / tp``)."""
     d, f = model.d_model, model.ffn_hidden
-    kv = d * model.kv_heads // model.heads
+    q, kv = model.q_width, model.kv_width
     n = tokens
     gemms: list[tuple[float, float, float]] = [  # (M, N, K) per token-row GEMM
-        (n, d / tp, d),  # q
+        (n, q / tp, d),  # q
         (n, kv / tp, d),  # k
         (n, kv / tp, d),  # v
-        (n, d, d / tp),  # o
+        (n, d, q / tp),  # o
     ]
     if moe:
         e, h, k = model.experts, model.expert_hidden, model.top_k
@@ -400,7 +400,7 @@ def block_kernels(
     if kernels.attention == "materialized":
         # Batched GEMMs per head, all of the sequence computed (the mask applied after):
         # scores (n x T, inner head_dim) and weighted values (n x head_dim, inner T).
-        hd = d / model.heads
+        hd = model.dim_head
         one = gemm_seconds(n, seq_len, hd, peak, prof, element) + gemm_seconds(
             n, hd, seq_len, peak, prof, element
         )
@@ -411,7 +411,7 @@ def block_kernels(
         scores = heads * seq_len * softmax
     else:
         fwd_fraction, bwd_fraction = attention_fractions(kernels.attention, device, prof)
-        attention = n * 4.0 * seq_len * d / tp / 2  # a causal kernel computes half
+        attention = n * 4.0 * seq_len * q / tp / 2  # a causal kernel computes half
         attn_fwd = attention / (fwd_fraction * peak)
         attn_bwd = 2.5 * attention / (bwd_fraction * peak)
     split = tp if sp and tp > 1 else 1  # norms and residuals over the sequence shard
@@ -427,7 +427,7 @@ def block_kernels(
     per_token = (
         2 * norm * d / split  # two norms
         + 2 * residual * d / split  # two residual additions
-        + rope * (d + kv) / tp  # rotary embedding of q and k
+        + rope * (q + kv) / tp  # rotary embedding of q and k
         + act * width  # the MLP's activation (over the routed / shared widths)
         + scores
     )

@@ -144,7 +144,9 @@ class ModelSpec:
     ``ffn_hidden``: the MLP's inner width; ``gated``: a SwiGLU MLP (three matrices, Llama)
     rather than two (GPT); ``kv_heads``: grouped-query attention (``heads`` for none);
     ``tied``: the head shares the embedding's weight; ``bias`` / ``norm_bias``: linear and
-    norm layers have biases (GPT: LayerNorm and biased linears; Llama: RMSNorm, none).
+    norm layers have biases (GPT: LayerNorm and biased linears; Llama: RMSNorm, none);
+    ``head_dim``: the heads' width where it is not ``d_model / heads`` (Qwen3); ``qk_norm``:
+    per-head RMSNorms of queries and keys (Qwen3).
 
     Mixture of experts (``experts`` > 0, plait's ``plait.experts.MoE``): every block after
     the first ``dense_layers`` replaces its MLP by a router (a bias-free ``d_model x
@@ -172,6 +174,23 @@ class ModelSpec:
     shared_experts: int = 0
     expert_hidden: int = 0
     dense_layers: int = 0  # leading blocks with a dense MLP (DeepSeek-V3: 3)
+    head_dim: int = 0  # each attention head's width; 0: d_model / heads
+    qk_norm: bool = False  # per-head RMSNorms of queries and keys (Qwen3)
+
+    @property
+    def dim_head(self) -> int:
+        """Each attention head's width (``head_dim``, by default ``d_model / heads``)."""
+        return self.head_dim or self.d_model // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """The width of the queries (and of the attention's output): ``heads x head_dim``."""
+        return self.heads * self.dim_head
+
+    @property
+    def kv_width(self) -> int:
+        """The width of the keys, and of the values: ``kv_heads x head_dim``."""
+        return self.kv_heads * self.dim_head
 
     def __post_init__(self) -> None:
         if self.experts < 0 or self.shared_experts < 0 or self.dense_layers < 0:

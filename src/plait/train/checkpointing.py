@@ -22,7 +22,10 @@ What is saved, keyed by parameter name (FQN), so DCP can reshard on load:
 
 * ``model.<fqn>``: parameters as this rank holds them (DTensor shards under
   ``fully_shard`` or tensor parallelism, full tensors under ``replicate``, only its own
-  stages with a pipeline);
+  stages with a pipeline). A matrix held under two names (a head tied to the token
+  embedding) is saved once, under its first name; so is a pipeline stage's copy of it,
+  which its module names with :func:`save_as`: pipelined and one-process runs of a tied
+  model read each other's checkpoints;
 * ``optim.<fqn>.<key>``: the optimizer's per-parameter state (AdamW's ``step``,
   ``exp_avg``, ``exp_avg_sq``, shaped like the parameter), independent of param order;
 * ``rng.rank<r>.<device>``: each rank's RNG state, restored only into the same world size;
@@ -76,6 +79,7 @@ __all__ = [
     "load_checkpoint",
     "load_weights",
     "read_info",
+    "save_as",
     "save_checkpoint",
     "verify_checkpoint",
 ]
@@ -163,14 +167,43 @@ def checkpoint_group(fault_timeout: float) -> dist.ProcessGroup | None:
 # ----------------------------------------------------------------------------------------
 
 
-def _param_names(modules: Sequence[nn.Module]) -> dict[nn.Parameter, str]:
-    return {p: name for m in modules for name, p in m.named_parameters()}
+_SAVED_AS = "_plait_saved_as"  # a module's {state-dict name: key it is saved under}
+
+
+def save_as(module: nn.Module, name: str, key: str) -> None:
+    """Save (and load) ``module``'s tensor ``name`` under ``key``: a pipeline stage's copy
+    of a matrix that the whole model holds under ``key`` (a head tied to the embedding)."""
+    setattr(module, _SAVED_AS, {**getattr(module, _SAVED_AS, {}), name: key})
+
+
+def _keys(module: nn.Module) -> dict[str, str]:
+    """Each state-dict name of ``module`` -> the key it is saved under: the first name of
+    its tensor (a tied head: the embedding's), or what :func:`save_as` set."""
+    saved_as: dict[str, str] = getattr(module, _SAVED_AS, {})
+    first: dict[int, str] = {}
+    keys: dict[str, str] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        shared = first.setdefault(id(tensor), name) if isinstance(tensor, nn.Parameter) else name
+        keys[name] = saved_as.get(name, shared)
+    return keys
+
+
+def _optim_params(modules: Sequence[nn.Module]) -> dict[str, list[nn.Parameter]]:
+    """Each optimizer key -> this rank's parameters saved under it (two for a tied
+    matrix's copies when both pipeline stages are on this rank)."""
+    found: dict[str, list[nn.Parameter]] = {}
+    for m in modules:
+        keys = _keys(m)
+        for name, p in m.named_parameters():
+            found.setdefault(keys[name], []).append(p)
+    return found
 
 
 def _model_state(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for m in modules:
-        state.update(m.state_dict())
+        tensors = m.state_dict()
+        state.update({key: tensors[name] for name, key in _keys(m).items()})
     return state
 
 
@@ -180,18 +213,35 @@ def _optim_state(
     """Per-parameter optimizer state keyed by FQN; with ``create``, zeros where the
     optimizer has none yet (a fresh optimizer being loaded into)."""
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for param, name in _param_names(modules).items():
-        entry = optimizer.state.get(param)
-        if not entry and create:
-            entry = {
-                "step": torch.tensor(0.0),
-                "exp_avg": torch.zeros_like(param.detach()),
-                "exp_avg_sq": torch.zeros_like(param.detach()),
-            }
-            optimizer.state[param] = entry
+    for name, params in _optim_params(modules).items():
+        # A second copy's entry is made too; the first's is what is saved and loaded.
+        entries = [_optim_entry(optimizer, param, create) for param in params]
+        entry = entries[0]
         if entry:
             state[name] = {key: entry[key] for key in _OPTIM_KEYS}
     return state
+
+
+def _optim_entry(
+    optimizer: torch.optim.Optimizer, param: nn.Parameter, create: bool
+) -> dict[str, torch.Tensor] | None:
+    entry = optimizer.state.get(param)
+    if not entry and create:
+        entry = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(param.detach()),
+            "exp_avg_sq": torch.zeros_like(param.detach()),
+        }
+        optimizer.state[param] = entry
+    return entry or None
+
+
+def _copy_optim_state(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
+    """After a load: a second copy of a tied matrix on this rank takes the first's state."""
+    for params in _optim_params(modules).values():
+        for param in params[1:]:
+            for key in _OPTIM_KEYS:
+                optimizer.state[param][key].copy_(optimizer.state[params[0]][key])
 
 
 def _rng_state(device: str) -> dict[str, torch.Tensor]:
@@ -321,7 +371,8 @@ def load_checkpoint(
         state["rng"] = _rng_state(device)
     _dcp_load(path, state, group)
     for m in modules:
-        m.load_state_dict({k: state["model"][k] for k in m.state_dict()})
+        m.load_state_dict({name: state["model"][key] for name, key in _keys(m).items()})
+    _copy_optim_state(modules, optimizer)
     if same_world:
         for key, value in state["rng"].items():
             if key.endswith(".cpu"):
@@ -347,9 +398,9 @@ def load_weights(path: Path, module: nn.Module, *, verify: bool = True) -> None:
     ``verify=False``: the caller has already called :func:`verify_checkpoint`."""
     if verify:
         verify_checkpoint(path)
-    state = {"model": module.state_dict()}
+    state = {"model": _model_state([module])}
     _dcp_load(path, state, None)
-    module.load_state_dict(state["model"])
+    module.load_state_dict({name: state["model"][key] for name, key in _keys(module).items()})
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -47,12 +47,15 @@ Planner = Callable[[TrainConfig], str]
 
 _AUTO = "0 = auto"
 _TRAIN_HELP = """\
-Train a small GPT with any composition of plait's parallelisms: fully_shard (--dp-shard),
-replicate or HSDP (--dp-replicate), pipelines (--pp, --schedule), tensor parallelism
-(--tp, with sequence parallelism), mixture-of-experts blocks with expert parallelism
-(--experts, --ep), activation checkpointing (--ac) and mixed precision (--mp). The
-processes form a (pp, dp_replicate, dp_shard, tp) mesh, tp innermost; --ep splits dp_shard
-into (efsdp, ep) for the experts.
+Train plait's small GPT, or a Llama / Mistral / Qwen / Mixtral / Qwen3-MoE model from a
+Hugging Face config.json or a preset (--model-config, optionally --init-from its weights),
+on text, JSON-lines or Parquet data (--data, --tokenizer), with any composition of plait's
+parallelisms: fully_shard (--dp-shard), replicate or HSDP (--dp-replicate), pipelines
+(--pp, --schedule), tensor parallelism (--tp, with sequence parallelism), context
+parallelism (--cp), mixture-of-experts blocks with expert parallelism (--experts, --ep),
+activation checkpointing (--ac) and mixed precision (--mp). The processes form a (pp,
+dp_replicate, dp_shard, cp, tp) mesh, tp innermost; --ep splits dp_shard x cp into
+(efsdp, ep) for the experts.
 Outside torchrun it starts --nproc local workers with torch's elastic launcher; under
 torchrun each process is one worker.
 

@@ -87,15 +87,6 @@ def llama_config(cfg: TrainConfig) -> LlamaConfig:
             f"({path}): plait's attention has no window, so use --seq-len "
             f"{llama.sliding_window} or less (or a config whose sliding_window is null)"
         )
-    if llama.tie_word_embeddings and cfg.pp > 1:
-        # The first and the last stage would each hold, and train, their own copy.
-        raise ConfigError(
-            f"--pp {cfg.pp}: the model's head is tied to its token embedding "
-            f"(tie_word_embeddings in {path}), which sit on the first and the last pipeline "
-            "stage; plait does not sum a tied matrix's gradients across stages: use --pp 1 "
-            "(fully_shard, --tp and --cp keep the tie), or untie it (tie_word_embeddings "
-            "false)"
-        )
     return llama
 
 

@@ -53,12 +53,14 @@ from plait.train.parallelize import (
     build_expert_mesh,
     build_mesh,
     build_shard_mesh,
+    is_tied,
     parallelize,
 )
 from plait.train.presets import RUN_FILE as MODEL_CONFIG_FILE
 from plait.train.progress import Progress
 from plait.train.report import imbalance, plot_loss_curve, summary_table
 from plait.train.step import StepBatch, Stepper, global_loss, make_stepper, step_batch
+from plait.train.tied import TiedCopies
 
 __all__ = ["TrainResult", "Trainable", "model_settings", "train"]
 
@@ -151,12 +153,19 @@ class Trainable:
         #: Llama's config.json), None for a dense one.
         self.moe_shape = model.moe_shape
         experts, shard = side_meshes or (build_expert_mesh(cfg), build_shard_mesh(cfg))
+        tied = is_tied(model)  # asked before the pipeline split copies the matrix
         self.stages: list[Stage] = parallelize(model, cfg, mesh, experts, shard)
         self.modules = [s.module for s in self.stages]
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, cfg)
         self.stepper: Stepper = make_stepper(self.stages, cfg, mesh)
         self.pipeline_group = mesh[PP].get_group() if mesh and cfg.pp > 1 else None
+        #: A head tied to the embedding, split by the pipeline: its two copies.
+        self.tied = (
+            TiedCopies(self.stages, cfg, self.pipeline_group)
+            if tied and self.pipeline_group is not None
+            else None
+        )
         #: Tokens routed to each expert of each block in the last step, ``moe_shape``
         #: (dense blocks' rows zero): global counts, the same on every rank (None for a
         #: dense model).
@@ -167,7 +176,11 @@ class Trainable:
         gradients, and (with experts) read the step's expert load and move the balancing
         biases. Returns the gradient norm before clipping (a 0-d tensor)."""
         finish_partial_grads(self.params)
-        norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group)
+        duplicates = []
+        if self.tied is not None:  # both copies get the tied matrix's whole gradient
+            self.tied.sum_grads()
+            duplicates = self.tied.duplicates()
+        norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group, duplicates)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.moe_shape is not None:

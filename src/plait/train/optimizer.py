@@ -70,11 +70,26 @@ def finish_partial_grads(params: list[nn.Parameter]) -> None:
 
 
 def clip_grad_norm(
-    params: list[nn.Parameter], cfg: TrainConfig, pipeline: dist.ProcessGroup | None
+    params: list[nn.Parameter],
+    cfg: TrainConfig,
+    pipeline: dist.ProcessGroup | None,
+    duplicates: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale gradients so that their global norm is at most ``cfg.grad_clip`` (0: never);
     returns the global norm before clipping, a 0-d tensor on the gradients' device (read
     it once the step is queued: reading waits for the device). ``pipeline``: the pipeline
-    group, whose ranks hold different stages (None without a pipeline)."""
+    group, whose ranks hold different stages (None without a pipeline). ``duplicates``:
+    parameters of ``params`` whose gradients equal another's (a tied matrix's second copy,
+    :mod:`plait.train.tied`): left out of the norm, scaled alike."""
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    return clip_grad_norm_(params, max_norm, group=pipeline)
+    skip = {id(p) for p in duplicates}
+    norm = clip_grad_norm_([p for p in params if id(p) not in skip], max_norm, group=pipeline)
+    if max_norm < math.inf:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s factor
+        with torch.no_grad():
+            for p in duplicates:
+                if p.grad is not None:
+                    grad = p.grad
+                    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                    local.mul_(coef.to(local.device))
+    return norm

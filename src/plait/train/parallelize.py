@@ -95,6 +95,7 @@ from plait.layout import CP, DATA_PARALLEL, DP_REPLICATE, DP_SHARD, DP_SHARD_CP,
 from plait.mesh import mesh_coordinate
 from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_rank
 from plait.replicate import replicate
+from plait.train.checkpointing import save_as
 from plait.train.config import TrainConfig
 from plait.train.llama import Llama, LlamaBlock
 from plait.train.model import GPT, Block
@@ -108,6 +109,7 @@ __all__ = [
     "build_mesh",
     "build_shard_mesh",
     "forward_context",
+    "is_tied",
     "loss_context",
     "mesh_coordinate",
     "parallelize",
@@ -163,6 +165,10 @@ def _split(model: Model, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
     # Blocks in contiguous runs; the embeddings go with the first, the head with the last.
     plan = stage_layers(model, cfg.n_stages, layers="blocks")
     modules = split_model(model, plan, stages=mine)
+    if is_tied(model):  # the last stage's copy of the matrix: saved as the embedding's
+        for m in modules:
+            if not m.tok_emb and m.head:
+                save_as(m, "head.weight", "tok_emb.weight")
     return [Stage(s, cfg.n_stages, cast(Model, m)) for s, m in zip(mine, modules, strict=True)]
 
 
@@ -243,7 +249,7 @@ def tensor_parallel_plan(module: Model, sequence_parallel: bool) -> dict[str, Pa
     return plan
 
 
-def _tied(module: Model) -> bool:
+def is_tied(module: Model) -> bool:
     """Whether ``module`` holds both the token embedding and a head that shares its matrix."""
     emb, head = module.tok_emb, module.head
     return bool(emb and head) and head.weight is emb.weight  # type: ignore[union-attr]
@@ -354,7 +360,7 @@ def parallelize(
         if cfg.tp > 1:  # 2. tensor parallelism
             assert inner is not None
             plan = tensor_parallel_plan(stage.module, cfg.sequence_parallel)
-            tied = _tied(stage.module)
+            tied = is_tied(stage.module)
             parallelize_module(stage.module, inner[TP], plan)
             if tied:  # each style made its own DTensor: one matrix again (both Shard(0))
                 assert stage.module.head and stage.module.tok_emb

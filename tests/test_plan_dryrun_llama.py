@@ -1,0 +1,129 @@
+"""Dry runs of plait train's Llama-family models (:func:`plait.plan.dryrun.dry_run` builds
+what ``plait train --model-config`` builds) against the planner's memory model of them
+(SwiGLU, grouped-query attention, RMSNorm, rotary embeddings, head_dim, q/k norms, tied
+heads), and ``plait plan --dry-run`` with a Hugging Face config or a preset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.plan.devices import device
+from plait.plan.dryrun import dry_run
+from plait.plan.models import from_hf_config, param_counts
+from plait.plan.train_plan import plan_of_config
+from plait.train.config import TrainConfig
+from plait.train.layout import resolve
+
+#: A small Llama: grouped-query attention (8 heads, 2 KV heads), a 32,000-token vocabulary
+#: (the loss's full-vocabulary tensors are a visible part), untied head.
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+}
+#: Qwen3's attention: heads wider than hidden_size / heads, per-head q and k norms, a tied
+#: head.
+QWEN3 = {
+    **LLAMA,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+    "vocab_size": 4096,
+}
+
+
+def _write(tmp_path: Path, values: dict[str, Any]) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    return str(path)
+
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("llama", {"dp_shard": 4}),
+    ("llama", {"dp_shard": 4, "mp": "bf16"}),
+    ("llama", {"dp_shard": 4, "ac": "full"}),
+    ("llama", {"dp_replicate": 4, "dp_shard": 1}),
+    ("llama", {"dp_shard": 2, "tp": 2, "mp": "bf16"}),
+    ("qwen3", {"dp_shard": 4, "mp": "bf16"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    CASES,
+    ids=[f"{f}-" + "-".join(f"{k}={v}" for k, v in lay.items()) for f, lay in CASES],
+)
+def test_llama_dry_run_within_5_percent_of_prediction(
+    tmp_path: Path, family: str, layout: dict[str, Any]
+) -> None:
+    config = _write(tmp_path, LLAMA if family == "llama" else QWEN3)
+    cfg = TrainConfig(model_config=config, seq_len=512, batch_size=8, **layout)
+    measured = dry_run(cfg, 4)
+    resolved = resolve(cfg.replace(nproc=4, device="cpu"), world_size=4)
+    predicted = plan_of_config(resolved, device("h100")).memory.total
+    assert measured.seconds < 10
+    assert predicted == pytest.approx(measured.peak, rel=0.05), (
+        f"{family} {layout}: predicted {predicted:,.0f} B, dry run {measured.peak:,.0f} B"
+    )
+
+
+def test_hf_config_counts_head_dim_qk_norms_and_the_tied_head() -> None:
+    import torch
+
+    from plait.train.llama import Llama, LlamaConfig
+
+    spec = from_hf_config(QWEN3)
+    assert (spec.dim_head, spec.q_width, spec.kv_width, spec.qk_norm) == (64, 512, 128, True)
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_hf(QWEN3), 512)
+    built = sum(p.numel() for p in model.parameters())  # the tied matrix once
+    assert param_counts(spec).total(spec.layers) == built
+
+
+def test_plan_command_dry_runs_a_config_and_a_preset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plait.plan.cli import main
+
+    config = _write(tmp_path, LLAMA)
+    args = ["--hf-config", config, "--seq-len", "512", "--gpus", "4", "--device", "cpu"]
+    assert main([*args, "--top", "1", "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("dry run of ") and "(rank 0 of 4" in line and "predicted" in line
+    change = float(line.rsplit("(", 1)[1].rstrip("%)"))
+    assert abs(change) < 5
+    # A planner preset with a train preset of its shapes (llama3-8b: llama3.1-8b): fake
+    # tensors, so an 8B model at 64 ranks takes seconds.
+    preset = ["--preset", "llama3-8b", "--seq-len", "1024", "--gpus", "64", "--top", "1"]
+    assert main([*preset, "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("dry run of ") and "(rank 0 of 64" in line
+    assert abs(float(line.rsplit("(", 1)[1].rstrip("%)"))) < 5
+
+
+def test_plan_command_refuses_what_it_cannot_dry_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plait.plan.cli import main
+
+    moe = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    config = _write(tmp_path, moe)
+    args = ["--hf-config", config, "--seq-len", "512", "--gpus", "4", "--device", "cpu"]
+    assert main([*args, "--top", "1", "--dry-run"]) == 2
+    assert "does not run MoE models" in capsys.readouterr().err
+    dense = _write(tmp_path, LLAMA)
+    moe_flags = ["--hf-config", dense, "--experts", "4", "--gpus", "4", "--device", "cpu"]
+    assert main([*moe_flags, "--seq-len", "512", "--top", "1", "--dry-run"]) == 2
+    assert "from its config.json only" in capsys.readouterr().err
