@@ -433,6 +433,12 @@ def test_model_vocabulary_follows_the_tokenizer(tmp_path: Path, bpe: HFTokenizer
     config.write_text(json.dumps(llama))
     with pytest.raises(ConfigError, match=r"config.json: vocab_size 256 .* 400 ids .*tokenizer"):
         resolve(TrainConfig(tokenizer=bpe.name, model_config=str(config), device="cpu"), 1)
+    llama["vocab_size"] = 512
+    config.write_text(json.dumps(llama))
+    with pytest.raises(ConfigError, match=r"--vocab-size 448 with --model-config .* drop"):
+        resolve(TrainConfig(tokenizer=bpe.name, model_config=str(config), vocab_size=448), 1)
+    resolved = resolve(TrainConfig(tokenizer=bpe.name, model_config=str(config), device="cpu"), 1)
+    assert resolve(resolved, 1).vocab_size == 400  # a resumed run's recorded value passes
 
 
 # ----------------------------------------------------------------------------------------

@@ -189,6 +189,12 @@ def _vocab_size(cfg: TrainConfig) -> int:
             f"the tokenizer ({cfg.tokenizer or 'bytes, the default'}): drop --vocab-size (it "
             "follows the tokenizer) or give one at least as large"
         )
+    if cfg.model_config and cfg.vocab_size not in (0, tokenizer.vocab_size):
+        # (A resumed run's recorded value is the tokenizer's: it passes.)
+        raise ConfigError(
+            f"--vocab-size {cfg.vocab_size} with --model-config {cfg.model_config}: the "
+            "model's vocabulary is its config's vocab_size; drop --vocab-size"
+        )
     return cfg.vocab_size or tokenizer.vocab_size
 
 
