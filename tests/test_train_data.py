@@ -659,14 +659,21 @@ def test_ranks_of_a_machine_tokenize_once(tmp_path: Path) -> None:
     assert [c[0] for c in warm] == [0, 0] and all(tuple(c[1:]) == expected for c in warm)
 
 
-@pytest.mark.parametrize(("local_ranks", "writers"), [([1, 0], [0, 1]), ([0, 0], [1, 1])])
+@pytest.mark.parametrize(("local_ranks", "writers"), [([1, 0], [0, 1]), ([0, 0], None)])
 def test_local_rank_zero_tokenizes_for_its_machine(
-    tmp_path: Path, local_ranks: list[int], writers: list[int]
+    tmp_path: Path, local_ranks: list[int], writers: list[int] | None
 ) -> None:
-    """Under torchrun LOCAL_RANK 0 writes; two "machines" (both LOCAL_RANK 0) each do."""
+    """Under torchrun LOCAL_RANK 0 writes and the other waits; two "machines" (both
+    LOCAL_RANK 0) each look for themselves: whichever comes second may already find the
+    first's file in a shared folder, so between them they tokenize once or twice."""
     cfg, cache = _config(_mixed_corpus(tmp_path)), tmp_path / "cache"
     results = run_on_ranks(2, _load_on_ranks, cfg, str(cache), local_ranks)
-    assert [r[0] for r in results] == writers and results[0][1:] == results[1][1:]
+    calls = [r[0] for r in results]
+    if writers is not None:
+        assert calls == writers
+    else:
+        assert set(calls) <= {0, 1} and sum(calls) >= 1
+    assert results[0][1:] == results[1][1:]
     assert len(list(cache.glob("*.tokens"))) == 1
 
 

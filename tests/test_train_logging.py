@@ -13,6 +13,7 @@ import math
 import shutil
 import struct
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,9 @@ def test_wandb_offline_run_resumes_the_same_run(
         if type(err).__module__.startswith("wandb"):
             pytest.skip(f"wandb cannot start its service in this sandbox: {err}")
         raise
+    # W&B names a session's offline folder by the second it starts: two sessions within
+    # one second would share a folder (no real resume is that quick).
+    time.sleep(1.1)
     run_train(cfg.replace(resume=True), 1, run_dir)
     run_id = (run_dir / "wandb_id").read_text().strip()
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))

@@ -89,6 +89,7 @@ import torch
 import torch.distributed as dist
 
 from plait.train.config import ConfigError, TrainConfig
+from plait.train.extras import require
 from plait.train.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, render_chat
 
 __all__ = [
@@ -259,13 +260,7 @@ def _json_records(file: Path, text_field: str, messages_field: str) -> Iterator[
 
 
 def _parquet_records(file: Path, text_field: str, messages_field: str) -> Iterator[Record]:
-    try:
-        import pyarrow.parquet as pq  # type: ignore[import-untyped]
-    except ImportError as err:
-        raise ConfigError(
-            f"--data {file}: reading Parquet needs the 'pyarrow' package: "
-            "pip install 'plait[train]'"
-        ) from err
+    pq = require("pyarrow.parquet", f"--data {file}: reading Parquet")
     try:
         table = pq.ParquetFile(str(file))
     except Exception as err:  # pyarrow's own error types

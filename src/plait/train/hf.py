@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.train.config import ConfigError
+from plait.train.extras import require
 
 __all__ = [
     "LLAMA_RULES",
@@ -79,7 +80,6 @@ FLOAT_DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
-_EXTRA = "pip install 'plait[train]'"
 
 
 class HFCheckpointError(ConfigError):
@@ -234,13 +234,7 @@ def _is_tied(modules: Iterable[nn.Module]) -> bool:
 
 
 def _safetensors() -> Any:
-    try:
-        import safetensors
-    except ImportError as err:  # pragma: no cover - installed with the train extra
-        raise ConfigError(
-            f"Hugging Face checkpoints need the 'safetensors' package: {_EXTRA}"
-        ) from err
-    return safetensors
+    return require("safetensors", "reading or writing Hugging Face checkpoints")
 
 
 def _weight_map(directory: Path) -> dict[str, Path]:
@@ -619,7 +613,7 @@ def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
 
 
 def _write_weights(directory: Path, tensors: Mapping[str, torch.Tensor], limit: int) -> None:
-    from safetensors.torch import save_file
+    save_file = require("safetensors.torch", "plait export").save_file
 
     groups = _shards(tensors, limit)
     if len(groups) == 1:

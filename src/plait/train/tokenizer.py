@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from plait.train.config import ConfigError
+from plait.train.extras import require
 
 __all__ = [
     "BYTE_CHAT_TEMPLATE",
@@ -41,7 +42,6 @@ __all__ = [
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-_EXTRA = "pip install 'plait[train]'"
 
 #: The byte tokenizer's chat template: plain text, one ``role: content`` paragraph per
 #: turn; the generation prompt is ``assistant: ``, so an answer is its content and the
@@ -113,7 +113,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str) -> None:
-        tokenizers = _import("tokenizers", "--tokenizer")
+        tokenizers = require("tokenizers", "--tokenizer")
         file = Path(path)
         if file.is_dir():
             file = file / "tokenizer.json"
@@ -160,14 +160,6 @@ def load_tokenizer(path: str) -> Tokenizer:
     """``--tokenizer``'s tokenizer: ``""`` bytes, else the ``tokenizer.json`` at ``path``
     (or in the folder ``path``)."""
     return HFTokenizer(path) if path else ByteTokenizer()
-
-
-def _import(module: str, what: str) -> Any:
-    """``module``, or ConfigError naming the extra that installs it."""
-    try:
-        return __import__(module)
-    except ImportError as err:
-        raise ConfigError(f"{what} needs the {module!r} package: {_EXTRA}") from err
 
 
 def _read_settings(path: Path) -> dict[str, Any]:
@@ -251,7 +243,7 @@ _COMPILED: dict[str, Any] = {}
 def _compile(template: str) -> Any:
     if template in _COMPILED:
         return _COMPILED[template]
-    _import("jinja2", "a chat template")
+    require("jinja2", "a chat template")
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -283,7 +275,7 @@ def train_bpe(texts: Iterable[str], vocab: int, out: str) -> HFTokenizer:
             f"--vocab {vocab}: a byte-level BPE holds the 256 bytes and {len(specials)} "
             f"special tokens: use --vocab {least} or more"
         )
-    tokenizers = _import("tokenizers", "plait tokenizer train")
+    tokenizers = require("tokenizers", "plait tokenizer train")
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())
