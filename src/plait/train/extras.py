@@ -13,16 +13,24 @@ from typing import Any
 
 from plait.train.config import ConfigError
 
-__all__ = ["require"]
+__all__ = ["missing", "require"]
 
 
-def require(module: str, what: str, extra: str = "train") -> Any:
-    """``module`` (e.g. ``"pyarrow.parquet"``), imported; or ConfigError: ``{what} needs
-    the '<package>' package: pip install 'plait[<extra>]'``."""
+def missing(what: str, package: str, extra: str = "train", fix: str = "") -> ConfigError:
+    """The error for ``what`` (a flag, a feature) without ``package``: ``{what} needs the
+    {package} package, which is not installed: pip install 'plait[{extra}]'`` (and
+    ``({fix})`` when given)."""
+    also = f" ({fix})" if fix else ""
+    return ConfigError(
+        f"{what} needs the {package} package, which is not installed: "
+        f"pip install 'plait[{extra}]'{also}"
+    )
+
+
+def require(module: str, what: str, extra: str = "train", fix: str = "") -> Any:
+    """``module`` (e.g. ``"pyarrow.parquet"``), imported; or :func:`missing`'s error for
+    its package."""
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        package = module.split(".")[0]
-        raise ConfigError(
-            f"{what} needs the {package!r} package: pip install 'plait[{extra}]'"
-        ) from err
+        raise missing(what, module.split(".")[0], extra, fix) from err

@@ -35,7 +35,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from plait.train import extras
 from plait.train.config import ConfigError, TrainConfig
+from plait.train.extras import missing
 from plait.train.metrics import MetricsLog
 
 __all__ = [
@@ -85,19 +87,15 @@ class Logger(Protocol):
 
 def _missing(option: str) -> ConfigError:
     _, package, extra = _OPTIONAL[option]
-    return ConfigError(
-        f"{option} needs the {package} package, which is not installed: "
-        f"pip install 'plait[{extra}]' (or drop {option})"
-    )
+    return missing(option, package, extra, fix=f"or drop {option}")
 
 
 def require(option: str) -> ModuleType:
     """Import the package ``option`` (a key of ``_OPTIONAL``) needs, or ConfigError
     naming the extra that installs it."""
-    try:
-        return importlib.import_module(_OPTIONAL[option][0])
-    except ImportError as err:
-        raise _missing(option) from err
+    module, _, extra = _OPTIONAL[option]
+    module_type: ModuleType = extras.require(module, option, extra, fix=f"or drop {option}")
+    return module_type
 
 
 def check_logging(cfg: TrainConfig) -> None:
