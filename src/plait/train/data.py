@@ -391,6 +391,8 @@ class _Split:
         for doc, start, n in zip(docs, self.starts.tolist(), lengths, strict=True):
             if doc.trained is not None:
                 self.trained[start : start + n] = doc.trained
+        #: Every token takes loss (no chat prompts): a batch's loss tokens are all of them.
+        self.all_trained = bool(self.trained.all())
         self.rows_per_epoch = max(0, (self.n_tokens - 1) // seq_len)
         self._epochs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -501,6 +503,12 @@ class TokenData:
 
     def rows_per_epoch(self, split: str) -> int:
         return self.splits[split].rows_per_epoch
+
+    def loss_tokens(self, split: str, batch_size: int) -> int | None:
+        """The loss tokens of every global batch of ``batch_size`` rows of ``split`` when the
+        data alone says so (no target is :data:`IGNORE`: all of them), else None (count
+        them per batch)."""
+        return batch_size * self.seq_len if self.splits[split].all_trained else None
 
     def batch(self, split: str, step: int, batch_size: int, part: int = 0, parts: int = 1) -> Batch:
         """Part ``part`` of ``parts`` equal contiguous parts of global batch ``step`` of

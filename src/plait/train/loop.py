@@ -242,10 +242,12 @@ class _Session:
     def batch(self, split: str, index: int) -> StepBatch:
         """This rank's share of global batch ``index`` of ``split``, on the device: its rows'
         documents and positions, cut to its tokens of each row with ``--cp``, and the global
-        batch's count of loss tokens (:func:`~plait.train.step.step_batch`: collective)."""
+        batch's count of loss tokens (:func:`~plait.train.step.step_batch`: collective
+        unless the data knows the count: no masked targets)."""
         cfg = self.cfg
         rows = self.data.batch(split, index, cfg.batch_size, self.dp_rank, cfg.dp)
-        return step_batch(rows.inputs, rows.targets, rows.documents, cfg, self.mesh)
+        known = self.data.loss_tokens(split, cfg.batch_size)
+        return step_batch(rows.inputs, rows.targets, rows.documents, cfg, self.mesh, known)
 
     def train_step(self, step: int) -> tuple[float, float]:
         """Optimizer step ``step`` (0-based); returns (global loss, gradient norm)."""

@@ -106,13 +106,15 @@ def step_batch(
     documents: torch.Tensor,
     cfg: TrainConfig,
     mesh: DeviceMesh | None,
+    tokens: int | None = None,
 ) -> StepBatch:
     """This rank's :class:`StepBatch` from its data-parallel share of a global batch:
     ``inputs``, ``targets`` and ``documents`` ``(b, T)`` of whole rows (host tensors, as the
     data gives them). Positions in documents are computed on the whole rows; then every
     tensor is cut to this rank's tokens of each row (``--cp``: ``shard_sequence``) and moved
-    to the device. The global count of loss tokens is one all-reduce of the local counts
-    over the world (every rank calls this: a collective when there are several)."""
+    to the device. The global count of loss tokens is ``tokens`` when the caller knows it
+    (data without masked targets), else one all-reduce of the local counts over the world
+    (every rank calls this: a collective when there are several)."""
     docs: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     if _several_documents(documents):  # else the models keep plain causal attention
@@ -123,8 +125,8 @@ def step_batch(
         inputs, targets = (shard_sequence(t, group, dim=1) for t in (inputs, targets))
         if docs is not None and positions is not None:
             docs, positions = (shard_sequence(t, group, dim=1) for t in (docs, positions))
-    count = (targets != IGNORE).sum()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    count = (targets != IGNORE).sum() if tokens is None else torch.tensor(tokens)
+    if tokens is None and dist.is_initialized() and dist.get_world_size() > 1:
         # Every rank counts its own tokens; the pp and tp ranks of one (dp, cp) rank hold
         # the same ones, so the world's sum counts each pp * tp times.
         world = dist.group.WORLD
