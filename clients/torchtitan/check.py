@@ -50,6 +50,8 @@ class Config:
     # Run twice in one dump folder: flags_first, then flags (DCP save, then resume).
     resume_from: tuple[str, ...] | None = None
     expected_to_fail: str = ""
+    # Why plait's numbers differ from torch's, where torch's run is the one that is off.
+    differs_because: str = ""
 
 
 def _pp(schedule: str) -> tuple[str, ...]:
@@ -119,6 +121,57 @@ CONFIGS: tuple[Config, ...] = (
     Config("moe-ep2-fsdp2", "MoE, expert parallel 2 x dp_shard 2", 2, "moe", (SHARD, "2", EP, "2")),
     Config(
         "moe-ep2-fsdp4", "MoE, expert parallel 2 at dp_shard 4", 4, "moe", (SHARD, "4", EP, "2")
+    ),
+    Config(
+        "moe-tp2-ep2",
+        "MoE, TP 2 with ep 2 over the tp ranks",
+        2,
+        "moe",
+        (SHARD, "1", TP, "2", EP, "2"),
+    ),
+    Config(
+        "moe-ep2-tp2-fsdp2",
+        "MoE, ep 2 x TP 2 x dp_shard 2",
+        4,
+        "moe",
+        (SHARD, "2", TP, "2", EP, "2"),
+    ),
+    Config(
+        "moe-pp2-ep2",
+        "MoE, PP 2 (1F1B) x ep 2 x dp_shard 2",
+        4,
+        "moe",
+        (*_pp("1F1B"), SHARD, "2", EP, "2"),
+        differs_because=(
+            "torch 2.13's PipelineStage infers its metadata on the first step by running each "
+            "stage's forward once more on real tensors, so the MoE token counters behind the "
+            "aux-loss-free bias update count one extra microbatch per rank (step 1's counts: "
+            "1,920 routed tokens per layer instead of 1,536); plait sends metadata with the "
+            "first activations and runs no extra forward. Without the bias balancing "
+            "(`moe-pp2-ep2-nobias`) the two are bitwise equal"
+        ),
+    ),
+    Config(
+        "moe-pp2-ep2-nobias",
+        "MoE without bias balancing, PP 2 (1F1B) x ep 2 x dp_shard 2",
+        4,
+        "moe_no_bias_balance",
+        (*_pp("1F1B"), SHARD, "2", EP, "2"),
+    ),
+    Config(
+        "moe-ep2-dcp-resume",
+        "MoE, ep 2 x dp_shard 2, DCP save at step 2 + resume to 3",
+        2,
+        "moe",
+        (SHARD, "2", EP, "2", "--checkpoint.enable", "--training.steps", "3"),
+        resume_from=(SHARD, "2", EP, "2", "--checkpoint.enable", "--training.steps", "2"),
+    ),
+    Config(
+        "qwen3-moe-ep2",
+        "Qwen3 MoE (debug), ep 2 x dp_shard 2",
+        2,
+        "qwen3_moe",
+        (SHARD, "2", EP, "2"),
     ),
     Config("tp2-fsdp2", "TP 2 x dp_shard 2", 4, flags=(TP, "2", SHARD, "2")),
     Config("pp2-tp2", "PP 2 x TP 2 (1F1B)", 4, flags=(*_pp("1F1B"), TP, "2")),
@@ -316,15 +369,20 @@ def main() -> int:
                 torch_runs[cfg.fallback] = fallback
             reference, against = fallback, f" (vs torch `{cfg.fallback}`)"
         loss = grad = "-"
+        exact = False
         if reference.ok and plait_run.ok:
             diff = max_differences(reference, plait_run)
             if isinstance(diff, str):
                 loss = grad = diff
             else:
                 loss, grad = _cell(diff[0]) + against, _cell(diff[1]) + against
-        row_ok = plait_run.ok and loss.startswith("0.0")
+                exact = diff == (0.0, 0.0)
+        # Exact means bitwise: a difference of 1e-4 in fp32 is a different computation.
+        row_ok = plait_run.ok and (exact or bool(cfg.differs_because))
         if not row_ok and not cfg.expected_to_fail:
             bad += 1
+        if plait_run.ok and not exact and cfg.differs_because:
+            notes.append(f"- {cfg.name}: differs from torch because {cfg.differs_because}")
         rows.append(f"| {cfg.label} | {_yes(torch_run)} | {_yes(plait_run)} | {loss} | {grad} |")
         for impl, r in runs.items():
             if not r.ok:
@@ -338,7 +396,7 @@ def main() -> int:
         *rows,
     ]
     if notes:
-        lines += ["", "Failures:", *notes]
+        lines += ["", "Failures and differences:", *notes]
     lines += [
         "",
         f"{len(chosen)} configurations in {time.monotonic() - total:.0f} s; "

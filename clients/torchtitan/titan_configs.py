@@ -17,6 +17,7 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from torchtitan.models.qwen3 import model_registry as qwen3_registry
 from torchtitan.trainer import Trainer
 
 HERE = Path(__file__).resolve().parent
@@ -87,6 +88,27 @@ def moe() -> Trainer.Config:
     2 shared experts per MoE layer); ``--parallelism.expert_parallel_degree`` shards them."""
     config = base()
     config.model_spec = deepseek_v3_registry("debugmodel")
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
+    return config
+
+
+def moe_no_bias_balance() -> Trainer.Config:
+    """``moe`` without the auxiliary-loss-free bias balancing (``load_balance_coeff`` None):
+    the row that shows where the pipelined MoE row's difference comes from."""
+    config = moe()
+    assert config.model_spec is not None
+    for layer in config.model_spec.model.layers:
+        moe_config = getattr(layer, "moe", None)
+        if moe_config is not None:
+            moe_config.load_balance_coeff = None
+    return config
+
+
+def qwen3_moe() -> Trainer.Config:
+    """``base`` on torchtitan's Qwen3 debug MoE (``debugmodel_moe``): top-k routing with
+    torchtitan's load-balancing hook, no shared experts."""
+    config = base()
+    config.model_spec = qwen3_registry("debugmodel_moe")
     config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
     return config
 
