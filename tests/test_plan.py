@@ -80,7 +80,8 @@ def test_hf_config_reads_llama_shapes(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     spec = from_hf_config(path)
-    assert dataclasses.replace(spec, name=LLAMA8.name) == LLAMA8
+    assert spec.source == str(path)  # what plait train --model-config builds it from
+    assert dataclasses.replace(spec, name=LLAMA8.name, source=LLAMA8.source) == LLAMA8
     del config["intermediate_size"]
     with pytest.raises(ValueError, match="intermediate_size missing"):
         from_hf_config(config)

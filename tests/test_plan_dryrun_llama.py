@@ -127,3 +127,64 @@ def test_plan_command_refuses_what_it_cannot_dry_run(
     moe_flags = ["--hf-config", dense, "--experts", "4", "--gpus", "4", "--device", "cpu"]
     assert main([*moe_flags, "--seq-len", "512", "--top", "1", "--dry-run"]) == 2
     assert "from its config.json only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "want"),
+    [("tiny-mixtral", 2, "--ep 2"), ("tiny-qwen3", 2, "--dp"), ("llama3-8b", 64, "--dp")],
+)
+def test_plan_of_a_preset_prints_the_train_command_that_builds_it(
+    name: str, gpus: int, want: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plait plan --preset`` takes plait train's presets (and the llama3-* names); the
+    command it prints builds that very model (``--model-config``, not the GPT's shape
+    flags), and plait train accepts it as printed."""
+    import argparse
+    import shlex
+
+    from plait.plan.cli import main
+    from plait.train.cli import add_parsers, build_config
+    from plait.train.hf import with_default_model_config
+
+    device_flags = ["--device", "cpu", "--seq-len", "64"] if gpus == 2 else ["--seq-len", "4096"]
+    fixed = want.split() if want.startswith("--ep") else []  # a MoE layout, asked for
+    assert main(["--preset", name, "--gpus", str(gpus), "--top", "1", *device_flags, *fixed]) == 0
+    out = capsys.readouterr().out
+    command = next(line.strip() for line in out.splitlines() if "plait train" in line)
+    source = "llama3.1-8b" if name == "llama3-8b" else name
+    assert f"--model-config {source}" in command and want in command
+    assert "--n-layer" not in command and "builds its GPT" not in out
+    parser = argparse.ArgumentParser(prog="plait")
+    add_parsers(parser.add_subparsers(dest="command"))
+    argv = shlex.split(command.replace("--device cuda", "--device cpu"))  # no GPU here
+    flags = vars(parser.parse_args(argv[1:]))
+    del flags["command"]
+    flags.pop("plan", None)
+    cfg = resolve(with_default_model_config(build_config(flags)), None)
+    assert cfg.model_config == source and cfg.layout.world == gpus
+
+
+def test_planner_reads_presets_as_plait_train_builds_them() -> None:
+    from plait.plan.models import preset
+
+    mixtral = preset("mixtral-8x7b")
+    assert (mixtral.layers, mixtral.experts, mixtral.top_k, mixtral.expert_hidden) == (
+        32,
+        8,
+        2,
+        14336,
+    )
+    assert preset("tiny-qwen3-moe").dense_layers == 1  # Qwen3-MoE's mlp_only_layers [0]
+    assert preset("qwen3-30b-a3b").qk_norm and preset("qwen3-30b-a3b").experts == 128
+    for old, new in (("llama3-8b", "llama3.1-8b"), ("llama3-405b", "llama3.1-405b")):
+        a, b = preset(old), preset(new)
+        assert a.source == new and b.source == new
+        assert (a.layers, a.d_model, a.heads, a.kv_heads, a.ffn_hidden, a.vocab, a.tied) == (
+            b.layers,
+            b.d_model,
+            b.heads,
+            b.kv_heads,
+            b.ffn_hidden,
+            b.vocab,
+            b.tied,
+        )

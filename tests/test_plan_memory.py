@@ -137,9 +137,11 @@ def test_plan_command_dry_runs_the_best_layout(capsys: pytest.CaptureFixture[str
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("dry run of ") and "(rank 0 of 64" in line and "predicted" in line
     # Presets are dry-run through plait train's preset of their shapes (Llama 3.1's):
-    # tests/test_plan_dryrun_llama.py; one without is refused.
-    assert main(["--preset", "llama3-405b", "--gpus", "1024", "--top", "1", "--dry-run"]) == 2
-    assert "plait train has no preset of its shapes" in capsys.readouterr().err
+    # tests/test_plan_dryrun_llama.py. A preset changed by MoE flags is a model plait train
+    # cannot build from a config: refused, naming the flags.
+    args = ["--preset", "llama3-8b", "--experts", "8", "--gpus", "64", "--top", "1"]
+    assert main([*args, "--dry-run"]) == 2
+    assert "--dry-run with --experts" in capsys.readouterr().err
 
 
 def test_plan_command_measures_this_cpu(capsys: pytest.CaptureFixture[str]) -> None:

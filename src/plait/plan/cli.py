@@ -23,12 +23,12 @@ from plait.layout import CP, CP_METHODS, EP, LAYOUT_FIELDS, flag
 from plait.plan.devices import DEVICES, device, override
 from plait.plan.memory import first_rank_memory
 from plait.plan.models import (
-    PRESETS,
     expert_hidden_default,
     from_hf_config,
     gpt,
     param_counts,
     preset,
+    preset_names,
 )
 from plait.plan.report import format_plan, size, to_json
 from plait.plan.roofline import STACK_NAMES
@@ -78,7 +78,13 @@ def add_parser(subcommands: Any) -> argparse.ArgumentParser:
     )
     model = p.add_argument_group("model (a preset, a Hugging Face config, or plait's GPT)")
     which = model.add_mutually_exclusive_group()
-    which.add_argument("--preset", choices=list(PRESETS), help="a published model's shapes")
+    which.add_argument(
+        "--preset",
+        choices=preset_names(),
+        metavar="NAME",
+        help=f"a published model: {', '.join(preset_names())} (plait train's presets, and "
+        "the llama3-* names for Llama 3.1's)",
+    )
     which.add_argument("--hf-config", metavar="PATH", help="a Llama-family config.json")
     for name, what in (("n_layer", "blocks"), ("n_head", "attention heads"), ("d_model", "width")):
         default = getattr(DEFAULTS, name)
@@ -244,6 +250,7 @@ def _model(args: argparse.Namespace, seq_len: int) -> ModelSpec:
         return _gpt(args, seq_len, moe)
     if not moe:
         return base
+    base = dataclasses.replace(base, source="")  # no longer the preset's or config's model
     if moe.get("experts") == 0 and not any(moe.get(n) for n in ("shared_experts", "dense_layers")):
         return dataclasses.replace(base, experts=0, dense_layers=0)  # --experts 0: dense
     if not moe.get("experts", base.experts):
@@ -375,30 +382,18 @@ def _dry_runnable(layout: Layout, tied: bool = False) -> bool:
     return layout.tp == 1 and schedule_spec(layout.schedule).name in DRY_RUN_SCHEDULES
 
 
-#: ``--preset`` -> the ``plait train --model-config`` preset of the same shapes (Llama 3.1's
-#: published config.json: plait.train.presets), which ``--dry-run`` builds.
-TRAIN_PRESETS = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b"}
-
-
-def _model_config(args: argparse.Namespace) -> str:
-    """What ``--dry-run`` gives ``plait train --model-config``: the train preset of
-    ``--preset`` (:data:`TRAIN_PRESETS`), the ``--hf-config`` path, or "" (plait's GPT).
-    PlanError for a preset without a train preset, and for MoE flags on a config (the
-    Llama's experts are its config.json's)."""
-    if args.preset and args.preset.lower() not in TRAIN_PRESETS:
-        raise PlanError(
-            f"--dry-run --preset {args.preset}: plait train has no preset of its shapes; "
-            f"dry-run {', '.join(TRAIN_PRESETS)}, or give --hf-config"
-        )
+def _model_config(args: argparse.Namespace, model: ModelSpec) -> str:
+    """What ``--dry-run`` gives ``plait train --model-config``: ``model``'s source (a
+    train preset or the ``--hf-config`` path), or "" (plait's GPT). PlanError for MoE
+    flags on a preset or config (plait train builds a config's experts from its
+    config.json)."""
     given = [flag(n) for n in _MOE_FLAGS if getattr(args, n) is not None]
     if (args.preset or args.hf_config) and given:
         raise PlanError(
             f"--dry-run with {', '.join(given)}: plait train builds a config's experts from "
             "its config.json only; dry-run without them"
         )
-    if args.preset:
-        return TRAIN_PRESETS[args.preset.lower()]
-    return str(args.hf_config or "")
+    return model.source
 
 
 def _dry_run(
@@ -409,7 +404,7 @@ def _dry_run(
     planner's description of what ``plait train`` builds (plait's GPT or the Llama of
     ``--hf-config`` / ``--preset``)."""
     try:
-        model_config = _model_config(args)
+        model_config = _model_config(args, model)
     except PlanError as err:
         print(f"plait plan: error: {err}", file=sys.stderr)
         return 2

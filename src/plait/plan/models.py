@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.plan.spec import ModelSpec
+from plait.train import presets as train_presets
 
 __all__ = [
     "PRESETS",
@@ -41,21 +42,36 @@ __all__ = [
     "gpt",
     "param_counts",
     "preset",
+    "preset_names",
 ]
 
-#: Llama 3.1 shapes as published (Meta's model cards / Hugging Face ``config.json``).
+#: Llama 3.1 shapes as published (Meta's model cards / Hugging Face ``config.json``); each
+#: ``source`` names the ``plait train`` preset that builds it.
 PRESETS: dict[str, ModelSpec] = {
-    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256),
-    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256),
-    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256),
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, source="llama3.1-8b"),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, source="llama3.1-70b"),
+    "llama3-405b": ModelSpec(
+        "llama3-405b", 126, 16384, 128, 8, 53248, 128256, source="llama3.1-405b"
+    ),
 }
 
 
+def preset_names() -> list[str]:
+    """Every name ``preset`` takes: the planner's own and ``plait train``'s presets."""
+    return [*PRESETS, *train_presets.PRESETS]
+
+
 def preset(name: str) -> ModelSpec:
-    """The preset ``name`` (case-insensitive); ValueError listing the known ones."""
-    if name.lower() not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    return PRESETS[name.lower()]
+    """The preset ``name`` (case-insensitive): one of :data:`PRESETS`, or one of ``plait
+    train``'s (:mod:`plait.train.presets`: Llama, Qwen, Mistral, Mixtral, Qwen3-MoE), read
+    as its config.json is. ValueError listing the known ones."""
+    key = name.lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if key in train_presets.PRESETS:
+        spec = from_hf_config(train_presets.PRESETS[key])
+        return dataclasses.replace(spec, name=key, source=key)
+    raise ValueError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
 
 
 def expert_hidden_default(ffn_hidden: int, top_k: int, shared_experts: int) -> int:
@@ -164,14 +180,16 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
         head_dim=int(values.get("head_dim") or 0),
         qk_norm=kind in ("qwen3", "qwen3_moe"),
     )
-    return dataclasses.replace(spec, **_hf_moe(values, n["ffn_hidden"]))
+    source = "" if isinstance(config, Mapping) else str(config)
+    return dataclasses.replace(spec, source=source, **_hf_moe(values, n["ffn_hidden"]))
 
 
 def _hf_moe(values: Mapping[str, Any], ffn_hidden: int) -> dict[str, Any]:
     """The mixture-of-experts fields of a config.json, when it has routed experts: Mixtral's
     ``num_local_experts`` (experts as wide as ``intermediate_size``), Qwen-MoE's
     ``num_experts`` / DeepSeek's ``n_routed_experts`` with ``moe_intermediate_size``,
-    ``num_experts_per_tok``, DeepSeek's ``n_shared_experts`` and ``first_k_dense_replace``."""
+    ``num_experts_per_tok``, DeepSeek's ``n_shared_experts`` and ``first_k_dense_replace`` (or
+    Qwen3-MoE's leading ``mlp_only_layers``)."""
     experts = next(
         (
             int(values[k])
@@ -187,8 +205,18 @@ def _hf_moe(values: Mapping[str, Any], ffn_hidden: int) -> dict[str, Any]:
         "top_k": int(values.get("num_experts_per_tok") or 1),
         "shared_experts": int(values.get("n_shared_experts") or 0),
         "expert_hidden": int(values.get("moe_intermediate_size") or ffn_hidden),
-        "dense_layers": int(values.get("first_k_dense_replace") or 0),
+        "dense_layers": int(values.get("first_k_dense_replace") or 0)
+        or _leading(values.get("mlp_only_layers") or []),
     }
+
+
+def _leading(layers: list[int]) -> int:
+    """How many leading blocks Qwen3-MoE's ``mlp_only_layers`` makes dense (``[0, 1]``: 2);
+    dense blocks after a MoE block are not modelled (counted as MoE blocks)."""
+    count = 0
+    while count in layers:
+        count += 1
+    return count
 
 
 @dataclass(frozen=True)

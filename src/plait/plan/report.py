@@ -7,6 +7,7 @@ gives the bytes each rank sends per step in attention's key/value exchange."""
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 from plait.layout import CP, EP, flag
@@ -62,6 +63,8 @@ def cp_per_step(collectives: tuple[Collective, ...]) -> float:
 
 
 def _model_flags(model: ModelSpec) -> list[str]:
+    if model.source:  # plait train builds this very model from its preset or config.json
+        return [f"--model-config {shlex.quote(model.source)}"]
     flags = [f"--n-layer {model.layers}", f"--n-head {model.heads}", f"--d-model {model.d_model}"]
     if model.experts:
         flags += [
@@ -215,7 +218,7 @@ def format_plan(
         "  " + train_command(best.layout, model, work, device),
         "  " + torchrun_command(best.layout, model, work, device),
     ]
-    if model.gated or model.kv_heads != model.heads or model.dense_layers:
+    if not model.source and (model.gated or model.kv_heads != model.heads or model.dense_layers):
         lines.append(
             f"  (plait train builds its GPT; {model.name}'s exact blocks need your own model "
             "with the same layout flags)"

@@ -146,7 +146,8 @@ class ModelSpec:
     ``tied``: the head shares the embedding's weight; ``bias`` / ``norm_bias``: linear and
     norm layers have biases (GPT: LayerNorm and biased linears; Llama: RMSNorm, none);
     ``head_dim``: the heads' width where it is not ``d_model / heads`` (Qwen3); ``qk_norm``:
-    per-head RMSNorms of queries and keys (Qwen3).
+    per-head RMSNorms of queries and keys (Qwen3); ``source``: what ``plait train
+    --model-config`` builds it from (a preset or a config.json; empty for plait's GPT).
 
     Mixture of experts (``experts`` > 0, plait's ``plait.experts.MoE``): every block after
     the first ``dense_layers`` replaces its MLP by a router (a bias-free ``d_model x
@@ -176,6 +177,9 @@ class ModelSpec:
     dense_layers: int = 0  # leading blocks with a dense MLP (DeepSeek-V3: 3)
     head_dim: int = 0  # each attention head's width; 0: d_model / heads
     qk_norm: bool = False  # per-head RMSNorms of queries and keys (Qwen3)
+    # What ``plait train --model-config`` takes to build exactly this model (a preset name
+    # or a config.json path); "" for plait's GPT (its --n-layer / --n-head / --d-model).
+    source: str = ""
 
     @property
     def dim_head(self) -> int:
