@@ -176,6 +176,26 @@ def test_experts_are_sharded_over_ep_and_efsdp() -> None:
         assert described["gate_mesh"] == ("dp_shard",)
 
 
+#: 2 routed experts over 4 ranks: fewer experts than ranks to shard them.
+FEW_EXPERTS = MOE_TINY.replace(experts=2, top_k=1)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_fewer_experts_than_shard_ranks_shard_another_dim(ep: int, tmp_path: Path) -> None:
+    """With 2 experts sharded over 4 ranks (ep 1: the unit's dp_shard 4; ep 2: one local
+    expert over efsdp 2), the stacked weights are sharded on their second dim, not padded
+    to an expert per rank on the first (torchtitan's Shard(1) rule; padding cost Mixtral
+    2x its memory at 64 ranks), and training still equals one process."""
+    cfg = FEW_EXPERTS.replace(ep=ep, dp_shard=4)
+    for described in run_on_ranks(4, _describe_on_rank, cfg):
+        full, local = described["w1"]
+        assert local == (full[0] // ep, full[1] * ep // 4, full[2])
+    expected = run_train(FEW_EXPERTS, 1, tmp_path / "reference")
+    for result in run_on_ranks(4, train_on_rank, cfg, str(tmp_path / "run")):
+        _assert_close(result.losses, expected.losses)
+    assert _loads(tmp_path / "run") == _loads(tmp_path / "reference")
+
+
 def _describe_on_rank(cfg: TrainConfig) -> dict[str, Any]:
     from plait.train.layout import resolve
     from plait.train.loop import Trainable, model_config

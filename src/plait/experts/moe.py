@@ -128,7 +128,9 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, dim)
         route = self.router(x, self.expert_bias)
         picks = route.experts.flatten()  # (N*k,) token-major: token t's picks at t*k ...
-        counts = torch.bincount(picks, minlength=self.experts.num_experts)  # (E,)
+        # (E,) picks per expert; a scatter, not bincount: its shape is known before the data
+        counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=picks.device)
+        counts.scatter_add_(0, picks, torch.ones_like(picks))
         load = global_counts(counts, self._balance_mesh())  # (E,) over the whole batch
         # Picks sorted by expert; stable, so each expert's rows stay in token order (the
         # order that makes expert parallelism reproduce one process exactly).
@@ -137,8 +139,12 @@ class MoE(nn.Module):
         rows = self.experts(x.index_select(0, token), counts)  # (N*k, dim)
         weights = route.weights.flatten()[order].unsqueeze(-1)  # (N*k, 1)
         rows = rows * weights.to(rows.dtype)
-        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-        out = out.index_add(0, token, rows)  # (N, dim): each token sums its k outputs
+        # Each token sums its k outputs: the rows put back in token-major order by a gather
+        # (whose backward keeps only the index; an index_add would keep all N*k rows).
+        positions = torch.arange(order.numel(), device=order.device)
+        inverse = torch.empty_like(order).scatter_(0, order, positions)
+        routed = rows.index_select(0, inverse).view(-1, self.router.top_k, shape[-1]).sum(1)
+        out = routed if self.shared_experts is None else self.shared_experts(x) + routed
         seq_len = shape[-2] if len(shape) > 2 else shape[0]  # (N, dim): one sequence
         out = self._balance(out, route, load, seq_len)
         return out.view(shape)

@@ -30,7 +30,10 @@
    (HSDP: sharded inside a group, replicated across groups); ``replicate`` over
    ``dp_replicate`` when nothing is sharded. A block's expert-parallel experts are a
    parameter group of their own in the block's unit, sharded over ``efsdp`` (and
-   replicated over ``dp_replicate``): torchtitan's layout. Mixed precision and CPU offload are
+   replicated over ``dp_replicate``): torchtitan's layout. Stacked expert weights shard on
+   their experts' dim when it splits evenly over their ranks, else on a dim that does
+   (``Shard(1)``: fewer experts than ranks must not pad every shard to a whole expert).
+   Mixed precision and CPU offload are
    ``fully_shard`` policies; without ``fully_shard``, bf16 runs the forward under
    autocast (:func:`forward_context`).
 
@@ -69,7 +72,7 @@ from typing import Any, TypeAlias, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -308,14 +311,33 @@ def _moe(
 def _expert_placement(
     block: Block | LlamaBlock, cfg: TrainConfig, experts: DeviceMesh | None
 ) -> Any:
-    """``shard_placement_fn`` of ``block``'s unit: its expert-parallel experts in a group on
-    ``efsdp`` (HSDP: ``(dp_replicate, efsdp)``), the rest on the unit's mesh."""
-    if experts is None or not isinstance(block.mlp, MoE):
+    """``shard_placement_fn`` of ``block``'s unit: its routed experts' stacked weights
+    sharded on a dim their shard group divides (:func:`_even_dim`), in a group on ``efsdp``
+    (HSDP: ``(dp_replicate, efsdp)``) under expert parallelism; the rest on the unit's mesh
+    as ``Shard(0)``."""
+    if not isinstance(block.mlp, MoE):
         return None
-    dims = (DP_REPLICATE, EFSDP) if cfg.dp_replicate > 1 else (EFSDP,)
-    placement = ShardPlacement(Shard(0), experts[dims])
-    own = {id(p) for p in block.mlp.experts.parameters()}
-    return lambda p: placement if id(p) in own else None
+    if experts is not None:
+        dims = (DP_REPLICATE, EFSDP) if cfg.dp_replicate > 1 else (EFSDP,)
+        mesh: DeviceMesh | None = experts[dims]
+        group = experts[EFSDP].size()
+    else:  # the experts shard with the rest of the unit
+        mesh, group = None, cfg.dp_shard * cfg.cp
+    placements: dict[int, Any] = {}
+    for weight in block.mlp.experts.parameters():
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        shard = Shard(_even_dim(tuple(local.shape), group))
+        placements[id(weight)] = shard if mesh is None else ShardPlacement(shard, mesh)
+    return lambda p: placements.get(id(p))
+
+
+def _even_dim(shape: tuple[int, ...], group: int) -> int:
+    """The dim to shard a stacked expert weight ``(experts, in, out)`` on over ``group``
+    ranks: the experts' dim when it splits evenly, else the first that does (torchtitan's
+    rule: ``Shard(1)`` when there are fewer experts than ranks to shard them), else 0.
+    Sharding 2 experts over 8 ranks on dim 0 would pad every rank's shard to a whole
+    expert: 4x the memory of the sharded states and of the gradients' reduce-scatter."""
+    return next((d for d, size in enumerate(shape) if size % group == 0), 0)
 
 
 def _shard(module: Model, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh | None) -> None:
