@@ -205,3 +205,45 @@ def test_plait_train_plan_predicts_the_expert_parallel_layout() -> None:
     assert (c.layout.dp_shard, c.layout.ep) == (4, 2)
     summary = plan_summary(cfg)
     assert "ep=2" in summary and "all-to-all" in summary
+
+
+# ----------------------------------------------------------------------------------------
+# Dry runs of MoE models: plait's own MoE code on fake tensors, routing taken as balanced
+# ----------------------------------------------------------------------------------------
+
+
+#: plait train's GPT with MoE blocks, ep 2 over efsdp 2.
+GPT_EP2 = [*ARGS, "--experts", "4", "--top-k", "2", "--device", "cpu", "--ep", "2"]
+
+
+@pytest.mark.parametrize(
+    ("args", "bound"),
+    [
+        # A few MiB, where the fixed costs the planner rounds weigh most: the bar of real
+        # CPU runs.
+        ([*GPT_EP2, "--dp-shard", "4"], 0.10),
+        # Mixtral 8x7B at 64 ranks, one expert per ep rank: before its weights were sharded
+        # on their second dim (fewer experts than efsdp ranks), the dry run's peak was 2x
+        # the prediction (128 GiB against 67 GiB).
+        (["--preset", "mixtral-8x7b", "--gpus", "64", "--seq-len", "4096", "--ep", "8"], 0.05),
+    ],
+)
+def test_dry_run_of_a_moe_model_matches_the_prediction(
+    args: list[str], bound: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*args, "--pp", "1", "--top", "1", "--dry-run"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("dry run of ") and "ep=" in line
+    error = float(line.rsplit("(", 1)[1].rstrip("%)")) / 100
+    assert abs(error) <= bound, line
+
+
+def test_balanced_counts_split_totals_and_read_nothing() -> None:
+    from plait.experts.counts import balanced_counts, host_counts
+
+    counts = torch.tensor([5, 0, 3])
+    assert host_counts(counts, 8) == [5, 0, 3]
+    with balanced_counts():
+        assert host_counts(counts, 8) == [3, 3, 2]
+        assert host_counts(torch.empty(2, 2, device="meta"), 8) == [2, 2, 2, 2]
+    assert host_counts(counts, 8) == [5, 0, 3]

@@ -1,7 +1,8 @@
 """Expert parallelism: a reference mixture-of-experts layer, and its stacked experts
 sharded over an ``ep`` mesh with all-to-all token dispatch.
 
-Layers, each importing only those before it: router (top-k choice), swiglu (the experts),
+Layers, each importing only those before it: counts (row counts read on the host, or
+balanced in shape-only runs), router (top-k choice), swiglu (the experts),
 balance (load statistics and losses over the global batch), all_to_all (stateless
 collectives) <- dispatch (rows to their experts and back) <- moe (the ``MoE`` layer)
 <- parallel (``ExpertParallel``, ``expert_parallel``).

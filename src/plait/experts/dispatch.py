@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from plait.experts.all_to_all import all_to_all, exchange_counts
+from plait.experts.counts import host_counts
 
 __all__ = ["Exchange", "combine", "dispatch", "plan_exchange", "regroup"]
 
@@ -49,16 +50,21 @@ class Exchange:
         return [sum(column) for column in zip(*self.blocks, strict=True)]
 
 
-def plan_exchange(counts: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
-    """The exchange for this rank's expert-sorted rows, ``counts`` ``(E,)`` per global expert.
+def plan_exchange(counts: torch.Tensor, group: dist.ProcessGroup, rows: int) -> Exchange:
+    """The exchange for this rank's ``rows`` expert-sorted rows, ``counts`` ``(E,)`` per
+    global expert.
 
     A collective over ``group``: every rank calls it with its own counts.
     """
     ep = dist.get_world_size(group)
     received = exchange_counts(counts, group)  # (ep, L)
     mine = counts.view(ep, -1)  # (ep, L) this rank's rows for rank j's experts
-    send = mine.sum(dim=1).tolist()
-    blocks = received.tolist()
+    send = host_counts(mine.sum(dim=1), rows)
+    # What arrives: as many rows as leave when every rank sends alike (balanced_counts);
+    # otherwise the received counts themselves.
+    flat = host_counts(received, rows)
+    local = received.shape[1]
+    blocks = [flat[i * local : (i + 1) * local] for i in range(ep)]
     return Exchange(group=group, send=send, recv=[sum(row) for row in blocks], blocks=blocks)
 
 

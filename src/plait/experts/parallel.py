@@ -180,7 +180,7 @@ def _dispatch_hook(
             f"({state.num_experts},)"
         )
     assert state.group is not None
-    exchange = plan_exchange(counts, state.group)
+    exchange = plan_exchange(counts, state.group, rows.shape[0])
     state.pending = exchange
     local_rows, local_counts = dispatch(rows, exchange)
     # The expert weights' gradient is divided by the factor (their output rows' gradient

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from plait.experts.counts import host_counts
+
 __all__ = ["GroupedExperts", "SwiGLU"]
 
 
@@ -77,7 +79,7 @@ class GroupedExperts(nn.Module):
                 f"{w1.shape[0]} experts: pass one row count per (local) expert"
             )
         # One device-to-host sync: dropless routing makes block sizes data-dependent.
-        blocks = x.split(counts.tolist())  # E_local x (n_e, dim)
+        blocks = x.split(host_counts(counts, x.shape[0]))  # E_local x (n_e, dim)
         outs = [
             (F.silu(rows @ a) * (rows @ c)) @ b  # (n_e, dim)
             for rows, a, b, c in zip(blocks, w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True)

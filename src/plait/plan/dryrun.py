@@ -13,7 +13,10 @@ multi-process CPU runs call it on every rank.
 fake process group (torch's ``fake`` backend: collectives return at once and move no data)
 and fake tensors (sizes, dtypes and storages without data, so a 7B-parameter model costs
 no memory and no arithmetic). The code that runs is plait's own, so the dry run counts
-what plait allocates, including what the planner's formulas leave out.
+what plait allocates, including what the planner's formulas leave out. A mixture of
+experts' routing is data (which fake tensors lack): its rows are taken as evenly spread over
+the experts and the ep ranks (:func:`plait.experts.counts.balanced_counts`), the load the
+planner assumes.
 
 Ranks without a pipeline are alike, so rank 0 (which holds the largest shard when a
 parameter does not divide evenly) stands for all.
@@ -49,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.experts.counts import balanced_counts
 from plait.layout import Layout
 from plait.pipeline.schedules import schedule_spec
 from plait.plan.live import LiveTensors
@@ -106,7 +110,10 @@ def step_memory(
     side_meshes = (cfg.layout.expert_mesh(cfg.device), cfg.layout.shard_mesh(cfg.device))
     pipelined = cfg.pp > 1 and pipeline_dry_run
     live = LiveTensors(device_type=torch.device(cfg.device).type)
-    with tensors or nullcontext(), live:
+    # Fake tensors hold no routing to read: a MoE's rows are taken as evenly spread over
+    # its experts (the load the planner assumes).
+    routing = balanced_counts() if tensors is not None else nullcontext()
+    with tensors or nullcontext(), live, routing:
         torch.manual_seed(seed)
         with torch.device(cfg.device):  # built in place: fake tensors cannot be moved
             model = build_model(cfg)  # the GPT, or --model-config's Llama
