@@ -344,3 +344,50 @@ def _refusals() -> None:
 
 def test_bad_ep_is_refused_with_the_fix() -> None:
     run_on_ranks(2, _refusals, timeout=TIMEOUT)
+
+
+# -- routed rows split over ranks that hold the same tokens -----------------------------
+
+
+def _row_split_on_rank(skew: bool) -> dict[str, float]:
+    """One MoE on the same tokens on both ranks, its routed rows split between them,
+    against a copy that computes them all: outputs, input and router gradients alike on
+    each rank; the experts' gradients, each rank's covering its chunk times 2, average to
+    the copy's."""
+    import copy
+
+    from plait.experts import split_routed_rows
+
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, EXPERTS, TOP_K, num_shared_experts=1, aux_loss_coeff=0.01)
+    moe.z_loss_coeff = 1e-3
+    if skew:  # every token's first choice is expert 0: one rank's chunk is all expert 0
+        with torch.no_grad():
+            moe.router.gate.weight[0] += 10.0
+    whole = copy.deepcopy(moe)
+    x = torch.randn(2, 8, DIM)
+    split_routed_rows(moe, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
+    diffs: dict[str, float] = {}
+    inputs = []
+    for layer in (whole, moe):
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.square().sum().backward()
+        inputs.append((out.detach(), xi.grad))
+    diffs["out"] = (inputs[0][0] - inputs[1][0]).abs().max().item()
+    diffs["input_grad"] = (inputs[0][1] - inputs[1][1]).abs().max().item()
+    diffs["router_grad"] = (
+        (whole.router.gate.weight.grad - moe.router.gate.weight.grad).abs().max().item()
+    )
+    for name, p in moe.experts.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        ref = dict(whole.experts.named_parameters())[name].grad
+        diffs[f"experts.{name}"] = (grad / 2 - ref).abs().max().item()
+    return diffs
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "all-to-expert-0"])
+def test_split_routed_rows_equals_every_rank_computing_them(skew: bool) -> None:
+    for diffs in run_on_ranks(2, _row_split_on_rank, skew, timeout=TIMEOUT):
+        assert all(d <= ATOL for d in diffs.values()), diffs

@@ -6,6 +6,10 @@
   ``plait.experts`` sends to the other rank (routing made exactly balanced).
 * Memory: expert parallelism keeps the states' shards and shrinks the gathered working
   set by the experts other ep ranks hold.
+* Tensor parallelism under ``fully_shard`` splits the routed rows: each tp rank runs ``1 /
+  tp`` of them (activations, all-to-all bytes), the experts' states are sharded over
+  ``efsdp x tp``, and the chunks' outputs (backward: the rows' gradients) are all-gathered
+  over tp.
 * The search proposes only ``ep`` that divide both ``dp_shard`` and the experts; the
   command line takes the MoE flags, prints all-to-all bytes and refuses a bad ``--ep``.
 """
@@ -23,11 +27,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from plait.checkpoint import checkpoint
 from plait.experts import MoE, expert_parallel
-from plait.plan import Layout, Workload, plan, predict_memory
+from plait.plan import Layout, Workload, evaluate, plan, predict_memory
 from plait.plan.cli import main
-from plait.plan.comm import all_to_all_bytes, all_to_all_passes
+from plait.plan.comm import all_to_all_bytes, all_to_all_passes, tp_gather_bytes
 from plait.plan.devices import device
+from plait.plan.memory import routed_elems_per_token
 from plait.plan.models import from_hf_config, gpt, param_counts
+from plait.plan.schedule import layout_shape
+from plait.plan.shards import rank_params
 from plait.plan.train_plan import model_of_config, plan_of_config, plan_summary
 from plait.train.config import TrainConfig
 from plait.train.layout import resolve
@@ -84,6 +91,86 @@ def test_all_to_all_bytes_by_hand() -> None:
     assert all_to_all_bytes(spec, Layout(dp_shard=4), work) == 0.0  # no ep: nothing moves
     assert all_to_all_passes(layout) == 4  # dispatch, combine, and both in backward
     assert all_to_all_passes(Layout(dp_shard=4, ep=2, ac="full")) == 6  # + the recompute
+
+
+# 8 / 4 sequences of 128 tokens per rank, each token to 2 experts, rows 64 wide, bf16
+TP_WORK = Workload(seq_len=128, global_batch=8, precision="bf16")
+TP_ROWS = 8 / 4 * 128 * 2
+
+
+def test_tp_halves_the_routed_experts_states_and_activations() -> None:
+    spec = gpt(2, 4, 64, 128, **MOE)  # expert width 4 x 64 / 2 = 128
+    c = param_counts(spec)
+    routed = spec.layers * c.experts * c.expert  # every routed expert of the model
+    states = {}
+    for tp in (1, 2):
+        layout = Layout(dp_shard=4, tp=tp, ep=2)
+        mem = predict_memory(spec, layout, TP_WORK)
+        p = rank_params(spec, layout, layout_shape(spec, layout).ranks[0])
+        others = (p.sharded_blocks + p.root) / 4  # what the rank stores besides the experts
+        # fp32 params, grads and AdamW's two moments; the experts over dp_shard x tp
+        assert mem.params + mem.grads + mem.optimizer == pytest.approx(
+            16 * (others + routed / (4 * tp))
+        )
+        states[tp] = mem.params + mem.grads + mem.optimizer - 16 * others
+        # the gathered working set: the rank's E / ep experts, whole on every tp rank
+        assert p.experts == c.experts // 2 * c.expert
+    assert states[2] == pytest.approx(states[1] / 2)
+
+    # Per token: each routed row's input and SwiGLU for the rank's chunk, 1 / tp of the
+    # rows; every row's gathered output (kept for the routing weight).
+    d, h, k = 64, 128, 2
+    for tp in (1, 2):
+        layout = Layout(dp_shard=4, tp=tp, ep=2)
+        assert routed_elems_per_token(spec, layout, "none") == k * (d + 4 * h) / tp + k * d
+        assert routed_elems_per_token(spec, layout, "selective") == k * (2 * h + d) / tp
+        assert routed_elems_per_token(spec, layout, "full") == 0.0
+    # Without fully_shard (dp_shard 1) every tp rank computes all the routed rows.
+    alone = Layout(tp=2)
+    assert routed_elems_per_token(spec, alone, "none") == k * (2 * d + 4 * h)
+    assert tp_gather_bytes(spec, alone, TP_WORK) == 0.0
+
+    # End to end: wider experts add saved activations only for the rank's chunk of rows.
+    wider = gpt(2, 4, 64, 128, expert_hidden=h + 32, **MOE)
+    added = {}
+    for tp in (1, 2):
+        layout = Layout(dp_shard=4, tp=tp, ep=2)
+        one, two = (predict_memory(m, layout, TP_WORK) for m in (spec, wider))
+        added[tp] = two.activations - one.activations
+        # 2 blocks, 256 tokens, 2 rows each, SwiGLU's 4 x 32 more, bf16
+        assert added[tp] == pytest.approx(2 * TP_ROWS * 4 * 32 * 2 / tp)
+    assert added[2] == pytest.approx(added[1] / 2)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_tp_all_gather_of_routed_rows_by_hand(ac: str) -> None:
+    spec = gpt(2, 4, 64, 128, **MOE)
+    layout = Layout(dp_shard=4, tp=2, ep=2, ac=ac)
+    # each rank gives half of the 512 rows of 64 and gets the other half, bf16
+    one = TP_ROWS * 64 * 2 * (2 - 1) / 2
+    assert tp_gather_bytes(spec, layout, TP_WORK) == one
+    cand = evaluate(spec, layout, TP_WORK, device("h100"))
+    (gather,) = [k for k in cand.timing.collectives if k.op == "all_gather(routed)"]
+    passes = 3 if ac == "full" else 2  # forward, backward (the rows' gradients), recompute
+    assert gather.dim == "tp"
+    assert (gather.bytes, gather.calls) == (one * passes * 2, passes * 2)  # 2 blocks, 1 mb
+    untouched = evaluate(spec, Layout(dp_shard=4, ep=2, ac=ac), TP_WORK, device("h100"))
+    assert not [k for k in untouched.timing.collectives if k.op == "all_gather(routed)"]
+
+
+def test_tp_halves_the_all_to_all_and_shards_the_experts_over_efsdp_x_tp() -> None:
+    spec = gpt(2, 4, 64, 128, **MOE)
+    one, two = (all_to_all_bytes(spec, Layout(dp_shard=4, tp=tp, ep=2), TP_WORK) for tp in (1, 2))
+    assert one == TP_ROWS * 64 * 2 * (1 / 2)  # half of the rows stay on the rank
+    assert two == one / 2  # the rank's tp chunk of them
+    # ep 1, tp 2: the experts are a group of their own, over dp_shard x tp = 8 ranks,
+    # gathered whole (all 4 of them) in forward and backward
+    cand = evaluate(spec, Layout(dp_shard=4, tp=2), TP_WORK, device("h100"))
+    got = {(k.dim, k.op): k.bytes for k in cand.timing.collectives}
+    c = param_counts(spec)
+    experts = 2 * c.experts * c.expert  # 2 blocks
+    assert got[("efsdp", "all_gather")] == pytest.approx(experts * 2 * 2 * 7 / 8)
+    assert got[("efsdp", "reduce_scatter")] == pytest.approx(experts * 4 * 7 / 8)
 
 
 DIM, HIDDEN, TOKENS = 8, 16, 32
@@ -226,6 +313,13 @@ GPT_EP2 = [*ARGS, "--experts", "4", "--top-k", "2", "--device", "cpu", "--ep", "
         # on their second dim (fewer experts than efsdp ranks), the dry run's peak was 2x
         # the prediction (128 GiB against 67 GiB).
         (["--preset", "mixtral-8x7b", "--gpus", "64", "--seq-len", "4096", "--ep", "8"], 0.05),
+        # The same with tp 2: the tp ranks split the routed rows, the experts sharded over
+        # efsdp x tp.
+        (
+            ["--preset", "mixtral-8x7b", "--gpus", "64", "--seq-len", "4096", "--ep", "8"]
+            + ["--tp", "2", "--dp-shard", "32"],
+            0.05,
+        ),
     ],
 )
 def test_dry_run_of_a_moe_model_matches_the_prediction(

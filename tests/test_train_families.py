@@ -282,11 +282,17 @@ def test_tiny_llama_preset_trains(tmp_path: Path) -> None:
 MIXTRAL = {**_values("mixtral"), "intermediate_size": 32, "router_aux_loss_coef": 0.02}
 
 
-def test_mixtral_ep2_dp_shard2_matches_single_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("world", "layout"),
+    [(2, {"ep": 2, "dp_shard": 2}), (4, {"ep": 2, "dp_shard": 2, "tp": 2})],  # tp: rows split
+)
+def test_mixtral_expert_parallel_matches_single_process(
+    world: int, layout: dict[str, int], tmp_path: Path
+) -> None:
     config = _write(tmp_path / "mixtral.json", MIXTRAL)
     cfg = TINY.replace(model_config=config, grad_clip=0.5)
     reference = run_train(cfg, 1, tmp_path / "reference")
-    results = run_on_ranks(2, train_on_rank, cfg.replace(ep=2, dp_shard=2), str(tmp_path / "ep"))
+    results = run_on_ranks(world, train_on_rank, cfg.replace(**layout), str(tmp_path / "ep"))
     for result in results:
         assert_losses_close(result.losses, reference.losses, 5e-6)
         assert_losses_close(list(result.val_losses.values()), list(reference.val_losses.values()))

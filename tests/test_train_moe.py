@@ -73,6 +73,9 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "hsdp_ep2": (4, {"dp_replicate": 2, "ep": 2, "dp_shard": 2}),
     "ep2_ac_full_accumulate2": (2, {"ep": 2, "dp_shard": 2, "ac": "full", "microbatches": 2}),
     "ep1_dp_shard2": (2, {"dp_shard": 2}),
+    # The tp ranks split the routed rows (under fully_shard): with and without ep.
+    "ep1_tp2": (4, {"dp_shard": 2, "tp": 2}),
+    "ep2_tp2_ac_full": (4, {"ep": 2, "dp_shard": 2, "tp": 2, "ac": "full"}),
     "ep1_replicate2": (2, {"dp_replicate": 2, "dp_shard": 1}),
 }
 
@@ -131,6 +134,22 @@ def test_checkpoint_at_ep2_resumes_at_another_ep(
     assert _loads(run_dir) == expected_loads
 
 
+def test_checkpoint_with_experts_split_over_tp_resumes_in_one_process(
+    shared_tmp: str, tmp_path: Path
+) -> None:
+    """Saved where the experts are sharded over efsdp x tp (ep 2 x tp 2 x dp_shard 2),
+    resumed by one process: the uninterrupted losses and loads."""
+    steps = 4
+    expected, expected_loads = _reference(shared_tmp, steps)
+    run_dir = tmp_path / "run"
+    cfg = MOE_TINY.replace(steps=steps, stop_after=2, ep=2, dp_shard=2, tp=2)
+    run_on_ranks(4, train_on_rank, cfg, str(run_dir))
+    resumed = run_train(MOE_TINY.replace(steps=steps, resume=True), 1, run_dir)
+    assert resumed.start_step == 2
+    _assert_close(resumed.losses, expected.losses[2:])
+    assert _loads(run_dir) == expected_loads
+
+
 # ----------------------------------------------------------------------------------------
 # Refusals name the flag, before any worker starts
 # ----------------------------------------------------------------------------------------
@@ -176,6 +195,19 @@ def test_experts_are_sharded_over_ep_and_efsdp() -> None:
         assert described["gate_mesh"] == ("dp_shard",)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_tp_ranks_split_the_routed_rows(ep: int) -> None:
+    """Under tp 2 x dp_shard 2 the tp ranks share each MoE's routed rows, and its experts
+    are sharded over efsdp x tp (not replicated over tp): each rank holds a quarter of the
+    experts' weights, one chunk of the rows per step."""
+    cfg = MOE_TINY.replace(ep=ep, dp_shard=2, tp=2)
+    for described in run_on_ranks(4, _describe_on_rank, cfg):
+        full, local = described["w1"]
+        assert local == (full[0] // 4, *full[1:])  # E / (ep x efsdp x tp) whole experts
+        assert described["w1_mesh"] == (("efsdp", "ep") if ep > 1 else ("efsdp",))
+        assert described["row_split"] == 2
+
+
 #: 2 routed experts over 4 ranks: fewer experts than ranks to shard them.
 FEW_EXPERTS = MOE_TINY.replace(experts=2, top_k=1)
 
@@ -207,10 +239,12 @@ def _describe_on_rank(cfg: TrainConfig) -> dict[str, Any]:
     moe = parts.modules[0].blocks[0].mlp
     w1, gate = moe.experts.w1, moe.router.gate.weight
     assert isinstance(w1, DTensor) and isinstance(gate, DTensor)
+    group = moe.row_split
     return {
         "w1": (tuple(w1.shape), tuple(w1.to_local().shape)),
         "w1_mesh": w1.device_mesh.mesh_dim_names,
         "gate_mesh": gate.device_mesh.mesh_dim_names,
+        "row_split": 1 if group is None else dist.get_world_size(group),
     }
 
 

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
@@ -200,14 +201,34 @@ class Layout:
         sizes |= {DP_SHARD_CP: self.dp_shard * self.cp, TP: self.tp}
         return _mesh(device_type, sizes, keep=(DP_SHARD_CP,))
 
-    def expert_mesh(self, device_type: str) -> DeviceMesh | None:
+    @property
+    def splits_routed_rows(self) -> bool:
+        """Whether a mixture of experts' tp ranks share its routed rows (each computes one
+        chunk: :func:`plait.experts.split_routed_rows`): with tensor parallelism under
+        ``fully_shard`` (``dp_shard x cp`` > 1), whose expert group then spans the tp
+        ranks and sums their gradients. Otherwise every tp rank computes all of them."""
+        return self.tp > 1 and self.dp_shard * self.cp > 1
+
+    def expert_mesh(self, device_type: str, split_rows: bool = False) -> DeviceMesh | None:
         """The routed experts' mesh (:data:`EXPERT_MESH_DIMS`): the same ranks as
         :meth:`mesh`, ``dp_shard x cp`` split into ``(efsdp, ep)``, both kept even at size 1 (the
         experts are sharded over ``ep`` and fully_shard over ``efsdp``); None without
-        expert parallelism. Collective, like :meth:`mesh`."""
-        if self.ep == 1:
-            return None
-        return _mesh(device_type, self.expert_sizes, keep=(EFSDP, EP))
+        expert parallelism. ``split_rows`` (a model with experts, and a layout that
+        :attr:`splits_routed_rows`): the tp ranks join ``efsdp`` (dims ``(pp,
+        dp_replicate, efsdp, ep)``, ``efsdp`` of ``dp_shard x cp x tp / ep`` ranks: the
+        experts' fully_shard group spans the ranks that split their rows), made even with
+        ``ep`` 1. Collective, like :meth:`mesh`."""
+        if not split_rows:
+            if self.ep == 1:
+                return None
+            return _mesh(device_type, self.expert_sizes, keep=(EFSDP, EP))
+        grid = torch.arange(self.world).view(self.pp, self.dp_replicate, self.efsdp, self.ep, -1)
+        # An efsdp group varies the layout's efsdp and tp coordinates; an ep group keeps tp's.
+        sizes = {PP: self.pp, DP_REPLICATE: self.dp_replicate, EFSDP: self.efsdp * self.tp}
+        sizes[EP] = self.ep
+        kept = [name for name, size in sizes.items() if size > 1 or name in (EFSDP, EP)]
+        grid = grid.transpose(3, 4).reshape([sizes[name] for name in kept])
+        return DeviceMesh(device_type, grid, mesh_dim_names=tuple(kept))
 
 
 def _mesh(device_type: str, sizes: Mapping[str, int], keep: tuple[str, ...]) -> DeviceMesh | None:

@@ -3,8 +3,9 @@ sharded over an ``ep`` mesh with all-to-all token dispatch.
 
 Layers, each importing only those before it: counts (row counts read on the host, or
 balanced in shape-only runs), router (top-k choice), swiglu (the experts),
-balance (load statistics and losses over the global batch), all_to_all (stateless
-collectives) <- dispatch (rows to their experts and back) <- moe (the ``MoE`` layer)
+balance (load statistics and losses over the global batch), rows (routed rows split over
+tensor-parallel ranks), all_to_all (stateless collectives) <- dispatch (rows to their
+experts and back) <- moe (the ``MoE`` layer)
 <- parallel (``ExpertParallel``, ``expert_parallel``).
 
 Applying it::
@@ -26,6 +27,7 @@ from plait.experts.moe import (
     MoE,
     expert_load,
     set_load_balance_mesh,
+    split_routed_rows,
     update_expert_bias,
 )
 from plait.experts.parallel import (
@@ -51,5 +53,6 @@ __all__ = [
     "expert_parallel",
     "set_load_balance_mesh",
     "shard_experts",
+    "split_routed_rows",
     "update_expert_bias",
 ]

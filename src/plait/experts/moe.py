@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -48,10 +49,18 @@ from plait.experts.balance import (
     z_loss,
 )
 from plait.experts.router import Routing, ScoreFunc, TopKRouter
+from plait.experts.rows import gather_rows, scale_grad, split_rows
 from plait.experts.swiglu import GroupedExperts, SwiGLU
 from plait.hooks import in_backward
 
-__all__ = ["AuxLossType", "MoE", "expert_load", "set_load_balance_mesh", "update_expert_bias"]
+__all__ = [
+    "AuxLossType",
+    "MoE",
+    "expert_load",
+    "set_load_balance_mesh",
+    "split_routed_rows",
+    "update_expert_bias",
+]
 
 #: The balance losses (``plait.experts.balance``).
 AuxLossType = Literal["global", "sequence"]
@@ -121,6 +130,9 @@ class MoE(nn.Module):
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False
         )
         self.load_balance_mesh: DeviceMesh | None = None
+        #: Ranks that hold the same tokens and split the routed rows between them
+        #: (:func:`split_routed_rows`); None: this rank computes them all.
+        self.row_split: dist.ProcessGroup | None = None
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +148,7 @@ class MoE(nn.Module):
         # order that makes expert parallelism reproduce one process exactly).
         order = torch.argsort(picks, stable=True)  # (N*k,)
         token = order // self.router.top_k  # (N*k,) the token of each sorted pick
-        rows = self.experts(x.index_select(0, token), counts)  # (N*k, dim)
+        rows = self._routed(x.index_select(0, token), counts)  # (N*k, dim)
         weights = route.weights.flatten()[order].unsqueeze(-1)  # (N*k, 1)
         rows = rows * weights.to(rows.dtype)
         # Each token sums its k outputs: the rows put back in token-major order by a gather
@@ -148,6 +160,21 @@ class MoE(nn.Module):
         seq_len = shape[-2] if len(shape) > 2 else shape[0]  # (N, dim): one sequence
         out = self._balance(out, route, load, seq_len)
         return out.view(shape)
+
+    def _routed(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' outputs for the expert-sorted ``rows``: on this rank alone, or
+        with ``row_split`` each of its ranks computing one chunk (``plait.experts.rows``)."""
+        group = self.row_split
+        size = 1 if group is None else dist.get_world_size(group)
+        if group is None or size == 1 or rows.shape[0] % size:
+            return self.experts(rows, counts)  # (an uneven split: every rank computes all)
+        part, part_counts = split_rows(rows, counts, group)
+        # The experts' weight gradients cover this rank's chunk: multiplied by the group's
+        # size, the average their fully_shard group takes over these ranks is their sum.
+        # The input rows' gradients are scaled back, so the rest of the model is unchanged.
+        part = scale_grad(part, 1.0 / size)
+        out = scale_grad(self.experts(part, part_counts), float(size))
+        return gather_rows(out, group)
 
     def _balance_mesh(self) -> DeviceMesh | None:
         if self.load_balance_mesh is not None:
@@ -208,6 +235,24 @@ class _WithAuxLoss(torch.autograd.Function):
 
 def _moe_layers(module: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, MoE)]
+
+
+def split_routed_rows(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Let the ranks of the 1-D ``mesh``, which see the same tokens (tensor parallelism),
+    share the routed experts' rows in every ``MoE`` of ``module``: each runs one contiguous
+    chunk of the expert-sorted rows and the chunks' outputs are all-gathered
+    (``plait.experts.rows``), so a rank computes ``1 / mesh.size()`` of the routed rows,
+    and of their all-to-all under expert parallelism.
+
+    The router, the balance losses and the load still see every token on every rank. The
+    routed experts' gradients then cover each rank's chunk, multiplied by the mesh's size:
+    shard the experts over a ``fully_shard`` group that spans these ranks (its average is
+    then the sum over them) and hold no other copy of them on these ranks. A chunking that
+    does not divide the rows falls back to every rank computing all of them.
+    """
+    group = mesh.get_group()
+    for _, moe in _moe_layers(module):
+        moe.row_split = group
 
 
 def set_load_balance_mesh(module: nn.Module, mesh: DeviceMesh | None) -> None:

@@ -52,6 +52,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from plait.contract import APIState, contract
 from plait.experts.dispatch import Exchange, combine, dispatch, plan_exchange
 from plait.experts.moe import set_load_balance_mesh
+from plait.experts.rows import scale_grad
 from plait.experts.swiglu import GroupedExperts
 from plait.hooks import outside_graphs
 from plait.layout import EP
@@ -142,27 +143,6 @@ def shard_experts(
     return module
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """The identity in forward; multiplies the gradient by ``scale`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
-def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x``, whose gradient is multiplied by ``scale`` (nothing recorded for 1)."""
-    if scale == 1.0 or not x.requires_grad:
-        return x
-    out: torch.Tensor = _ScaleGrad.apply(x, scale)
-    return out
-
-
 def _dispatch_hook(
     state: ExpertParallelState, module: nn.Module, args: tuple[Any, ...]
 ) -> tuple[Any, ...]:
@@ -185,7 +165,7 @@ def _dispatch_hook(
     local_rows, local_counts = dispatch(rows, exchange)
     # The expert weights' gradient is divided by the factor (their output rows' gradient
     # is), the input rows' gradient multiplied back: the rest of the model is unchanged.
-    local_rows = _scale_grad(local_rows, state.gradient_divide_factor)
+    local_rows = scale_grad(local_rows, state.gradient_divide_factor)
     return (local_rows, local_counts, *args[2:])
 
 
@@ -198,7 +178,7 @@ def _combine_hook(
             f"expert parallelism: {type(module).__name__}'s forward finished without a "
             "dispatch (was its forward pre-hook removed?)"
         )
-    return combine(_scale_grad(output, 1.0 / state.gradient_divide_factor), exchange)
+    return combine(scale_grad(output, 1.0 / state.gradient_divide_factor), exchange)
 
 
 class ExpertParallel(ParallelStyle):

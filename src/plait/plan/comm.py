@@ -40,18 +40,30 @@ Mixture-of-experts blocks (``E`` routed experts, ``k`` per token), with ``ep`` r
 from ``dp_shard x cp`` (the experts' mesh is ``(pp, dp_replicate, efsdp, ep, tp)``,
 ``efsdp = dp_shard x cp / ep``):
 
-* ``ep``: per MoE block and microbatch, the forward dispatches the block's ``n k`` routed
-  rows of ``d`` to their experts' ranks and combines them back (two all-to-alls), backward
+* ``ep``: per MoE block and microbatch, the forward dispatches the rank's routed rows of
+  ``d`` to their experts' ranks and combines them back (two all-to-alls), backward
   retraces both, and checkpointing's recompute (``--ac full`` or ``selective``: both rerun
-  the block's forward) repeats the forward's. A rank keeps the rows of its own experts:
-  with balanced routing ``1 / ep`` of them, so it sends ``n k d e (ep - 1) / ep`` bytes per
-  all-to-all. Each forward also exchanges the ``E`` row counts (int64) and all-reduces
-  them over the data-parallel ranks (the load): latency, no bandwidth to speak of.
-* ``efsdp``: with ``ep`` > 1 the experts are a parameter group of their own, gathered and
-  reduced over ``efsdp`` (their ``E / ep`` experts only) as the rest of the block is over
-  ``dp_shard``; with ``ep`` = 1 they are part of the block's ``dp_shard`` collectives.
-* ``dp_replicate``: the experts' shards join the all-reduce (``1 / dp_shard`` of all of
-  them, as of the dense parameters).
+  the block's forward) repeats the forward's. The rank's rows are the block's ``n k``,
+  under tensor parallelism its tp chunk of them, ``n k / tp``
+  (:func:`~plait.plan.shards.moe_rows`; the ep group is the ep ranks of its tp index). A
+  rank keeps the rows of its own experts: with balanced routing ``1 / ep`` of them, so it
+  sends ``n k d e (ep - 1) / (ep tp)`` bytes per all-to-all. Each forward also exchanges
+  the ``E`` row counts (int64) and all-reduces them over the data-parallel ranks (the
+  load): latency, no bandwidth to speak of.
+* ``tp`` (tp > 1 under ``fully_shard``, where tp splits the routed rows:
+  :func:`~plait.plan.shards.routed_tp`): the chunks' expert outputs all-gathered over tp,
+  ``n k`` rows of ``d`` (each rank gives ``n k / tp``): one all-gather per MoE block and
+  microbatch in forward, one of the input rows' gradients in backward, and the forward's
+  again in a recompute (``--ac full`` or ``selective``: the gather is not a matmul selective
+  keeps), ``n k d e (tp - 1) / tp`` bytes each (:func:`tp_gather_bytes`,
+  ``all_gather(routed)``).
+* ``efsdp``: with ``ep`` > 1 or tp splitting the routed rows the experts are a parameter
+  group of their own, gathered and reduced over ``efsdp x tp`` ranks
+  (:func:`~plait.plan.shards.expert_fsdp_ranks`: their ``E / ep`` experts only, whole on
+  every tp rank) as the rest of the block is over ``dp_shard``; with ``ep`` = ``tp`` = 1
+  they are part of the block's ``dp_shard`` collectives.
+* ``dp_replicate``: the experts' shards join the all-reduce (``1 / (dp_shard x tp)`` of
+  all of them; the dense parameters' ``1 / dp_shard`` of their tp shard).
 """
 
 from __future__ import annotations
@@ -65,10 +77,14 @@ from plait.plan.schedule import RankLoad
 from plait.plan.shards import (
     RankParams,
     compute_bytes,
+    expert_fsdp_ranks,
+    experts_apart,
     fsdp_ranks,
     microbatch_tokens,
     moe_rows,
     rank_params,
+    routed_rows,
+    routed_tp,
 )
 from plait.plan.spec import ZERO, DeviceSpec, Layout, ModelSpec, Workload, zero_ranks, zero_stage
 
@@ -85,6 +101,8 @@ __all__ = [
     "fsdp_dim",
     "link_bandwidth",
     "ring",
+    "tp_gather_bytes",
+    "tp_gather_passes",
 ]
 
 #: ``fully_shard``'s group under context parallelism: ``dp_shard x cp`` (torchtitan's
@@ -158,11 +176,30 @@ def all_to_all_passes(layout: Layout) -> int:
 
 def all_to_all_bytes(model: ModelSpec, layout: Layout, work: Workload) -> float:
     """Bytes one rank sends in one all-to-all of one MoE block (module docstring): its
-    routed rows less the ``1 / ep`` that stay on it; 0 without expert parallelism."""
+    routed rows (its tp chunk of them) less the ``1 / ep`` that stay on it; 0 without
+    expert parallelism."""
     if layout.ep == 1:
         return 0.0
     share = (layout.ep - 1) / layout.ep
     return moe_rows(model, layout, work) * model.d_model * compute_bytes(work) * share
+
+
+def tp_gather_passes(layout: Layout) -> int:
+    """Tensor parallelism's all-gathers of routed rows per MoE block and microbatch: the
+    experts' outputs in forward, the input rows' gradients in backward, and the forward's
+    again when checkpointing recomputes the block (0 where tp does not split the routed
+    rows: :func:`~plait.plan.shards.routed_tp`)."""
+    if routed_tp(layout) == 1:
+        return 0
+    return 3 if layout.ac != "none" else 2
+
+
+def tp_gather_bytes(model: ModelSpec, layout: Layout, work: Workload) -> float:
+    """Bytes one rank sends in one all-gather of one MoE block's routed rows over tp
+    (module docstring): ``n k`` rows of ``d`` in the compute dtype, ring; 0 without
+    experts or where tp does not split the routed rows."""
+    rows = routed_rows(model, layout, work)
+    return rows * model.d_model * compute_bytes(work) * ring("all_gather", routed_tp(layout))
 
 
 def tp_bytes_per_block(model: ModelSpec, layout: Layout, work: Workload) -> float:
@@ -257,16 +294,18 @@ def communication(
             gathers, per_block = 1, 1
         else:
             gathers, per_block = m, m * (2 if layout.reshard_after_forward else 1)
-        # ep > 1: the experts are a group of their own, on efsdp; else part of the block's.
-        own = p.expert_total if layout.ep == 1 else 0.0
+        # ep > 1 or tp > 1: the experts are a group of their own, on efsdp (x tp); else
+        # part of the block's.
+        apart = experts_apart(layout)
+        own = 0.0 if apart else p.expert_total
         gathered = (
             (p.root * gathers + (p.sharded_blocks + own) * per_block) * e * ring("all_gather", ds)
         )
         add(fsdp, "all_gather", gathered, gathers + per_block * p.blocks)
         reduced = (p.sharded_blocks + own + p.root) * 4 * ring("reduce_scatter", ds)
         add(fsdp, "reduce_scatter", reduced, units)
-        eg = layout.efsdp
-        if layout.ep > 1 and eg > 1:
+        eg = expert_fsdp_ranks(layout)
+        if apart and eg > 1:
             experts = p.expert_total * per_block * e * ring("all_gather", eg)
             add(EFSDP, "all_gather", experts, per_block * p.moe_blocks)
             add(
@@ -314,9 +353,13 @@ def _add_zero(add: _Add, layout: Layout, work: Workload, p: RankParams, units: i
 
 
 def _add_moe(add: _Add, model: ModelSpec, layout: Layout, work: Workload, p: RankParams) -> None:
-    """The expert-parallel exchanges and the load counts of ``p``'s MoE blocks."""
+    """The expert-parallel exchanges, tensor parallelism's gathers of routed rows and the
+    load counts of ``p``'s MoE blocks."""
     m = layout.microbatches
     forwards = m * p.moe_blocks * (2 if layout.ac != "none" else 1)  # recompute included
+    if routed_tp(layout) > 1:
+        gathers = tp_gather_passes(layout) * m * p.moe_blocks
+        add(TP, "all_gather(routed)", tp_gather_bytes(model, layout, work) * gathers, gathers)
     if layout.ep > 1:
         passes = all_to_all_passes(layout)
         rows = all_to_all_bytes(model, layout, work) * passes * m * p.moe_blocks

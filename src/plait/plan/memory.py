@@ -46,13 +46,17 @@ parallelism saves the all-gathered input):
 
 A mixture-of-experts block (``E`` experts, ``k`` per token, width ``h``, ``s`` shared):
 its attention saves as above; in place of the MLP, per token, the router's scores ``2E``
-(gate output and probabilities) and the shared experts' ``4 h s / tp``; per routed row
-(``k`` per token; tensor parallelism does not split them: every tp rank routes the whole
-sequence) the expert's input ``d``, its SwiGLU ``4h`` and its output ``d`` (kept for the
-routing weight). ``--ac selective`` keeps the matmul outputs: gate ``E``, per row ``2h +
-d``, shared ``2 h s / tp + d``. With expert parallelism the rows a rank saves are the
-ones its experts receive (``n k`` with balanced routing) and one all-to-all's send and
-receive buffers (``2 n k d``) are alive at a time (``extra["dispatch"]``).
+(gate output and probabilities; every tp rank routes the whole sequence) and the shared
+experts' ``4 h s / tp``; per routed row (``k`` per token) the expert's input ``d`` and its
+SwiGLU ``4h``, for the rank's tp chunk of the rows only (``/ tp``: tensor parallelism
+under ``fully_shard`` cuts the routed rows into ``tp`` chunks, one per rank;
+:func:`~plait.plan.shards.routed_tp`), and the output ``d`` of every row
+(the chunks' outputs all-gathered over tp, kept for the routing weight)
+(:func:`routed_elems_per_token`). ``--ac selective`` keeps the matmul outputs: gate ``E``,
+per row of the chunk ``2h + d``, shared ``2 h s / tp + d``. With expert parallelism the
+rows a rank saves are the ones its experts receive (``n k / tp`` with balanced routing)
+and one all-to-all's send and receive buffers (``2 n k d / tp``) are alive at a time
+(``extra["dispatch"]``).
 
 Context parallelism (``cp`` ranks, :mod:`plait.context`) divides every per-token part by
 ``cp`` through ``n``, and its attention adds what :mod:`plait.context` keeps per block. No
@@ -119,7 +123,10 @@ sharded over ``efsdp = dp_shard x cp / ep``): parameters, gradients and optimize
 of the experts are ``1 / (dp_shard x cp)`` of all of them, like the dense ones; the
 *unsharded* working set of a block holds only its ``E / ep`` experts, so ``ep`` shrinks
 ``unsharded``, the gradient staging (``buffers``) and the accumulated gradients, not the
-states.
+states. Under tensor parallelism ``fully_shard`` shards the routed experts over ``efsdp x
+tp`` ranks (:func:`~plait.plan.shards.expert_fsdp_ranks`), so their states are ``1 /
+(dp_shard x cp x tp)`` of all of them; a block still gathers its ``E / ep`` experts whole on
+every tp rank (each runs its chunk of the rows through all of them).
 
 plait's Llama (``"plait"`` recipe, a gated model without learned positions:
 :class:`plait.train.llama.Llama`): k and v are repeated to the query heads before
@@ -150,6 +157,7 @@ from plait.plan.shards import (
     microbatch_tokens,
     moe_rows,
     rank_params,
+    routed_tp,
 )
 from plait.plan.spec import (
     DeviceSpec,
@@ -174,6 +182,7 @@ __all__ = [
     "rank_memory",
     "recipe_keeps",
     "rms_norm_bytes",
+    "routed_elems_per_token",
     "scores_elems_per_token",
 ]
 
@@ -291,6 +300,20 @@ def cp_working_set(model: ModelSpec, layout: Layout, work: Workload) -> float:
     return n * 4 * d * e  # alltoall: gradients of the head-split q, k, v, output
 
 
+def routed_elems_per_token(model: ModelSpec, layout: Layout, ac: str | None = None) -> float:
+    """Elements a MoE block's routed experts save per token of the rank under ``ac``
+    (default: the layout's; module docstring), plait's count: per routed row, the expert's
+    input and SwiGLU (``none``; ``selective``: its matmul outputs) for the rank's tp chunk
+    of the rows, and (``none``) the gathered output of every row; 0 under ``full``."""
+    d, h, rows, tp = model.d_model, model.expert_hidden, model.top_k, routed_tp(layout)
+    mode = ac or layout.ac
+    if mode == "none":
+        return rows * (d + 4 * h) / tp + rows * d
+    if mode == "selective":
+        return rows * (2 * h + d) / tp
+    return 0.0
+
+
 def activation_elems_per_token(
     model: ModelSpec,
     layout: Layout,
@@ -307,7 +330,7 @@ def activation_elems_per_token(
     q, k = model.q_width, model.kv_width
     norm = tp if layout.sequence_parallel and tp > 1 else 1
     mode = ac or layout.ac
-    h, shared, rows = model.expert_hidden, model.expert_hidden * model.shared_experts, model.top_k
+    shared = model.expert_hidden * model.shared_experts
     kind = (keeps or recipe_keeps(layout)).activations
     megatron = kind == "megatron"
     if kind == "torchtitan" and mode == "selective" and not moe:
@@ -320,7 +343,9 @@ def activation_elems_per_token(
         swiglu = 3 if megatron else 4  # Megatron's fused SwiGLU saves its input, not silu's
         mlp = (swiglu if model.gated else 2) * f / tp
         if moe:
-            mlp = 2 * model.experts + 4 * shared / tp + rows * (2 * d + 4 * h)
+            mlp = (
+                2 * model.experts + 4 * shared / tp + routed_elems_per_token(model, layout, "none")
+            )
         cp = cp_saved_elems_per_token(model, layout)
         kv = 2 * k
         if kind == "plait" and _plait_llama(model) and k < q:
@@ -333,7 +358,7 @@ def activation_elems_per_token(
         mlp = (2 if model.gated else 1) * f / tp + d
         if moe:
             kept_shared = 2 * shared / tp + d if shared else 0.0
-            mlp = model.experts + kept_shared + rows * (2 * h + d)
+            mlp = model.experts + kept_shared + routed_elems_per_token(model, layout, mode)
         return d / norm + (q + 2 * k) / tp + d + mlp
     if mode == "full":
         return d / norm
@@ -402,7 +427,7 @@ def rank_memory(
         head = model.vocab * model.d_model / tp if load.head else 0.0
         # Not of the routed experts: they multiply slices of their stacked weights, which
         # autocast does not cache (it caches leaf parameters only).
-        moe_cached = p.moe_matmul - model.top_k * p.expert
+        moe_cached = p.moe_matmul - p.routed_matmul
         matrices = p.dense_blocks * p.dense_matmul + p.moe_blocks * moe_cached
         unsharded = (matrices + head) * 2
     else:
@@ -484,8 +509,8 @@ def rank_memory(
     hidden = model.ffn_hidden / tp
     if rms_fp32:  # plait's SwiGLU: the product's, silu's, up's and gate's gradients
         hidden *= 3
-    if p.moe_blocks:  # the routed rows' gradients and their experts' hidden ones
-        routed = model.top_k * (model.d_model + model.expert_hidden)
+    if p.moe_blocks:  # the routed rows' gradients (gathered) and their experts' hidden ones
+        routed = model.top_k * (model.d_model + model.expert_hidden / routed_tp(layout))
         hidden = max(hidden, routed + model.expert_hidden * model.shared_experts / tp)
     flowing = n * (model.d_model + hidden) * e
     after = per_microbatch * load.in_flight_after_backward

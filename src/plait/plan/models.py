@@ -16,8 +16,9 @@ routed experts, the shared ones and the router, not through all experts.
 A mixture-of-experts block (``plait.experts.MoE`` in place of the MLP) is counted in three
 parts: what tensor parallelism splits (attention, the shared experts), what it replicates
 (norms, the attention's row-wise bias, the router's gate: plait's recipe leaves the router
-and the routed experts whole on every tp rank) and the routed experts, which expert
-parallelism splits instead.
+whole on every tp rank) and the routed experts, which expert parallelism splits instead
+(tensor parallelism splits their rows, not their matrices, and ``fully_shard`` shards them
+over its tp ranks too: :mod:`plait.plan.shards`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Each kernel of a transformer block takes the longer of its FLOPs at the rate its
 reaches and its bytes at the device's memory bandwidth:
 
 * **GEMMs** (q, k, v, o; MLP gate / up / down or fc / proj; the head; a mixture of
-  experts' router, routed and shared experts) at their tensor-parallel split and the
+  experts' router, routed and shared experts) at their tensor-parallel split (the routed
+  experts whole, on the tp rank's ``1 / tp`` of the routed rows) and the
   microbatch's tokens ``M``: ``2 M N K`` FLOPs at ``gemm x g(M) g(N) g(K)`` of the dense
   peak, ``g(x) = x / (x + GEMM_HALF)``, or ``e (M K + K N + M N)`` bytes at the
   bandwidth, whichever is longer. ``gemm`` is the largest fraction of the peak cuBLAS
@@ -361,11 +362,13 @@ def block_kernels(
     kernels: Stack = STACKS["plait"],
     sp: bool = False,
     device: str = "",
+    split: int = 1,
 ) -> BlockKernels:
     """Forward kernels of one block (dense, or a MoE block with ``moe``) for ``tokens``
     tokens of one rank (the microbatch, after context parallelism), its matrices split
     ``tp`` ways, run by the stack ``kernels`` (``sp``: sequence parallelism, the norms
-    and residuals on ``tokens / tp``)."""
+    and residuals on ``tokens / tp``; ``split``: the tp ranks a MoE block's routed rows are
+    cut among, each running its chunk through whole experts)."""
     d, f = model.d_model, model.ffn_hidden
     q, kv = model.q_width, model.kv_width
     n = tokens
@@ -378,12 +381,14 @@ def block_kernels(
     if moe:
         e, h, k = model.experts, model.expert_hidden, model.top_k
         gemms.append((n, e, d))  # the router, whole on every tp rank
-        rows = n * k / e  # tokens per expert, on average (dropless)
+        # Rows per expert, on average (dropless); a tp rank runs its chunk, 1 / tp of the
+        # routed rows, through whole experts (plait.plan.shards' module docstring).
+        rows = n * k / e / split
         gemms += [(rows, h, d), (rows, h, d), (rows, d, h)] * e
         if model.shared_experts:
             s = h * model.shared_experts / tp
             gemms += [(n, s, d), (n, s, d), (n, d, s)]
-        width = k * h + h * model.shared_experts / tp
+        width = k * h / split + h * model.shared_experts / tp
     else:
         mlp = [(n, f / tp, d), (n, d, f / tp)]
         gemms += [(n, f / tp, d), *mlp] if model.gated else mlp

@@ -193,8 +193,9 @@ def model_shape(model: ModelSpec, work: Workload) -> ModelShape:
     """What the layout rules need of ``model`` running ``work``.
 
     The MLP width tensor parallelism must divide: a MoE block's is its shared experts'
-    (its routed experts are split by ``ep``, not ``tp``; without shared experts none, as
-    ``plait train`` states it), the dense blocks' as well when there are some."""
+    (its routed experts' matrices are split by ``ep``, not ``tp``: tp splits their rows,
+    not their widths; without shared experts none, as ``plait train`` states it), the
+    dense blocks' as well when there are some."""
     m = model
     ffn = m.ffn_hidden
     if m.experts:

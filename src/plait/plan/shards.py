@@ -9,13 +9,27 @@ position under sequence parallelism. ``fully_shard`` then divides what is left
 (embeddings, final norm, head).
 
 Mixture-of-experts blocks (plait's recipe, :mod:`plait.train.parallelize`): tensor
-parallelism splits the attention and the shared experts and leaves the router and the
-routed experts whole (every tp rank routes the whole sequence alike); expert parallelism
-gives each ``ep`` rank ``E / ep`` whole experts; ``fully_shard`` shards those over
-``efsdp = dp_shard x cp / ep`` as a parameter group of their own in the block's unit, the
-rest of the block over ``dp_shard x cp``. So a rank *stores* ``1 / (dp_shard x cp)`` of all
-experts (as of the dense parameters) but *gathers* only its ``E / ep`` experts when the
-block runs.
+parallelism splits the attention and the shared experts and leaves the router whole (every
+tp rank routes the whole sequence alike); expert parallelism gives each ``ep`` rank ``E /
+ep`` whole experts; ``fully_shard`` shards those over ``efsdp = dp_shard x cp / ep`` as a
+parameter group of their own in the block's unit, the rest of the block over ``dp_shard x
+cp``. So a rank *stores* ``1 / (dp_shard x cp)`` of all experts (as of the dense
+parameters) but *gathers* only its ``E / ep`` experts when the block runs.
+
+Under tensor parallelism (``tp`` > 1) with ``fully_shard`` (``dp_shard x cp`` > 1,
+:attr:`plait.layout.Layout.splits_routed_rows`) the routed experts split the *rows*, not
+their matrices (:func:`routed_tp`): the ``n k`` routed rows of a block (sorted by expert,
+the same on every tp rank) are cut into ``tp`` equal chunks, tp rank ``j`` runs chunk
+``j`` through its experts (with ``ep`` > 1 dispatched over the ep ranks of its tp index)
+and the chunks' outputs are all-gathered over tp. So a rank computes ``1 / tp`` of the
+routed FLOPs (:func:`moe_rows`: ``n k / tp`` rows) but still gathers its ``E / ep``
+experts whole; their states are sharded over ``efsdp x tp`` ranks
+(:func:`expert_fsdp_ranks`; with ``ep`` 1 a group of their own too, over ``dp_shard x cp
+x tp``), whose reduce-scatter sums the chunks' gradients, so it stores ``1 / (dp_shard x
+cp x tp)`` of them. Without ``fully_shard`` (``dp_shard x cp`` 1; ZeRO, which plait train
+does not run) every tp rank computes all the routed rows and holds the experts whole.
+plait also falls back to the replicated computation when ``n k`` is not divisible by
+``tp``; the planner does not model that case (it takes the rows as divisible).
 
 Which blocks are dense: the model's first ``dense_layers``, on the rank that holds the
 embeddings (exact without interleaved stages, or when they fit the first stage; other
@@ -34,10 +48,14 @@ from plait.plan.spec import Layout, ModelSpec, Workload, zero_stage
 __all__ = [
     "RankParams",
     "compute_bytes",
+    "expert_fsdp_ranks",
+    "experts_apart",
     "fsdp_ranks",
     "microbatch_tokens",
     "moe_rows",
     "rank_params",
+    "routed_rows",
+    "routed_tp",
 ]
 
 
@@ -47,7 +65,8 @@ class RankParams:
 
     A dense model has only ``dense`` blocks. In a mixture of experts, ``moe`` is what
     ``fully_shard`` shards over ``dp_shard`` of one MoE block and ``experts`` the routed
-    experts of the rank's ep shard (``E / ep`` of them), which it shards over ``efsdp``.
+    experts of the rank's ep shard (``E / ep`` of them), which it shards over ``efsdp``
+    (under tensor parallelism over ``efsdp x expert_tp``: :func:`expert_fsdp_ranks`).
     """
 
     dense: float  # one block with a dense MLP (a fully_shard unit)
@@ -58,8 +77,10 @@ class RankParams:
     moe_blocks: int = 0
     experts: float = 0.0  # one MoE block's routed experts on this rank's ep shard (E / ep)
     moe_matmul: float = 0.0  # matrix elements one token goes through in a MoE block
+    routed_matmul: float = 0.0  # of moe_matmul: the routed experts' (top_k x expert / tp)
     expert: float = 0.0  # one routed expert's elements
     ep: int = 1
+    expert_tp: int = 1  # tp ranks that shard the routed experts' states besides efsdp
 
     @property
     def blocks(self) -> int:
@@ -98,8 +119,10 @@ class RankParams:
     @property
     def total(self) -> float:
         """Elements stored, before ``dp_shard x cp`` divides them: all ``E`` experts of each
-        MoE block count, since the ``ep x efsdp = dp_shard x cp`` ranks split them."""
-        return self.sharded_blocks + self.expert_total * self.ep + self.root
+        MoE block count, since the ``ep x efsdp = dp_shard x cp`` ranks split them (and,
+        under tensor parallelism, ``expert_tp`` more: the tp ranks shard them too)."""
+        experts = self.expert_total * self.ep / self.expert_tp
+        return self.sharded_blocks + experts + self.root
 
     @property
     def gathered(self) -> float:
@@ -132,24 +155,62 @@ def rank_params(model: ModelSpec, layout: Layout, load: RankLoad) -> RankParams:
     if not model.experts:
         return dense
     dense_blocks = min(model.dense_layers, load.layers) if load.embedding else 0
+    # The router runs whole on every tp rank; the k experts of a token on one tp rank only
+    # (its chunk of the routed rows: module docstring).
+    routed = c.top_k * c.expert / routed_tp(layout)
     return dataclasses.replace(
         dense,
         dense_blocks=dense_blocks,
         moe=c.moe_split / tp + c.moe_replicated,
         moe_blocks=load.layers - dense_blocks,
         experts=c.experts * c.expert / layout.ep,
-        # The router and the k experts run whole on every tp rank (module docstring).
-        moe_matmul=c.moe_split / tp + c.router + c.top_k * c.expert,
+        moe_matmul=c.moe_split / tp + c.router + routed,
+        routed_matmul=routed,
         expert=c.expert,
         ep=layout.ep,
+        expert_tp=routed_tp(layout),  # fully_shard shards the experts over efsdp x tp
     )
 
 
-def moe_rows(model: ModelSpec, layout: Layout, work: Workload) -> float:
+def routed_tp(layout: Layout) -> int:
+    """The tp ranks that split a MoE block's routed rows among them (module docstring):
+    ``tp`` under ``fully_shard`` (each runs its chunk of ``1 / tp`` of them), else 1 (every
+    tp rank computes all of them). plait computes them replicated too when the rank's ``n
+    k`` rows do not divide by ``tp``: not modelled (taken as divisible)."""
+    return layout.tp if fsdp_ranks(layout) > 1 else 1
+
+
+def expert_fsdp_ranks(layout: Layout) -> int:
+    """The ranks ``fully_shard`` shards the routed experts of one ep rank over: ``efsdp``,
+    times ``tp`` where tp splits their rows (:func:`routed_tp`; module docstring); with
+    ``ep`` 1 and ``tp`` 1 that is ``dp_shard x cp`` (:func:`fsdp_ranks`), the block's own
+    group. 1 without ``fully_shard``."""
+    if fsdp_ranks(layout) == 1:
+        return 1
+    return layout.efsdp * routed_tp(layout)
+
+
+def experts_apart(layout: Layout) -> bool:
+    """Whether the routed experts are a ``fully_shard`` parameter group of their own (on
+    the ``efsdp`` collectives): under expert parallelism, or when tensor parallelism
+    shards them over ``efsdp x tp``; else they join the block's group over ``dp_shard x
+    cp``."""
+    return fsdp_ranks(layout) > 1 and (layout.ep > 1 or routed_tp(layout) > 1)
+
+
+def routed_rows(model: ModelSpec, layout: Layout, work: Workload) -> float:
     """Rows one rank routes to experts per MoE block and microbatch: each token of the
     microbatch ``top_k`` times (the rank's whole share of the sequence on every tp rank; 0
-    for a dense model)."""
+    for a dense model). Tensor parallelism all-gathers the experts' outputs of these rows
+    (and in backward their inputs' gradients)."""
     return microbatch_tokens(layout, work) * model.top_k if model.experts else 0.0
+
+
+def moe_rows(model: ModelSpec, layout: Layout, work: Workload) -> float:
+    """Rows one rank runs through the routed experts per MoE block and microbatch: its tp
+    chunk, ``1 / tp`` of :func:`routed_rows` (module docstring); what it dispatches by
+    all-to-all under expert parallelism."""
+    return routed_rows(model, layout, work) / routed_tp(layout)
 
 
 def microbatch_tokens(layout: Layout, work: Workload) -> float:

@@ -76,14 +76,19 @@ Recomputation (``--ac full`` or ``selective``) repeats the forward's exchange. `
 shards over ``dp_shard x cp`` and its collectives have that many ranks.
 
 **Mixture of experts.** A MoE block's compute is its attention, router and shared experts
-and, per token, its ``top_k`` experts (whole on every tp rank: plait's recipe does not
-split routed experts by tp). Its expert-parallel all-to-alls sit between the router and
-the experts and between the experts and the residual: nothing runs beside them, so they
-are exposed whole, like tensor parallelism's, per MoE block and microbatch: dispatch and
-combine in forward, both again in backward, and the forward's in a recompute; each
-forward also pays the latency of its row-count exchange and load all-reduce. The experts'
-all-gathers and reduce-scatters over ``efsdp`` run beside the block's own over
-``dp_shard``, overlapped as those are (their times add up per block).
+and, per token, its ``top_k`` experts. The router runs whole on every tp rank; under tensor
+parallelism with ``fully_shard`` the routed rows are cut into ``tp`` chunks, one per tp
+rank, so a rank runs ``1 / tp`` of the routed experts' rows (whole experts: tp splits rows,
+not their matrices; without ``fully_shard`` every tp rank runs all of them:
+:func:`~plait.plan.shards.routed_tp`). Its expert-parallel all-to-alls (of its chunk) sit
+between the router and the experts and between the experts and the residual: nothing runs
+beside them, so they are exposed whole, like tensor parallelism's, per MoE block and
+microbatch: dispatch and combine in forward, both again in backward, and the forward's in a
+recompute; each forward also pays the latency of its row-count exchange and load all-reduce.
+Under tensor parallelism the chunks' outputs are all-gathered over tp (in backward the input
+rows' gradients), one all-gather per pass, exposed whole as well. The experts' all-gathers
+and reduce-scatters over ``efsdp`` (``efsdp x tp`` under tensor parallelism) run beside the
+block's own over ``dp_shard``, overlapped as those are (their times add up per block).
 
 On a device whose communication shares the compute's cores (a measured CPU,
 :class:`~plait.plan.spec.DeviceSpec` with ``overlap=False``: gloo's threads run on
@@ -136,6 +141,7 @@ from plait.plan.comm import (
     link_bandwidth,
     ring,
     tp_bytes_per_block,
+    tp_gather_bytes,
 )
 from plait.plan.devices import compute_peak, streaming_multiprocessors
 from plait.plan.models import attention_flops_per_token, flops_per_token
@@ -150,7 +156,15 @@ from plait.plan.roofline import (
     stack,
 )
 from plait.plan.schedule import PipelineShape, RankLoad, pipeline_stages, stage_makespan
-from plait.plan.shards import compute_bytes, fsdp_ranks, microbatch_tokens, rank_params
+from plait.plan.shards import (
+    compute_bytes,
+    expert_fsdp_ranks,
+    experts_apart,
+    fsdp_ranks,
+    microbatch_tokens,
+    rank_params,
+    routed_tp,
+)
 from plait.plan.spec import (
     TP_OVERLAPS,
     ZERO,
@@ -234,7 +248,7 @@ def _bandwidth(dim: str, layout: Layout, device: DeviceSpec) -> float:
     bw = link_bandwidth(dim, layout, device)
     if bw != device.inter_node_bw or dim == PP:
         return bw
-    sizes = {EP: layout.ep, EFSDP: layout.efsdp, "dp_shard_cp": fsdp_ranks(layout)}
+    sizes = {EP: layout.ep, EFSDP: expert_fsdp_ranks(layout), "dp_shard_cp": fsdp_ranks(layout)}
     sizes["zero"] = layout.dp_replicate * layout.cp
     size = sizes[dim] if dim in sizes else int(getattr(layout, dim))
     per_node = max(1, device.gpus_per_node * size // max(_span(dim, layout), 1))
@@ -330,7 +344,19 @@ def _kernels(
     launches = 0.0
     for count, moe in kinds:
         k = block_kernels(
-            model, tp, n, work.seq_len, layout.cp, e, moe, prof, peak, kernels, sp, device.name
+            model,
+            tp,
+            n,
+            work.seq_len,
+            layout.cp,
+            e,
+            moe,
+            prof,
+            peak,
+            kernels,
+            sp,
+            device.name,
+            routed_tp(layout),
         )
         share = count / p.blocks
         fwd += share * k.forward
@@ -397,6 +423,9 @@ def _rank_times(
         latency = device.latency * ((3 if layout.ep > 1 else 0) + (1 if layout.dp > 1 else 0))
         exchange = 2 * one + latency  # forward: counts, dispatch, combine (and the load)
         back = 2 * one + (2 * device.latency if layout.ep > 1 else 0.0)
+        if routed_tp(layout) > 1:  # the routed rows' all-gather over tp, one per pass
+            gathered = _seconds(tp_gather_bytes(model, layout, work), TP, layout, device, 1)
+            exchange, back = exchange + gathered, back + gathered
         fwd += share * exchange
         bwd += share * (back + (exchange if layout.ac != "none" else 0.0))
     ends = int(load.embedding) + int(load.head)
@@ -406,12 +435,13 @@ def _rank_times(
     def dp(nbytes: float, dim: str, op: str, group: int) -> float:
         return _seconds(nbytes * ring(op, group), dim, layout, device, 1) if group > 1 else 0.0
 
-    # With ep > 1 the routed experts are a group of their own over efsdp; else they join
-    # the block's group over dp_shard.
-    eg = layout.efsdp if layout.ep > 1 else ds
+    # With ep > 1 (or tp > 1) the routed experts are a group of their own over efsdp (x tp);
+    # else they join the block's group over dp_shard.
+    apart = experts_apart(layout)
+    eg = expert_fsdp_ranks(layout) if apart else ds
 
     def groups(dense: float, experts: float) -> tuple[float, float]:
-        return (dense, experts) if layout.ep > 1 else (dense + experts, 0.0)
+        return (dense, experts) if apart else (dense + experts, 0.0)
 
     def gather(dense: float, experts: float = 0.0) -> float:
         dense, experts = groups(dense, experts)

@@ -44,10 +44,14 @@ a recomputation in backward finds the block already unsharded.
 
 A mixture-of-experts block under tensor parallelism: the MoE runs on the whole sequence
 (gathered on entry, its output cut back to this rank's positions with sequence
-parallelism), its shared experts split like the dense MLP, and the router and the routed
-experts replicated over the tp ranks: they compute the same routing and the same expert
-rows, so their gradients agree without communication (experts split by ``tp`` as well,
-Megatron's expert-tensor parallelism, are left out).
+parallelism), its shared experts split like the dense MLP, and the router replicated over
+the tp ranks (the same routing on each). Under ``fully_shard`` the tp ranks share the
+routed rows (:attr:`plait.layout.Layout.splits_routed_rows`): each runs one chunk of
+them through the routed experts (and their all-to-all) and the outputs are all-gathered,
+and the routed experts are sharded over ``efsdp x tp``, whose fully_shard group sums the
+chunks' gradients (torchtitan's experts likewise take ranks from tp). Without
+``fully_shard`` every tp rank computes all routed rows, the experts replicated over tp.
+(Experts whose matrices tp splits, Megatron's expert-tensor parallelism, are left out.)
 
 The tensor-parallel plan (torchtitan's and Megatron's): in each block, attention's q, k
 and v column-wise (each rank computes ``n_head / tp`` heads) and its output projection
@@ -86,7 +90,7 @@ from torch.distributed.tensor.parallel import (
 
 from plait.checkpoint import checkpoint
 from plait.context import Method, apply_context_parallel, sequence_positions
-from plait.experts import MoE, expert_parallel, set_load_balance_mesh
+from plait.experts import MoE, expert_parallel, set_load_balance_mesh, split_routed_rows
 from plait.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -100,6 +104,7 @@ from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_r
 from plait.replicate import replicate
 from plait.train.checkpointing import save_as
 from plait.train.config import TrainConfig
+from plait.train.layout import model_shape
 from plait.train.llama import Llama, LlamaBlock
 from plait.train.model import GPT, Block
 
@@ -156,8 +161,10 @@ def build_shard_mesh(cfg: TrainConfig) -> DeviceMesh | None:
 
 def build_expert_mesh(cfg: TrainConfig) -> DeviceMesh | None:
     """The routed experts' mesh (:meth:`plait.layout.Layout.expert_mesh`): ``(pp,
-    dp_replicate, efsdp, ep, tp)``; None without expert parallelism."""
-    return cfg.layout.expert_mesh(cfg.device)
+    dp_replicate, efsdp, ep, tp)``, or with tp ranks that split the routed rows ``(pp,
+    dp_replicate, efsdp, ep)`` (tp folded into efsdp); None when neither applies."""
+    split = cfg.layout.splits_routed_rows and model_shape(cfg).experts > 0
+    return cfg.layout.expert_mesh(cfg.device, split_rows=split)
 
 
 def _split(model: Model, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
@@ -294,10 +301,16 @@ def _moe(
     """Expert parallelism and load balancing of ``module``'s MoE blocks (recipe step 4)."""
     dims = _token_dims(cfg)
     dp = mesh[dims] if mesh is not None and dims else None
-    if experts is not None:
+    if cfg.ep > 1:
+        assert experts is not None
         expert_parallel(module, experts[EP], load_balance_mesh=dp)
     else:
         set_load_balance_mesh(module, dp)
+    if experts is not None and cfg.layout.splits_routed_rows:
+        # The tp ranks see the same tokens: each runs a chunk of the routed rows, and the
+        # experts' fully_shard group (efsdp, folded with tp) sums their gradients.
+        assert mesh is not None
+        split_routed_rows(module, mesh[TP])
     for m in module.modules():
         if isinstance(m, MoE):
             # Each microbatch's forward adds its own auxiliary losses: weighted 1/microbatches,
