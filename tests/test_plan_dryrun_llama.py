@@ -79,6 +79,36 @@ def test_llama_dry_run_within_5_percent_of_prediction(
     )
 
 
+#: A Llama whose matrices do not divide by 96 ranks (512 and 1,376 rows, k and v 128) and a
+#: small vocabulary: blocks, not the root, dominate the gathered and reduced buffers.
+WIDE = {**LLAMA, "hidden_size": 512, "intermediate_size": 1376, "vocab_size": 512}
+
+
+def test_dry_run_pads_shards_over_a_group_that_does_not_divide_the_matrices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fully_shard pads each parameter's dim 0 to a multiple of its 96 ranks (plait.plan.
+    # shards, "Padding"): ~10% more in the gathered blocks and the reduce-scatter buffers.
+    from plait.plan import shards
+    from plait.plan.schedule import layout_shape
+
+    config = _write(tmp_path, WIDE)
+    cfg = TrainConfig(model_config=config, seq_len=128, batch_size=96, dp_shard=96, mp="bf16")
+    measured = dry_run(cfg, 96)
+    resolved = resolve(cfg.replace(nproc=96, device="cpu"), world_size=96)
+    model = from_hf_config(WIDE)
+    rank0 = layout_shape(model, resolved.layout).ranks[0]
+    assert shards.shard_padding(model, resolved.layout, rank0).dense > 1.05
+    predicted = plan_of_config(resolved, device("h100")).memory.total
+    assert measured.seconds < 10
+    assert predicted == pytest.approx(measured.peak, rel=0.05), (
+        f"predicted {predicted:,.0f} B, dry run {measured.peak:,.0f} B"
+    )
+    monkeypatch.setattr(shards, "shard_padding", lambda *_: shards.ShardPadding())
+    unpadded = plan_of_config(resolved, device("h100")).memory.total
+    assert unpadded < 0.95 * measured.peak, f"unpadded {unpadded:,.0f} B"
+
+
 def test_hf_config_counts_head_dim_qk_norms_and_the_tied_head() -> None:
     import torch
 

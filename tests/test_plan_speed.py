@@ -164,9 +164,9 @@ def test_search_equals_the_search_without_shortcuts(
 #: memory model changes the figures.
 RECORDED_10240 = {
     "top": [
-        "dp_shard=5120 tp=2 ac=full",
-        "dp_replicate=2 dp_shard=2560 tp=2 ac=full",
-        "dp_replicate=4 dp_shard=1280 tp=2 ac=full",
+        "dp_replicate=10 dp_shard=512 tp=2 ac=full",
+        "dp_replicate=5 dp_shard=1024 tp=2 ac=full",
+        "dp_replicate=20 dp_shard=256 tp=2 ac=full",
     ],
     "piped": [
         "pp=16 dp_shard=160 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
@@ -174,7 +174,7 @@ RECORDED_10240 = {
         "pp=16 dp_replicate=4 dp_shard=40 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
     ],
     "n": 869,
-    "digest": "fcee0c9d7a5f111e",
+    "digest": "a1ad5394fb924ef8",
 }
 
 _COLD_SEARCH = """
@@ -220,4 +220,6 @@ def test_cold_10240_gpu_search_is_under_two_cpu_seconds(cold_10240: dict[str, ob
 def test_cold_10240_gpu_search_finds_the_recorded_layouts(cold_10240: dict[str, object]) -> None:
     got = {key: cold_10240[key] for key in RECORDED_10240}
     assert got == RECORDED_10240
-    assert describe(Layout(dp_shard=5120, tp=2, ac="full")) == RECORDED_10240["top"][0]
+    assert (
+        describe(Layout(dp_replicate=10, dp_shard=512, tp=2, ac="full")) == RECORDED_10240["top"][0]
+    )

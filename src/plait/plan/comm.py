@@ -15,7 +15,9 @@ elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch)
   many ranks): all-gathers of every unit in the compute dtype, per microbatch (blocks twice
   with ``reshard_after_forward``, forward and backward; the root once), or once per step
   under a pipeline; one fp32 reduce-scatter of every unit per step (gradient accumulation
-  and pipelines reduce once, at the end).
+  and pipelines reduce once, at the end). Both move ``fully_shard``'s buffers, each
+  parameter padded to a multiple of the group's ranks on dim 0
+  (:func:`~plait.plan.shards.padded_params`).
 * ``dp_replicate``: one fp32 all-reduce of the gradients per step: of the shards under HSDP,
   of everything with ``replicate``.
 * ``zero`` (:data:`ZERO`, a :class:`~plait.plan.spec.PlanLayout` with ZeRO-1/2, whose
@@ -82,7 +84,7 @@ from plait.plan.shards import (
     fsdp_ranks,
     microbatch_tokens,
     moe_rows,
-    rank_params,
+    padded_params,
     routed_rows,
     routed_tp,
 )
@@ -280,7 +282,7 @@ def communication(
     """What pipeline rank ``load`` sends in one step (module docstring), by dim and op."""
     e = compute_bytes(work)
     m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
-    p = rank_params(model, layout, load)
+    p = padded_params(model, layout, load)  # fully_shard moves its padded buffers
     out: list[Collective] = []
     fsdp = fsdp_dim(layout)
 

@@ -8,6 +8,10 @@ seq_len / cp``: context parallelism's ranks share a batch and split its sequence
 
 * **params, grads**: fp32 shards, ``4 P / ds`` each (``--mp bf16`` keeps fp32 shards and
   fp32 gradient reductions); **optimizer**: AdamW's two fp32 moments, ``8 P / ds``.
+  ``fully_shard`` pads each parameter's dim 0 to a multiple of ``ds`` (rank 0 holds
+  ``ceil(dim0 / ds)`` rows): the shards, the gathered units and the fp32 reduce-scatter
+  inputs are of each unit's padded elements (:func:`~plait.plan.shards.padded_params`,
+  :func:`~plait.plan.shards.shard_padding`; not under ZeRO or Megatron-LM's flat buffers).
 * **unsharded** (``ds > 1``): the all-gathered units in flight, in the compute dtype. The
   root unit (embeddings, head) stays gathered from forward through backward
   (``fully_shard`` does not reshard the root after forward); blocks: the current one and the
@@ -18,7 +22,7 @@ seq_len / cp``: context parallelism's ranks share a batch and split its sequence
 * **activations**: per block and token, what autograd saves (below), times the block's
   layers and the microbatches in flight on the rank (from plait's schedule simulator).
 * **buffers**: the reduce-scatter staging of the largest block (its unsharded gradient in
-  the compute dtype and its fp32 reduction input); pipeline send / receive buffers.
+  the compute dtype and its fp32 reduction input, padded); pipeline send / receive buffers.
 * **extra**: ``logits`` (the head's rank: the fp32 log-probabilities ``lm_loss`` saves per
   microbatch in flight, plus the compute-dtype logits and their fp32 copy at the loss);
   ``accumulated_grads`` (``fully_shard`` without gradient sync, i.e. gradient accumulation
@@ -156,6 +160,7 @@ from plait.plan.shards import (
     fsdp_ranks,
     microbatch_tokens,
     moe_rows,
+    padded_params,
     rank_params,
     routed_tp,
 )
@@ -408,7 +413,9 @@ def rank_memory(
     ds, tp = fsdp_ranks(layout), layout.tp
     zero = zero_stage(layout)
     p = rank_params(model, layout, load)
-    sharded = p.total / ds
+    # fully_shard's buffers and rank 0's shards, padded per parameter to ds rows (shards.py)
+    padded = padded_params(model, layout, load)
+    sharded = padded.total / ds
     n = microbatch_tokens(layout, work)
     pipelined = layout.pp > 1
     sp = layout.sequence_parallel and tp > 1
@@ -420,9 +427,9 @@ def rank_memory(
     resharded = 0.0  # blocks' gathered parameters not alive at the loss (resharded)
     if ds > 1:
         gathered_blocks = load.layers if (pipelined or not layout.reshard_after_forward) else 2
-        unsharded = (p.root + p.largest_blocks(gathered_blocks)) * e
+        unsharded = (padded.root + padded.largest_blocks(gathered_blocks)) * e
         if gathered_blocks == 2 and keeps.logits_held:
-            resharded = p.largest_blocks(2) * e
+            resharded = padded.largest_blocks(2) * e
     elif autocast:  # autocast's cache: a bf16 copy of every matrix, forward to backward
         head = model.vocab * model.d_model / tp if load.head else 0.0
         # Not of the routed experts: they multiply slices of their stacked weights, which
@@ -479,7 +486,9 @@ def rank_memory(
     if ds > 1 and accumulating and not keeps.sharded_accumulation:
         extra["accumulated_grads"] = p.gathered * 4  # of the rank's ep shard of experts
 
-    buffers = p.block * (e + 4) if ds > 1 else 0.0
+    # The block's unsharded gradients (autograd's, unpadded) and its fp32 reduce-scatter
+    # input (padded).
+    buffers = p.block * e + padded.block * 4 if ds > 1 else 0.0
     grads = 4 * sharded
     params, optimizer = 4 * sharded, 4 * keeps.moments * sharded
     if zero:  # module docstring: ZeRO
@@ -519,7 +528,7 @@ def rank_memory(
         - one_block
         + extra.get("recompute", one_block)
         + held
-        + (0.0 if (pipelined and not keeps.sharded_accumulation) or ds == 1 else p.block * 4)
+        + (0.0 if (pipelined and not keeps.sharded_accumulation) or ds == 1 else padded.block * 4)
         + (p.block * 4 if zero == 2 else 0.0)
     )
     # Its attention's backward runs after its MLP's: the MLP's saved values and hidden

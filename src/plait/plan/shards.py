@@ -31,6 +31,17 @@ does not run) every tp rank computes all the routed rows and holds the experts w
 plait also falls back to the replicated computation when ``n k`` is not divisible by
 ``tp``; the planner does not model that case (it takes the rows as divisible).
 
+Padding (:func:`shard_padding`): plait's ``fully_shard`` (as torch's) shards every
+parameter on dim 0 in ``torch.chunk`` layout over its ``ws`` ranks, so rank 0 holds
+``ceil(dim0 / ws)`` rows (the most of any rank), and a unit's all-gather output and
+reduce-scatter input hold ``ws x ceil(dim0 / ws)`` rows of each parameter: a matrix of
+fewer rows than ranks, or of rows not divisible by them, is padded. :func:`padded_params`
+scales each unit's elements by its factor (``sum ceil(dim0 / ws) ws rest / sum dim0
+rest`` over its parameters, after tensor parallelism's split); the routed experts'
+stacked weights are sharded on a dim ``ws`` divides where one does (plait's
+``_even_dim``), unpadded then. Only plait's and torchtitan's recipes shard so
+(:func:`pads_shards`); ZeRO's and Megatron-LM's flat buffers are not padded per tensor.
+
 Which blocks are dense: the model's first ``dense_layers``, on the rank that holds the
 embeddings (exact without interleaved stages, or when they fit the first stage; other
 ranks are taken as all MoE, which can only overstate them).
@@ -39,23 +50,29 @@ ranks are taken as all MoE, which can only overstate them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from plait.plan.models import ParamCounts, param_counts
 from plait.plan.schedule import RankLoad
-from plait.plan.spec import Layout, ModelSpec, Workload, zero_stage
+from plait.plan.spec import Layout, ModelSpec, Workload, recipe, zero_stage
 
 __all__ = [
+    "PADDED_RECIPES",
     "RankParams",
+    "ShardPadding",
     "compute_bytes",
     "expert_fsdp_ranks",
     "experts_apart",
     "fsdp_ranks",
     "microbatch_tokens",
     "moe_rows",
+    "padded_params",
+    "pads_shards",
     "rank_params",
     "routed_rows",
     "routed_tp",
+    "shard_padding",
 ]
 
 
@@ -233,3 +250,136 @@ def fsdp_ranks(layout: Layout) -> int:
 def compute_bytes(work: Workload) -> int:
     """Bytes of one element in the compute dtype (activations, gathered parameters)."""
     return 2 if work.precision == "bf16" else 4
+
+
+#: The recipes whose ``fully_shard`` pads each parameter's dim 0 to a multiple of its
+#: shard group (module docstring, "Padding").
+PADDED_RECIPES = ("plait", "torchtitan")
+
+
+def pads_shards(layout: Layout) -> bool:
+    """Whether ``layout``'s parameters are sharded per tensor on dim 0 with padding: under
+    ``fully_shard`` (:func:`fsdp_ranks` > 1) in one of :data:`PADDED_RECIPES`."""
+    return fsdp_ranks(layout) > 1 and recipe(layout) in PADDED_RECIPES
+
+
+@dataclass(frozen=True)
+class ShardPadding:
+    """Per unit, the padded elements of ``fully_shard``'s buffers over the elements
+    themselves (1.0: none; module docstring, "Padding"): a dense block, a MoE block without
+    its routed experts, the routed experts, the root unit (what the rank holds of it)."""
+
+    dense: float = 1.0
+    moe: float = 1.0
+    experts: float = 1.0
+    root: float = 1.0
+
+
+def _factor(shapes: list[tuple[int, int]], ws: int) -> float:
+    """``sum ceil(dim0 / ws) ws rest / sum dim0 rest`` over ``(dim0, rest)`` shapes."""
+    total = sum(rows * rest for rows, rest in shapes)
+    if not total or ws <= 1:
+        return 1.0
+    return sum(-(-rows // ws) * ws * rest for rows, rest in shapes) / total
+
+
+def _attention_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
+    """A block's attention and norms after tp, as ``(dim0, rest)``: q, k, v column-wise
+    (their output rows split), the output projection row-wise (``d`` rows, its columns
+    split); biases as ``param_counts`` counts them; norms (and q / k norms) whole."""
+    d, q, kv = model.d_model, model.q_width // tp, model.kv_width // tp
+    shapes = [(q, d), (kv, d), (kv, d), (d, q)]
+    if model.bias:  # q, k, v biases split, the output projection's whole
+        shapes += [(q, 1), (kv, 1), (kv, 1), (d, 1)]
+    shapes += [(d, 1)] * (4 if model.norm_bias else 2)
+    if model.qk_norm:
+        shapes += [(model.dim_head, 1)] * 2
+    return shapes
+
+
+def _block_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
+    """A dense block's parameters after tp (:func:`_attention_shapes`, and the MLP: gate
+    and up, or fc, column-wise; down, or proj, row-wise)."""
+    d, f = model.d_model, model.ffn_hidden // tp
+    mlp = [(f, d), (f, d), (d, f)] if model.gated else [(f, d), (d, f)]
+    if model.bias:  # the first linear's bias split, the row-wise one's whole
+        mlp += [(f, 1), (d, 1)]
+    return _attention_shapes(model, tp) + mlp
+
+
+def _moe_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
+    """A MoE block without its routed experts after tp: attention, the shared experts (w1,
+    w3 column-wise, w2 row-wise) and the router's gate (``E`` rows, whole)."""
+    d, shared = model.d_model, model.expert_hidden * model.shared_experts // tp
+    shapes = _attention_shapes(model, tp) + [(model.experts, d)]
+    if shared:
+        shapes += [(shared, d), (shared, d), (d, shared)]
+    return shapes
+
+
+def _root_shapes(
+    model: ModelSpec, tp: int, sp: bool, embedding: bool, head: bool
+) -> list[tuple[int, int]]:
+    """What a rank holds of the root unit after tp (its ``embedding``, its ``head``): the
+    token embedding (vocabulary rows split), learned positions (split under sequence
+    parallelism ``sp``), the final norm and the head (vocabulary rows split; absent when
+    tied)."""
+    d = model.d_model
+    shapes: list[tuple[int, int]] = []
+    if embedding:
+        shapes.append((model.vocab // tp, d))
+        if model.positions:
+            shapes.append((model.positions // (tp if sp else 1), d))
+    if head:
+        shapes += [(d, 1)] * (2 if model.norm_bias else 1)
+        if not model.tied:
+            shapes.append((model.vocab // tp, d))
+    return shapes
+
+
+def shard_padding(model: ModelSpec, layout: Layout, load: RankLoad) -> ShardPadding:
+    """Each unit's padding factor under ``layout`` (module docstring, "Padding"): blocks
+    and the root over :func:`fsdp_ranks`, the routed experts over
+    :func:`expert_fsdp_ranks` (1 where a dim of ``(E / ep, d, h)`` divides by it: plait
+    shards them on that dim); all 1 where :func:`pads_shards` is false."""
+    if not pads_shards(layout):
+        return ShardPadding()
+    sp = layout.sequence_parallel and layout.tp > 1
+    experts = (expert_fsdp_ranks(layout), layout.ep) if model.experts else (1, 1)
+    ends = (load.embedding, load.head)
+    return _padding(model, fsdp_ranks(layout), layout.tp, sp, experts, ends)
+
+
+@functools.lru_cache(maxsize=4096)
+def _padding(
+    model: ModelSpec, ws: int, tp: int, sp: bool, experts: tuple[int, int], ends: tuple[bool, bool]
+) -> ShardPadding:
+    """:func:`shard_padding` of ``ws`` ranks, the routed experts' ``(group, ep)`` and the
+    root's ``(embedding, head)`` (cached: the search asks for few distinct ones)."""
+    routed = 1.0
+    if model.experts:
+        g, local = experts[0], model.experts // experts[1]
+        if all(size % g for size in (local, model.d_model, model.expert_hidden)):
+            routed = _factor([(local, 1)], g)
+    return ShardPadding(
+        dense=_factor(_block_shapes(model, tp), ws),
+        moe=_factor(_moe_shapes(model, tp), ws) if model.experts else 1.0,
+        experts=routed,
+        root=_factor(_root_shapes(model, tp, sp, *ends), ws),
+    )
+
+
+def padded_params(model: ModelSpec, layout: Layout, load: RankLoad) -> RankParams:
+    """:func:`rank_params` with each unit's elements scaled by its :func:`shard_padding`:
+    the sizes of ``fully_shard``'s all-gather outputs and reduce-scatter inputs, and,
+    divided by :func:`fsdp_ranks`, of rank 0's shards (its matmul counts unchanged)."""
+    p, pad = rank_params(model, layout, load), shard_padding(model, layout, load)
+    if pad == ShardPadding():
+        return p
+    return dataclasses.replace(
+        p,
+        dense=p.dense * pad.dense,
+        moe=p.moe * pad.moe,
+        experts=p.experts * pad.experts,
+        root=p.root * pad.root,
+    )

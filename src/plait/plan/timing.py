@@ -21,7 +21,8 @@ overlaps it:
 * ``fully_shard`` prefetches: the next block's all-gather runs during the current block's
   compute (forward and backward), its reduce-scatter (and HSDP's all-reduce) during the
   next block's backward. Per block, only what exceeds that block's compute is exposed; the
-  first all-gather, the root's and the last reductions are exposed whole.
+  first all-gather, the root's and the last reductions are exposed whole. They move the
+  units' padded buffers (:func:`~plait.plan.shards.padded_params`).
 * ``replicate``: bucketed all-reduces overlap backward the same way, per block.
 * the root unit (embeddings, final norm, head: one unit in plait's recipe) is gathered at
   each microbatch's start, before anything runs, and reduced after the embedding's
@@ -162,6 +163,7 @@ from plait.plan.shards import (
     experts_apart,
     fsdp_ranks,
     microbatch_tokens,
+    padded_params,
     rank_params,
     routed_tp,
 )
@@ -403,7 +405,7 @@ def _rank_times(
     tp_overlap = software.tp_overlap
     e = compute_bytes(work)
     m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
-    p = rank_params(model, layout, load)
+    p = padded_params(model, layout, load)  # fully_shard's padded buffers and shards
     forward, recompute = k.fwd, k.recompute
     t_tp = 0.0
     if tp > 1:
