@@ -138,9 +138,9 @@ attention, which saves them so (``2 q / tp`` in place of ``2 k / tp``, ``q`` the
 width ``heads x head_dim``); each RMSNorm (computed in fp32) saves an fp32 copy of its
 input beside its output, and Qwen3's per-head q and k norms their fp32 copies and outputs
 (:func:`rms_norm_bytes`); a block's backward holds SwiGLU's three hidden gradients. At the
-loss (plait's stepper holds the logits through backward, ``Keeps.logits_held``) the
-backward starts with two fp32 full-vocabulary gradients beside the saved log-probabilities
-(not under tp's ``loss_parallel``, measured as the forward's count), and, with blocks
+loss the backward starts with two fp32 full-vocabulary gradients beside the saved
+log-probabilities (not under tp's ``loss_parallel``, measured as the forward's count; the
+logits themselves are freed by then: ``Keeps.logits_held``), and, with blocks
 resharded after forward, no block is gathered then.
 
 Not modelled: the allocator's fragmentation and caching, CUDA context and library
@@ -215,9 +215,13 @@ class Keeps:
       freed once sent, Megatron's ``deallocate_output_tensor``, Llama 3 section 3.3.2);
     * ``end_stage_fewer``: blocks fewer on the first and last pipeline stages (Llama 3
       section 3.3.2: one, balancing the embedding and the head);
-    * ``logits_held``: the logits stay referenced through the loss's backward (plait's
-      stepper holds them), which starts with two fp32 full-vocabulary gradients (of the
-      log-probabilities and of the logits' fp32 copy) beside the saved log-probabilities.
+    * ``logits_held``: the logits stay referenced through the loss's backward (a training
+      loop that keeps them in a variable; plait's stepper did until 2026-11), which starts
+      with two fp32 full-vocabulary gradients (of the log-probabilities and of the logits'
+      fp32 copy) beside the saved log-probabilities. Without it the loss's backward holds
+      the saved log-probabilities and the two fp32 gradients only;
+    * ``resharded_at_loss``: with blocks resharded after forward, none is gathered when
+      the loss runs (plait's fully_shard frees the last block's parameters before).
     """
 
     activations: str = "plait"
@@ -228,6 +232,7 @@ class Keeps:
     stage_output: bool = True
     end_stage_fewer: int = 0
     logits_held: bool = False
+    resharded_at_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.activations not in ("plait", "megatron", "torchtitan"):
@@ -243,7 +248,7 @@ class Keeps:
 #: Each recipe's :class:`Keeps` (module docstring, "Recipes"): ``recipe`` names a row of
 #: this table (:func:`plait.plan.spec.recipe`).
 RECIPE_KEEPS: dict[str, Keeps] = {
-    "plait": Keeps(logits_held=True),
+    "plait": Keeps(resharded_at_loss=True),
     "megatron": Keeps(activations="megatron"),
     "torchtitan": Keeps(activations="torchtitan"),
     "foundry": Keeps(loss="fused_ce", sharded_accumulation=True),
@@ -428,7 +433,7 @@ def rank_memory(
     if ds > 1:
         gathered_blocks = load.layers if (pipelined or not layout.reshard_after_forward) else 2
         unsharded = (padded.root + padded.largest_blocks(gathered_blocks)) * e
-        if gathered_blocks == 2 and keeps.logits_held:
+        if gathered_blocks == 2 and keeps.resharded_at_loss:
             resharded = padded.largest_blocks(2) * e
     elif autocast:  # autocast's cache: a bf16 copy of every matrix, forward to backward
         head = model.vocab * model.d_model / tp if load.head else 0.0
@@ -471,7 +476,10 @@ def rank_memory(
         else:
             # The backward's two fp32 gradients beside the held logits, or (forward) the
             # compute-dtype logits and their fp32 copy (also tp's loss_parallel backward's).
-            at_loss = e + 8 if keeps.logits_held and tp == 1 else e + 4
+            if keeps.logits_held:  # backward: two fp32 gradients beside the logits
+                at_loss = e + 8 if tp == 1 else e + 4  # (loss_parallel's: one)
+            else:  # the forward's logits and fp32 copy (none of fp32 logits), or backward's
+                at_loss = max(e + (4 if e < 4 else 0), 8 if tp == 1 else 4)
             extra["logits"] = n * v * (4 * max(load.head_in_flight, 1) + at_loss)
         extra["logits"] += n * model.d_model * (e_res / (tp if sp else 1) + e)  # ln_f, head in
     if layout.ac != "none":

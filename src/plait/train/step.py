@@ -198,15 +198,20 @@ class DataParallelStepper:
             # last backward communicates (and averages over the gradient ranks: scaled up).
             _set_gradient_sync(self.module, i == m - 1)
             with loss_context(self.cfg):
-                with forward_context(self.cfg):
-                    logits = self.module(mb.inputs, **mb.model_kwargs())
-                    loss = token_loss(logits, mb.targets) / mb.tokens
+                loss = self._loss(mb)
                 (loss * self.scale).backward()
             total += loss.detach()
         return total
 
+    def _loss(self, batch: StepBatch) -> torch.Tensor:
+        """``batch``'s loss: its tokens' sum over the global count. The logits live only
+        here: a reference held through the backward would keep them (tokens x vocabulary,
+        the step's largest activation) alive to its end."""
+        with forward_context(self.cfg):
+            logits = self.module(batch.inputs, **batch.model_kwargs())
+            return token_loss(logits, batch.targets) / batch.tokens
+
     @torch.no_grad()
     def evaluate(self, batch: StepBatch) -> torch.Tensor:
-        with loss_context(self.cfg), forward_context(self.cfg):
-            logits = self.module(batch.inputs, **batch.model_kwargs())
-            return (token_loss(logits, batch.targets) / batch.tokens).float()
+        with loss_context(self.cfg):
+            return self._loss(batch).float()
