@@ -231,6 +231,16 @@ class Layout:
         return DeviceMesh(device_type, grid, mesh_dim_names=tuple(kept))
 
 
+def expert_shard_dim(shape: tuple[int, ...], group: int) -> int:
+    """The dim ``fully_shard`` shards a stacked expert weight ``(experts, in, out)`` on over
+    ``group`` ranks in plait train's recipe: the experts' dim when it splits evenly, else
+    the first that does (torchtitan's rule: ``Shard(1)`` when there are fewer experts than
+    ranks to shard them), else 0. Sharding 2 experts over 8 ranks on dim 0 would pad every
+    rank's shard to a whole expert: 4x the memory of the sharded states and of the
+    gradients' reduce-scatter."""
+    return next((d for d, size in enumerate(shape) if size % group == 0), 0)
+
+
 def _mesh(device_type: str, sizes: Mapping[str, int], keep: tuple[str, ...]) -> DeviceMesh | None:
     dims = [(name, size) for name, size in sizes.items() if size > 1 or name in keep]
     if not dims:

@@ -38,7 +38,8 @@ def host_counts(counts: torch.Tensor, total: int) -> list[int]:
     entries taking the remainder; ``counts`` is not read.
     """
     if not _BALANCED.get():
-        return [int(c) for c in counts.flatten().tolist()]
+        out: list[int] = counts.flatten().tolist()
+        return out
     parts = counts.numel()
     share, extra = divmod(total, parts)
     return [share + (i < extra) for i in range(parts)]

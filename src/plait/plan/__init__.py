@@ -7,13 +7,13 @@ The cost model is documented in docs/plan.md and in each module's docstring.
 
 from plait.plan.devices import DEVICES, device
 from plait.plan.memory import predict_memory
-from plait.plan.models import PRESETS, from_hf_config, gpt, preset
+from plait.plan.models import PRESET_ALIASES, from_hf_config, gpt, preset
 from plait.plan.search import Candidate, PlanError, evaluate, plan
 from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
 
 __all__ = [
     "DEVICES",
-    "PRESETS",
+    "PRESET_ALIASES",
     "Candidate",
     "DeviceSpec",
     "Layout",

@@ -57,7 +57,7 @@ from plait.layout import Layout
 from plait.pipeline.schedules import schedule_spec
 from plait.plan.live import LiveTensors
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
+from plait.train.layout import model_shape, resolve
 from plait.train.loop import Trainable, build_model
 from plait.train.parallelize import build_expert_mesh, forward_context, loss_context
 from plait.train.step import StepBatch
@@ -107,7 +107,8 @@ def step_memory(
     start = time.perf_counter()
     # Every mesh is built before the fake tensors (building one reads real tensors).
     mesh = cfg.layout.mesh(cfg.device)
-    side_meshes = (build_expert_mesh(cfg), cfg.layout.shard_mesh(cfg.device))
+    moe = model_shape(cfg).experts > 0  # the model is built after the meshes
+    side_meshes = (build_expert_mesh(cfg, moe), cfg.layout.shard_mesh(cfg.device))
     pipelined = cfg.pp > 1 and pipeline_dry_run
     live = LiveTensors(device_type=torch.device(cfg.device).type)
     # Fake tensors hold no routing to read: a MoE's rows are taken as evenly spread over

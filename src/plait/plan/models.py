@@ -24,7 +24,7 @@ over its tp ranks too: :mod:`plait.plan.shards`).
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,7 @@ from plait.plan.spec import ModelSpec
 from plait.train import presets as train_presets
 
 __all__ = [
-    "PRESETS",
+    "PRESET_ALIASES",
     "ParamCounts",
     "attention_flops_per_token",
     "expert_hidden_default",
@@ -46,33 +46,30 @@ __all__ = [
     "preset_names",
 ]
 
-#: Llama 3.1 shapes as published (Meta's model cards / Hugging Face ``config.json``); each
-#: ``source`` names the ``plait train`` preset that builds it.
-PRESETS: dict[str, ModelSpec] = {
-    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, source="llama3.1-8b"),
-    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, source="llama3.1-70b"),
-    "llama3-405b": ModelSpec(
-        "llama3-405b", 126, 16384, 128, 8, 53248, 128256, source="llama3.1-405b"
-    ),
-}
+#: The planner's names for Llama 3.1 (its calibration and published-run rows use them): the
+#: ``plait train`` presets of those names (Meta's published config.json), whose ``source``
+#: the printed commands build.
+PRESET_ALIASES = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b"}
+PRESET_ALIASES["llama3-405b"] = "llama3.1-405b"
 
 
 def preset_names() -> list[str]:
-    """Every name ``preset`` takes: the planner's own and ``plait train``'s presets."""
-    return [*PRESETS, *train_presets.PRESETS]
+    """Every name ``preset`` takes: the planner's aliases and ``plait train``'s presets."""
+    return [*PRESET_ALIASES, *train_presets.PRESETS]
 
 
+@functools.cache
 def preset(name: str) -> ModelSpec:
-    """The preset ``name`` (case-insensitive): one of :data:`PRESETS`, or one of ``plait
-    train``'s (:mod:`plait.train.presets`: Llama, Qwen, Mistral, Mixtral, Qwen3-MoE), read
-    as its config.json is. ValueError listing the known ones."""
+    """The preset ``name`` (case-insensitive): one of ``plait train``'s
+    (:mod:`plait.train.presets`: Llama, Qwen, Mistral, Mixtral, Qwen3-MoE), read as its
+    config.json is, or a :data:`PRESET_ALIASES` name of one. ValueError listing the known
+    ones."""
     key = name.lower()
-    if key in PRESETS:
-        return PRESETS[key]
-    if key in train_presets.PRESETS:
-        spec = from_hf_config(train_presets.PRESETS[key])
-        return dataclasses.replace(spec, name=key, source=key)
-    raise ValueError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
+    source = PRESET_ALIASES.get(key, key)
+    if source not in train_presets.PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
+    spec = from_hf_config(train_presets.PRESETS[source])
+    return dataclasses.replace(spec, name=key, source=source)
 
 
 def expert_hidden_default(ffn_hidden: int, top_k: int, shared_experts: int) -> int:
@@ -154,12 +151,7 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
         values, name = dict(config), str(config.get("_name_or_path", "hf-config"))
     else:
         path = Path(config)
-        try:
-            values = json.loads(path.read_text())
-        except OSError as err:
-            raise ValueError(f"--hf-config {path}: cannot read it ({err.strerror})") from err
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--hf-config {path}: not valid JSON: {err}") from err
+        values = train_presets.read_config(path, f"--hf-config {path}", ValueError)
         name = path.parent.name or path.stem
     missing = [key for key in _HF_KEYS.values() if key not in values]
     if missing:

@@ -38,9 +38,10 @@ reduce-scatter input hold ``ws x ceil(dim0 / ws)`` rows of each parameter: a mat
 fewer rows than ranks, or of rows not divisible by them, is padded. :func:`padded_params`
 scales each unit's elements by its factor (``sum ceil(dim0 / ws) ws rest / sum dim0
 rest`` over its parameters, after tensor parallelism's split); the routed experts'
-stacked weights are sharded on a dim ``ws`` divides where one does (plait's
-``_even_dim``), unpadded then. Only plait's and torchtitan's recipes shard so
-(:func:`pads_shards`); ZeRO's and Megatron-LM's flat buffers are not padded per tensor.
+stacked weights are sharded on a dim ``ws`` divides where one does
+(:func:`plait.layout.expert_shard_dim`), unpadded then. Only plait's and torchtitan's
+recipes shard so (:func:`pads_shards`); ZeRO's and Megatron-LM's flat buffers are not
+padded per tensor.
 
 Which blocks are dense: the model's first ``dense_layers``, on the rank that holds the
 embeddings (exact without interleaved stages, or when they fit the first stage; other
@@ -53,6 +54,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from plait.layout import expert_shard_dim
 from plait.plan.models import ParamCounts, param_counts
 from plait.plan.schedule import RankLoad
 from plait.plan.spec import Layout, ModelSpec, Workload, recipe, zero_stage
@@ -194,7 +196,7 @@ def routed_tp(layout: Layout) -> int:
     ``tp`` under ``fully_shard`` (each runs its chunk of ``1 / tp`` of them), else 1 (every
     tp rank computes all of them). plait computes them replicated too when the rank's ``n
     k`` rows do not divide by ``tp``: not modelled (taken as divisible)."""
-    return layout.tp if fsdp_ranks(layout) > 1 else 1
+    return layout.tp if layout.splits_routed_rows and fsdp_ranks(layout) > 1 else 1
 
 
 def expert_fsdp_ranks(layout: Layout) -> int:
@@ -357,10 +359,10 @@ def _padding(
     """:func:`shard_padding` of ``ws`` ranks, the routed experts' ``(group, ep)`` and the
     root's ``(embedding, head)`` (cached: the search asks for few distinct ones)."""
     routed = 1.0
-    if model.experts:
-        g, local = experts[0], model.experts // experts[1]
-        if all(size % g for size in (local, model.d_model, model.expert_hidden)):
-            routed = _factor([(local, 1)], g)
+    if model.experts:  # padded only where no dim of (E / ep, d, h) divides by the group
+        g, stacked = experts[0], (model.experts // experts[1], model.d_model, model.expert_hidden)
+        dim = expert_shard_dim(stacked, g)
+        routed = _factor([(stacked[dim], 1)], g)
     return ShardPadding(
         dense=_factor(_block_shapes(model, tp), ws),
         moe=_factor(_moe_shapes(model, tp), ws) if model.experts else 1.0,

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.train.config import ConfigError
 from plait.train.extras import require
+from plait.train.presets import config_object, read_config
 
 __all__ = [
     "LLAMA_RULES",
@@ -424,9 +425,8 @@ def load_hf_checkpoint(
     directory = Path(directory)
     files = _weight_map(directory)
     if rules is None:
-        rules = rules_for(
-            _read_json(directory / CONFIG_FILE) if (directory / CONFIG_FILE).is_file() else {}
-        )
+        config = directory / CONFIG_FILE
+        rules = rules_for(read_config(config, str(config), ConfigError) if config.is_file() else {})
     params = {n: p for m in modules for n, p in m.named_parameters(remove_duplicate=False)}
     shapes = (
         dict(expected) if expected is not None else {n: tuple(p.shape) for n, p in params.items()}
@@ -444,18 +444,6 @@ def load_hf_checkpoint(
         for name in order:
             _copy_into(params[name], _read(plan[name], files, readers), name)
     return order
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read it ({err.strerror})") from err
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON: {err}") from err
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: not a JSON object")
-    return value
 
 
 # ----------------------------------------------------------------------------------------
@@ -682,9 +670,7 @@ def _source_config(train_config: dict[str, Any], run_dir: Path) -> dict[str, Any
             "sha256 differs): restore the file the run was trained with"
         )
     train_config["model_config"] = source
-    values = json.loads(data)
-    assert isinstance(values, dict)
-    return values
+    return config_object(data, source, ConfigError)
 
 
 def _hf_config(config: dict[str, Any], model: nn.Module, dtype: torch.dtype) -> dict[str, Any]:

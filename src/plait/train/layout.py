@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 
 import torch
@@ -22,7 +21,7 @@ from plait.pipeline import SCHEDULES
 from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag
 from plait.train.llama import LlamaConfig, LlamaConfigError
 from plait.train.model import GPTConfig
-from plait.train.presets import config_bytes, preset_names
+from plait.train.presets import config_bytes, config_object, preset_names
 from plait.train.tokenizer import load_tokenizer
 
 __all__ = ["default_device", "default_nproc", "llama_config", "model_shape", "resolve"]
@@ -58,12 +57,7 @@ def llama_config(cfg: TrainConfig) -> LlamaConfig:
     or ConfigError saying what is wrong with it (or what it cannot train on: the byte
     data, ``--seq-len``)."""
     path = cfg.model_config
-    try:
-        values = json.loads(model_config_bytes(path))
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--model-config {path}: not valid JSON: {err}") from err
-    if not isinstance(values, dict):
-        raise ConfigError(f"--model-config {path}: not a JSON object")
+    values = config_object(model_config_bytes(path), f"--model-config {path}", ConfigError)
     try:
         llama = LlamaConfig.from_hf(values)
     except LlamaConfigError as err:

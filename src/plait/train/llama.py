@@ -46,7 +46,6 @@ GPT's and do not apply.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from torch.nn import functional as F
 
 from plait.experts import MoE
 from plait.train.model import Packing, causal_attention, packing
+from plait.train.presets import read_config
 
 __all__ = [
     "FAMILIES",
@@ -255,16 +255,7 @@ class LlamaConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> LlamaConfig:
         """The configuration in the ``config.json`` file ``path``."""
-        try:
-            text = Path(path).read_text()
-        except OSError as err:
-            raise LlamaConfigError(f"{path}: cannot read it ({err.strerror})") from err
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise LlamaConfigError(f"{path}: not valid JSON: {err}") from err
-        if not isinstance(values, dict):
-            raise LlamaConfigError(f"{path}: not a JSON object")
+        values = read_config(path, str(path), LlamaConfigError)
         try:
             return cls.from_hf(values)
         except LlamaConfigError as err:

@@ -152,7 +152,8 @@ class Trainable:
         #: ``(blocks, experts)`` of a model with MoE blocks (the GPT's ``--experts``, a
         #: Llama's config.json), None for a dense one.
         self.moe_shape = model.moe_shape
-        experts, shard = side_meshes or (build_expert_mesh(cfg), build_shard_mesh(cfg))
+        moe = model.moe_shape is not None
+        experts, shard = side_meshes or (build_expert_mesh(cfg, moe), build_shard_mesh(cfg))
         tied = is_tied(model)  # asked before the pipeline split copies the matrix
         self.stages: list[Stage] = parallelize(model, cfg, mesh, experts, shard)
         self.modules = [s.module for s in self.stages]

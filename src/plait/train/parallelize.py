@@ -98,13 +98,23 @@ from plait.fsdp import (
     ShardPlacement,
     fully_shard,
 )
-from plait.layout import CP, DATA_PARALLEL, DP_REPLICATE, DP_SHARD, DP_SHARD_CP, EFSDP, EP, PP, TP
+from plait.layout import (
+    CP,
+    DATA_PARALLEL,
+    DP_REPLICATE,
+    DP_SHARD,
+    DP_SHARD_CP,
+    EFSDP,
+    EP,
+    PP,
+    TP,
+    expert_shard_dim,
+)
 from plait.mesh import mesh_coordinate
 from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_rank
 from plait.replicate import replicate
 from plait.train.checkpointing import save_as
 from plait.train.config import TrainConfig
-from plait.train.layout import model_shape
 from plait.train.llama import Llama, LlamaBlock
 from plait.train.model import GPT, Block
 
@@ -159,12 +169,12 @@ def build_shard_mesh(cfg: TrainConfig) -> DeviceMesh | None:
     return cfg.layout.shard_mesh(cfg.device)
 
 
-def build_expert_mesh(cfg: TrainConfig) -> DeviceMesh | None:
-    """The routed experts' mesh (:meth:`plait.layout.Layout.expert_mesh`): ``(pp,
-    dp_replicate, efsdp, ep, tp)``, or with tp ranks that split the routed rows ``(pp,
-    dp_replicate, efsdp, ep)`` (tp folded into efsdp); None when neither applies."""
-    split = cfg.layout.splits_routed_rows and model_shape(cfg).experts > 0
-    return cfg.layout.expert_mesh(cfg.device, split_rows=split)
+def build_expert_mesh(cfg: TrainConfig, moe: bool) -> DeviceMesh | None:
+    """The routed experts' mesh (:meth:`plait.layout.Layout.expert_mesh`) of a model with
+    (``moe``) or without mixture-of-experts blocks: ``(pp, dp_replicate, efsdp, ep, tp)``,
+    or with tp ranks that split the routed rows ``(pp, dp_replicate, efsdp, ep)`` (tp
+    folded into efsdp); None when neither applies."""
+    return cfg.layout.expert_mesh(cfg.device, split_rows=moe and cfg.layout.splits_routed_rows)
 
 
 def _split(model: Model, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
@@ -325,9 +335,9 @@ def _expert_placement(
     block: Block | LlamaBlock, cfg: TrainConfig, experts: DeviceMesh | None
 ) -> Any:
     """``shard_placement_fn`` of ``block``'s unit: its routed experts' stacked weights
-    sharded on a dim their shard group divides (:func:`_even_dim`), in a group on ``efsdp``
-    (HSDP: ``(dp_replicate, efsdp)``) under expert parallelism; the rest on the unit's mesh
-    as ``Shard(0)``."""
+    sharded on a dim their shard group divides (:func:`plait.layout.expert_shard_dim`), in
+    a group on ``efsdp`` (HSDP: ``(dp_replicate, efsdp)``) under expert parallelism; the
+    rest on the unit's mesh as ``Shard(0)``."""
     if not isinstance(block.mlp, MoE):
         return None
     if experts is not None:
@@ -339,18 +349,9 @@ def _expert_placement(
     placements: dict[int, Any] = {}
     for weight in block.mlp.experts.parameters():
         local = weight.to_local() if isinstance(weight, DTensor) else weight
-        shard = Shard(_even_dim(tuple(local.shape), group))
+        shard = Shard(expert_shard_dim(tuple(local.shape), group))
         placements[id(weight)] = shard if mesh is None else ShardPlacement(shard, mesh)
     return lambda p: placements.get(id(p))
-
-
-def _even_dim(shape: tuple[int, ...], group: int) -> int:
-    """The dim to shard a stacked expert weight ``(experts, in, out)`` on over ``group``
-    ranks: the experts' dim when it splits evenly, else the first that does (torchtitan's
-    rule: ``Shard(1)`` when there are fewer experts than ranks to shard them), else 0.
-    Sharding 2 experts over 8 ranks on dim 0 would pad every rank's shard to a whole
-    expert: 4x the memory of the sharded states and of the gradients' reduce-scatter."""
-    return next((d for d, size in enumerate(shape) if size % group == 0), 0)
 
 
 def _shard(module: Model, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh | None) -> None:

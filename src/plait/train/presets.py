@@ -345,6 +345,28 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def config_object(data: bytes | str, where: str, error: type[ValueError]) -> dict[str, Any]:
+    """``data``, a ``config.json``'s text, as its JSON object; ``error`` (its message begins
+    with ``where``) when it is not valid JSON or not an object."""
+    try:
+        values = json.loads(data)
+    except json.JSONDecodeError as err:
+        raise error(f"{where}: not valid JSON: {err}") from err
+    if not isinstance(values, dict):
+        raise error(f"{where}: not a JSON object")
+    return values
+
+
+def read_config(path: str | Path, where: str, error: type[ValueError]) -> dict[str, Any]:
+    """The JSON object of the file ``path`` (:func:`config_object`); ``error`` also when it
+    cannot be read."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise error(f"{where}: cannot read it ({err.strerror})") from err
+    return config_object(data, where, error)
+
+
 def preset_names() -> str:
     """The preset names, for help texts and messages."""
     return ", ".join(PRESETS)
