@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from benchmarks.harness import BenchConfig, Mode, Step
 from benchmarks.int8_weight import int8_gather_linears
-from benchmarks.moe_modes import MOE_MODES, MOE_SUITE
+from benchmarks.moe_modes import MOE_GROUPED_SUITE, MOE_MODES, MOE_SUITE
 from benchmarks.pipeline_modes import PIPELINE_MODES, PIPELINE_SUITE
 from benchmarks.tp_modes import TP_MODES, TP_SUITE
 from plait.checkpoint import checkpoint
@@ -318,4 +318,7 @@ SUITES: dict[str, list[str]] = {
     # dp_shard) beside torch's fully_shard, and the ep 1 reference; --nproc 2 (efsdp 1) or
     # --nproc 4 (efsdp 2). The table adds the all-to-all bytes and their formula.
     "moe": MOE_SUITE,
+    # the same MoE model, plait's routed experts as grouped GEMMs (the default) beside the
+    # loop of one matmul per expert ("_loop"), with and without expert parallelism
+    "moe_grouped": MOE_GROUPED_SUITE,
 }

@@ -18,6 +18,12 @@ batches, with the same loss and AdamW step:
 * ``moe_fsdp`` / ``torch_moe_fsdp``: the reference without expert parallelism (ep 1): the
   same model, every parameter (the experts too) sharded over ``dp_shard``; no all-to-all,
   every rank computes all experts on its own tokens.
+* ``moe_ep_fsdp_loop`` / ``moe_fsdp_loop``: plait's ``moe_ep_fsdp`` / ``moe_fsdp`` with the
+  routed experts run one after another (``set_grouped_mm(model, False)``) instead of as
+  grouped GEMMs (``plait.experts.grouped``, the default where torch can run them: the
+  expert width is rounded to :data:`EXPERT_WIDTH_MULTIPLE` elements, so it can). Their
+  torch counterpart is the grouped mode: the "vs torch" ratio is loop over grouped. The
+  suite ``moe_grouped`` runs the four.
 
 The harness counts the bytes each rank's all-to-alls send to the other ranks (its
 ``count_all_to_all_bytes``): per MoE layer and step, the forward's dispatch and combine
@@ -46,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from benchmarks.harness import BenchConfig, Mode, Step
-from plait.experts import MoE, expert_parallel, set_load_balance_mesh
+from plait.experts import MoE, expert_parallel, set_grouped_mm, set_load_balance_mesh
 from plait.experts.swiglu import GroupedExperts
 from plait.fsdp import ShardPlacement, fully_shard
 from plait.layout import DP_SHARD, EFSDP, EP, Layout
@@ -63,9 +69,16 @@ MOE: dict[str, Any] = {
     "z_loss_coeff": 1e-3,
 }
 
+#: Expert widths are rounded down to a multiple of this many elements: 16-byte rows in
+#: fp32 and bf16, which grouped GEMM needs (the automatic 4 * 128 // 3 = 170 would run the
+#: loop in every mode; it becomes 168).
+EXPERT_WIDTH_MULTIPLE = 8
+
 
 def moe_config(cfg: BenchConfig) -> GPTConfig:
-    return dataclasses.replace(cfg.gpt, **MOE)
+    auto = dataclasses.replace(cfg.gpt, **MOE).d_expert
+    width = max(EXPERT_WIDTH_MULTIPLE, auto // EXPERT_WIDTH_MULTIPLE * EXPERT_WIDTH_MULTIPLE)
+    return dataclasses.replace(cfg.gpt, **MOE, expert_hidden=width)
 
 
 def all_to_all_formula(cfg: BenchConfig, ep: int) -> float:
@@ -139,10 +152,11 @@ def _fully_shard_api(which: str) -> Callable[..., Any]:
     return fully_shard
 
 
-def _moe_step(cfg: BenchConfig, which: str, ep: int, name: str) -> Step:
+def _moe_step(cfg: BenchConfig, which: str, ep: int, name: str, grouped: bool = True) -> Step:
     """``ep`` > 1: expert parallelism over ``ep`` ranks, then ``which``'s fully_shard of
     every block (experts on efsdp, the rest on dp_shard) and of the root. ``ep`` 1: every
-    parameter of a block on dp_shard."""
+    parameter of a block on dp_shard. ``grouped``: the routed experts as grouped GEMMs
+    (False: one after another)."""
     world = dist.get_world_size()
     if world % ep:
         raise ValueError(f"moe suite: --nproc ({world}) must be a multiple of ep={ep}")
@@ -153,6 +167,7 @@ def _moe_step(cfg: BenchConfig, which: str, ep: int, name: str) -> Step:
     experts = layout.expert_mesh("cpu")  # (efsdp, ep); None for ep 1
     torch.manual_seed(0)
     model = GPT(moe_config(cfg))
+    set_grouped_mm(model, grouped)
     if experts is not None:
         expert_parallel(model, experts[EP], load_balance_mesh=dp)
     else:
@@ -186,8 +201,18 @@ def _modes() -> list[Mode]:
                 all_to_all_formula=formula,
             )
         )
+        modes.append(
+            Mode(
+                f"{name}_loop",
+                partial(_moe_step, which="plait", ep=ep, name=f"{name}_loop", grouped=False),
+                torch_counterpart=name,  # the ratio column: loop over grouped
+                all_to_all_formula=formula,
+            )
+        )
     return modes
 
 
 MOE_MODES: dict[str, Mode] = {m.name: m for m in _modes()}
-MOE_SUITE = list(MOE_MODES)
+MOE_SUITE = [name for name in MOE_MODES if not name.endswith("_loop")]
+#: Grouped GEMM beside the loop, plait's fully_shard, with and without expert parallelism.
+MOE_GROUPED_SUITE = ["moe_ep_fsdp", "moe_ep_fsdp_loop", "moe_fsdp", "moe_fsdp_loop"]

@@ -2,7 +2,8 @@
 sharded over an ``ep`` mesh with all-to-all token dispatch.
 
 Layers, each importing only those before it: counts (row counts read on the host, or
-balanced in shape-only runs), router (top-k choice), swiglu (the experts),
+balanced in shape-only runs), router (top-k choice), grouped (grouped GEMMs: when
+torch can run them, and the experts as three of them) <- swiglu (the experts),
 balance (load statistics and losses over the global batch), rows (routed rows split over
 tensor-parallel ranks), all_to_all (stateless collectives) <- dispatch (rows to their
 experts and back) <- moe (the ``MoE`` layer)
@@ -22,6 +23,7 @@ Applying it::
 """
 
 from plait.experts.all_to_all import all_to_all
+from plait.experts.grouped import grouped_mm_supported
 from plait.experts.moe import (
     AuxLossType,
     MoE,
@@ -37,7 +39,7 @@ from plait.experts.parallel import (
     shard_experts,
 )
 from plait.experts.router import Routing, TopKRouter
-from plait.experts.swiglu import GroupedExperts, SwiGLU
+from plait.experts.swiglu import GroupedExperts, SwiGLU, set_grouped_mm
 
 __all__ = [
     "AuxLossType",
@@ -51,6 +53,8 @@ __all__ = [
     "all_to_all",
     "expert_load",
     "expert_parallel",
+    "grouped_mm_supported",
+    "set_grouped_mm",
     "set_load_balance_mesh",
     "shard_experts",
     "split_routed_rows",

@@ -83,6 +83,8 @@ class MoE(nn.Module):
         z_loss_coeff: weight of the router z-loss; 0 turns it off.
         bias_update_speed: the auxiliary-loss-free bias's step (DeepSeek-V3's gamma,
             e.g. 1e-3); ``None`` for no bias.
+        grouped_mm: run the routed experts as grouped GEMMs where torch can (``False``:
+            always one after another); see ``GroupedExperts``.
     """
 
     tokens_per_expert: torch.Tensor
@@ -103,6 +105,7 @@ class MoE(nn.Module):
         aux_loss_type: AuxLossType = "global",
         z_loss_coeff: float = 0.0,
         bias_update_speed: float | None = None,
+        grouped_mm: bool = True,
     ) -> None:
         super().__init__()
         self.router = TopKRouter(
@@ -113,7 +116,7 @@ class MoE(nn.Module):
             route_norm=route_norm,
             route_scale=route_scale,
         )
-        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.experts = GroupedExperts(dim, hidden, num_experts, grouped_mm=grouped_mm)
         self.shared_experts = (
             SwiGLU(dim, hidden * num_shared_experts) if num_shared_experts > 0 else None
         )

@@ -9,6 +9,9 @@ shards (``Shard(0)``: each ep rank holds ``E / ep`` whole experts)::
 Tokens go in and out in ``x @ w`` orientation (no transposes). torchtitan's current
 ``GroupedExperts`` stores the transpose of each matrix (``nn.Linear``'s ``(out, in)``, for
 checkpoint conversion); the expert dimension, and so the sharding, is the same.
+
+The experts run as grouped GEMMs (``plait.experts.grouped``) where torch can, else one
+after another; :func:`set_grouped_mm` chooses for every ``GroupedExperts`` of a model.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.experts.counts import host_counts
+from plait.experts.grouped import grouped_mm_supported, grouped_swiglu
 
-__all__ = ["GroupedExperts", "SwiGLU"]
+__all__ = ["GroupedExperts", "SwiGLU", "set_grouped_mm"]
 
 
 class SwiGLU(nn.Module):
@@ -42,7 +46,8 @@ class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts with stacked weights, run on expert-sorted rows.
 
     ``forward(x, counts)``: ``x`` ``(n, dim)`` holds rows grouped by expert in expert order
-    (``counts[e]`` rows for expert ``e``, ``counts.sum() == n``); returns ``(n, dim)``, row
+    (``counts[e]`` rows for expert ``e``, ``counts.sum() == n``, which the grouped path
+    trusts without reading the counts); returns ``(n, dim)``, row
     ``i`` the output of its expert. An expert with no rows is run on an empty block, so the
     autograd graph (and what activation checkpointing saves) has the same shape on every
     rank whatever the routing.
@@ -51,14 +56,27 @@ class GroupedExperts(nn.Module):
     this rank's experts on their local tensors and ``counts`` has one entry per local
     expert (``plait.experts.ExpertParallel`` dispatches the rows and the counts).
 
-    The experts run one after another (a loop of plain matmuls): exact, and each expert's
-    result does not depend on how many other experts a rank holds. A grouped GEMM is the
-    fast path on accelerators; it changes nothing else here.
+    How the experts run (``grouped_mm``, default True; :func:`set_grouped_mm` sets it on a
+    whole model): as three ``torch._grouped_mm`` calls, one per stacked matrix (six in
+    backward), wherever ``plait.experts.grouped.grouped_mm_supported`` allows it: on CPU
+    for float32 / bfloat16 / float16 rows whose widths (``dim``, ``hidden``) are multiples
+    of 16 bytes, on CUDA for bfloat16 on compute capability 9.x / 10.x (H100, B200), and
+    in traced runs (``torch.compile``, fake tensors) for bfloat16. The offsets stay on the
+    device: no host sync. Everywhere else, and with ``grouped_mm=False``, the experts run
+    one after another (a loop of plain matmuls over ``x.split(counts)``, one device-to-host
+    read of the counts). On CPU the grouped GEMMs are bitwise the loop's matmuls (torch
+    multiplies each expert's block with the same ``mm``), and the whole SwiGLU is bitwise
+    the loop's where ``hidden`` is a multiple of 32 floats, else equal to an ulp of
+    ``silu`` (``plait.experts.grouped`` says why); CUDA's fused kernel rounds like any
+    other GEMM kernel. In the loop an expert's result does not depend, to the bit, on how
+    many other experts a rank holds; grouped, to that rounding.
     """
 
-    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+    def __init__(self, dim: int, hidden: int, num_experts: int, *, grouped_mm: bool = True) -> None:
         super().__init__()
         self.num_experts = num_experts
+        #: Run the experts as grouped GEMMs where torch can (False: always the loop).
+        self.grouped_mm = grouped_mm
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
@@ -78,6 +96,8 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts: counts has shape {tuple(counts.shape)} but this rank holds "
                 f"{w1.shape[0]} experts: pass one row count per (local) expert"
             )
+        if self.grouped_mm and grouped_mm_supported(x, (w1, w2, w3)):
+            return grouped_swiglu(x, counts, w1, w2, w3)  # (n, dim)
         # One device-to-host sync: dropless routing makes block sizes data-dependent.
         blocks = x.split(host_counts(counts, x.shape[0]))  # E_local x (n_e, dim)
         outs = [
@@ -85,6 +105,15 @@ class GroupedExperts(nn.Module):
             for rows, a, b, c in zip(blocks, w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True)
         ]
         return torch.cat(outs)  # (n, dim)
+
+
+def set_grouped_mm(module: nn.Module, enabled: bool) -> None:
+    """Set ``grouped_mm`` on every :class:`GroupedExperts` in ``module`` (itself included):
+    ``True`` runs the experts as grouped GEMMs where torch can, ``False`` always as a loop.
+    Benchmarks compare the two; both train alike."""
+    for m in module.modules():
+        if isinstance(m, GroupedExperts):
+            m.grouped_mm = enabled
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
