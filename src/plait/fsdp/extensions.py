@@ -155,7 +155,9 @@ class GatherExtension:
             tensor, inner = local.fsdp_post_all_gather(gathered, self.metadata, p.param_dtype)
             self.inner = tuple(inner)
             view = torch.as_strided(tensor, p.shape, contiguous_strides(p.shape), 0)
-            p.unsharded = nn.Parameter(view, requires_grad=p.sharded.requires_grad)
+            # Wrapped as without extensions: a tensor-parallel parameter's unsharded tensor
+            # is a DTensor on its tp mesh (what the tp styles' layers expect).
+            p.unsharded = p.new_unsharded(view)
         self.metadata = None
         return p.unsharded
 

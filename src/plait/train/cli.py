@@ -161,6 +161,18 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         ("cpu_offload", "keep fully_shard's parameter shards in host memory"),
         ("reshard_after_forward", "free each block's gathered parameters after forward"),
     ],
+    "speed": [
+        (
+            "compile",
+            "torch.compile each transformer block (inductor); graphs and recompiles are "
+            "counted in metrics.jsonl",
+        ),
+        (
+            "float8",
+            "train the blocks' linears in float8 (torchao; emulated on CPU), all-gathering "
+            "float8 weights under fully_shard (needs the float8 extra)",
+        ),
+    ],
     "run directory, validation and checkpoints": [
         ("run_dir", "where metrics, checkpoints and plots go (default: runs/<time>)"),
         ("eval_every", "validate every N steps (0: first and last only)"),

@@ -116,6 +116,9 @@ class TrainConfig:
     mp: str = "fp32"
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+    # speed (plait.train.compiled, plait.train.float8)
+    compile: bool = False  # torch.compile each block (torchtitan's way)
+    float8: bool = False  # torchao float8 linears (emulated on CPU), float8 all-gather
     # run directory, evaluation and checkpoints
     run_dir: str = ""  # auto: runs/<date>-<time>
     eval_every: int = 50  # 0: only before the first and after the last step

@@ -18,6 +18,7 @@ import torch
 
 from plait import layout as rules
 from plait.pipeline import SCHEDULES
+from plait.train import float8
 from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag
 from plait.train.llama import LlamaConfig, LlamaConfigError
 from plait.train.model import GPTConfig
@@ -171,6 +172,7 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         device=device, nproc=world.size, model_hash=digest, **dataclasses.asdict(layout)
     )
     _check_features(cfg)
+    float8.check(cfg, shape.d_model)
     return cfg
 
 
@@ -320,6 +322,13 @@ def _check_features(cfg: TrainConfig) -> None:
             f"--aux-loss-type sequence balances each whole sequence, but --cp {cfg.cp} splits "
             "every sequence over ranks: use --aux-loss-type global (over the global batch), "
             "or --aux-loss-coeff 0"
+        )
+    if cfg.compile and cfg.ac == "selective":
+        raise ConfigError(
+            "--compile with --ac selective: selective checkpointing picks the matmul "
+            "outputs to keep through a torch dispatch mode, which torch.compile cannot "
+            "trace; use --ac full (recomputes the compiled block) or --ac none, or drop "
+            "--compile"
         )
     if cfg.cpu_offload and cfg.dp_shard * cfg.cp == 1:
         raise ConfigError(

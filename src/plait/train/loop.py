@@ -30,9 +30,11 @@ from plait.train.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
+from plait.train.compiled import CompileCounters
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.data import TokenData, load_data, record_fingerprint
 from plait.train.faults import FaultInjector
+from plait.train.float8 import after_step as float8_scales
 from plait.train.flops import flops_per_token, mfu, total_peak
 from plait.train.hf import check_init_from, load_hf_checkpoint, parameter_shapes
 from plait.train.layout import llama_config, model_config_bytes, tokenizer_vocab
@@ -183,6 +185,7 @@ class Trainable:
             duplicates = self.tied.duplicates()
         norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group, duplicates)
         self.optimizer.step()
+        float8_scales(self.modules, self.cfg)  # --float8 weights: scales for the next gather
         self.optimizer.zero_grad(set_to_none=True)
         if self.moe_shape is not None:
             self.expert_load = self._gather_expert_load(self.moe_shape)
@@ -393,6 +396,12 @@ class _Reporter:
         print(f"sample from it: plait sample --run-dir {run_dir}", flush=True)
 
 
+def _compile_record(before: CompileCounters) -> dict[str, int]:
+    """What dynamo did since ``before``, for a step's metrics record."""
+    done = CompileCounters.read().since(before)
+    return {"compiled_graphs": done.graphs, "graph_breaks": done.graph_breaks}
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Train to step ``cfg.steps`` (from the latest intact checkpoint with ``cfg.resume``),
     or only to ``cfg.stop_after`` (then checkpoint and stop; the schedules still span
@@ -413,9 +422,13 @@ def train(cfg: TrainConfig) -> TrainResult:
         validate(0)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     for step in range(start + 1, last + 1):
+        compiled = CompileCounters.read() if cfg.compile else None
         began = time.perf_counter()
         loss, norm = session.train_step(step - 1)
         elapsed = time.perf_counter() - began
+        # With --compile: the graphs this step compiled (recompiles included) and its graph
+        # breaks; after the first step both stay 0 (tests/test_train_compile.py).
+        compile_record = {} if compiled is None else _compile_record(compiled)
         result.losses.append(loss)
         report.step(
             {
@@ -427,6 +440,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 "tokens_per_s": tokens_per_step / elapsed,
                 "tokens": tokens_per_step * step,
                 **session.expert_record(),
+                **compile_record,
             }
         )
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):

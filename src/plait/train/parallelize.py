@@ -3,6 +3,9 @@
 1. **Pipeline split** (``--pp``): this rank keeps its stages of the model, each a copy of
    the model without the other stages' blocks, embeddings or head
    (:func:`plait.pipeline.split_model`); parameter names stay those of the whole model.
+   With ``--float8`` its blocks' linears then become torchao's float8 linears
+   (:mod:`plait.train.float8`), before what follows wraps or shards them: ``fully_shard``
+   must shard the float8 weight subclass to all-gather in float8.
 2. **Tensor parallelism** (``--tp``) over the ``tp`` mesh dimension, torch's own
    ``torch.distributed.tensor.parallel`` with the plan below (:func:`tensor_parallel_plan`):
    parameters become DTensors on the tp mesh, and the loss runs under ``loss_parallel``
@@ -21,9 +24,13 @@
    ``(efsdp, ep)``: :meth:`plait.layout.Layout.expert_mesh`), tokens sent to them by
    all-to-all (:func:`plait.experts.expert_parallel`). Every MoE balances its load over
    the data-parallel (and context-parallel) ranks, which hold different tokens.
-5. **Activation checkpointing** (``--ac``) per block: ``full`` recomputes a block in
-   backward, ``selective`` keeps its matmul outputs and recomputes the rest, ``offload``
-   parks what backward needs in host memory.
+5. **Compilation** (``--compile``): each block's forward compiled in place
+   (:mod:`plait.train.compiled`), after the steps that decide what a block computes (its
+   tensor-parallel pieces, its context-parallel attention, its experts' dispatch) and
+   before the ones that only hook around it (checkpointing, fully_shard), whose hooks so
+   stay eager, outside the graphs. Then **activation checkpointing** (``--ac``) per
+   block: ``full`` recomputes a block in backward, ``selective`` keeps its matmul outputs
+   and recomputes the rest, ``offload`` parks what backward needs in host memory.
 6. **Data parallelism** per block, then the stage's root: ``fully_shard`` over the
    ``dp_shard`` mesh dimension (with ``--cp``, over ``dp_shard x cp``: each cp rank's
    gradients cover its own tokens), or over the 2-D ``(dp_replicate, dp_shard)`` mesh
@@ -114,7 +121,9 @@ from plait.mesh import mesh_coordinate
 from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_rank
 from plait.replicate import replicate
 from plait.train.checkpointing import save_as
+from plait.train.compiled import compile_blocks
 from plait.train.config import TrainConfig
+from plait.train.float8 import convert as float8_linears
 from plait.train.llama import Llama, LlamaBlock
 from plait.train.model import GPT, Block
 
@@ -136,7 +145,13 @@ __all__ = [
 
 #: ``--ac selective`` keeps the outputs of these (the matmuls) and recomputes the rest.
 SELECTIVE_OPS = frozenset(
-    {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_mm.default,  # --float8's matmuls on CUDA
+        torch.ops.aten._grouped_mm.default,  # the experts' GEMMs (plait.experts.grouped)
+    }
 )
 
 
@@ -374,7 +389,11 @@ def _shard(module: Model, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMes
 def _context_parallel(module: Model, cfg: TrainConfig, mesh: DeviceMesh) -> None:
     """Every attention of ``module`` over the whole sequence from this rank's tokens, and
     the position embedding at their global positions (recipe step 3)."""
-    apply_context_parallel(module, mesh[CP], method=cast(Method, cfg.cp_method))
+    # On each attention, not the whole model: the mode then intercepts only the calls
+    # that run SDPA, and nothing else of a block (its norms, its MLP) carries the mode's
+    # hooks, so --compile can compile those parts whole.
+    for block in _blocks(module):
+        apply_context_parallel(block.attn, mesh[CP], method=cast(Method, cfg.cp_method))
     module.positions = sequence_positions(cfg.seq_len, mesh[CP], device=cfg.device)
 
 
@@ -393,6 +412,7 @@ def parallelize(
     stages = _split(model, cfg, mesh_coordinate(mesh, PP))  # 1. pipeline split
     inner = shard if shard is not None else mesh
     for stage in stages:
+        float8_linears(_blocks(stage.module), cfg)  # --float8: the blocks' linears
         if cfg.tp > 1:  # 2. tensor parallelism
             assert inner is not None
             plan = tensor_parallel_plan(stage.module, cfg.sequence_parallel)
@@ -406,6 +426,8 @@ def parallelize(
             _context_parallel(stage.module, cfg, mesh)
         if has_experts:  # 4. expert parallelism, load balancing over the dp ranks
             _moe(stage.module, cfg, mesh, experts)
+        if cfg.compile:  # each block's forward compiled; the APIs' hooks stay around it
+            compile_blocks(_blocks(stage.module), context_parallel=cfg.cp > 1)
         _checkpoint(stage.module, cfg.ac)  # 5. activation checkpointing per block
         if cfg.dp_shard * cfg.cp > 1:  # 6. data parallelism per block, then the root
             assert inner is not None
