@@ -1,0 +1,72 @@
+"""``benchmarks.gpu_check``, the one command a session with a GPU runs, works before any GPU
+does: its CPU smoke run gives every row of the table, with numbers, and its list of
+CUDA-only tests names tests that exist.
+
+The smoke run is the whole command at its tiniest (tiny-llama, 32 tokens x 2 sequences,
+one timed step, the ``aot_eager`` backend: dynamo's capture without inductor's C++ build)
+in one subprocess, every part in that process (``--in-process``): one torch import. Its
+timings are noise on a shared CPU and are not checked, only that they exist.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.gpu_check import CUDA_TESTS, missing_test_ids
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: (model, implementation, mode) of every row the CPU smoke run must give.
+ROWS = {
+    ("tiny-llama", "plait fully_shard", "eager"),
+    ("tiny-llama", "torch fully_shard", "eager"),
+    ("tiny-llama", "plait train", "eager"),
+    ("tiny-llama", "plait fully_shard", "compile"),
+    ("tiny-llama", "torch fully_shard", "compile"),
+    ("tiny-llama", "plait train", "compile"),
+    ("GPT MoE 4x top-2 (d 64, 2 layers)", "plait train", "eager"),
+    ("GPT MoE 4x top-2 (d 64, 2 layers)", "plait fully_shard", "eager"),
+    ("GPT MoE 4x top-2 (d 64, 2 layers)", "torch fully_shard", "eager"),
+}
+
+
+def test_listed_cuda_tests_exist() -> None:
+    assert len(CUDA_TESTS) >= 5
+    assert missing_test_ids() == []
+
+
+def _table(report: str) -> dict[tuple[str, str, str], list[str]]:
+    """The report's table rows by (model, implementation, mode): their cells."""
+    rows = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 10 and cells[0] not in ("model", "---"):
+            rows[(cells[0], cells[1], cells[2])] = cells
+    return rows
+
+
+def test_cpu_smoke_gives_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.md"
+    args = "--device cpu --in-process --model tiny-llama --seq-len 32 --batch 2 --warmup 1 "
+    args += "--steps 1 --repeats 1 --train-steps 2 --backend aot_eager --mp bf16"
+    command = [sys.executable, "-m", "benchmarks.gpu_check", *args.split(), "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = out.read_text()
+    assert report in done.stdout  # printed, and written for pasting
+    assert "torch 2." in report and "CUDA-only tests: skipped (no CUDA device here" in report
+    rows = _table(report)
+    assert set(rows) == ROWS, report
+    for key, cells in rows.items():
+        tokens_per_s = float(cells[4].replace(",", ""))
+        assert tokens_per_s > 0 and cells[5].endswith("%"), (key, cells)
+        assert "FAILED" not in cells[9], (key, cells)
+    # Same weights, same batches: plait's fully_shard and torch's train alike.
+    for model, _, mode in ROWS:
+        ours = rows.get((model, "plait fully_shard", mode))
+        if ours is not None:
+            assert ours[8] == rows[(model, "torch fully_shard", mode)][8], report
+    assert re.search(r"Not run \(they need two or more GPUs\)", report)
