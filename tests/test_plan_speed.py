@@ -209,14 +209,6 @@ def cold_10240() -> dict[str, object]:
     return result
 
 
-def test_cold_10240_gpu_search_is_under_two_cpu_seconds(cold_10240: dict[str, object]) -> None:
-    # CPU time of plan() alone (not the imports), so other load on the machine counts
-    # little; measured about 1.0-1.1 s on this 2-core machine, loaded.
-    seconds = cold_10240["seconds"]
-    assert isinstance(seconds, float)
-    assert seconds < 2.0, f"the cold 10,240-GPU search took {seconds:.2f} s of CPU"
-
-
 def test_cold_10240_gpu_search_finds_the_recorded_layouts(cold_10240: dict[str, object]) -> None:
     got = {key: cold_10240[key] for key in RECORDED_10240}
     assert got == RECORDED_10240
