@@ -25,7 +25,9 @@ step, never a silent slowdown):
   data-parallel ranks live there; the experts themselves are one grouped GEMM).
 
 :class:`CompileCounters` reads dynamo's counters so a run can show that compilation stops
-after the first step (every later step reuses the graphs: no recompiles, no graph breaks).
+after the first step (every later step reuses the graphs: no recompiles, no graph breaks),
+with one known exception: the first batch whose rows pack several documents compiles a
+second variant of each attention (masked instead of plainly causal), kept beside the first.
 """
 
 from __future__ import annotations
