@@ -25,9 +25,10 @@ step, never a silent slowdown):
   data-parallel ranks live there; the experts themselves are one grouped GEMM).
 
 :class:`CompileCounters` reads dynamo's counters so a run can show that compilation stops
-after the first step (every later step reuses the graphs: no recompiles, no graph breaks),
-with one known exception: the first batch whose rows pack several documents compiles a
-second variant of each attention (masked instead of plainly causal), kept beside the first.
+after the first step (every later step reuses the graphs: no recompiles, no graph breaks).
+Attention takes the same variant on every batch for that: under ``--compile`` each batch
+carries its documents (``plait.train.step.step_batch``), so attention is masked by
+document even where a batch packs one document per row.
 """
 
 from __future__ import annotations

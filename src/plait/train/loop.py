@@ -427,8 +427,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         loss, norm = session.train_step(step - 1)
         elapsed = time.perf_counter() - began
         # With --compile: the graphs this step compiled (recompiles included) and its graph
-        # breaks; after the first step both stay 0 (tests/test_train_compile.py), but for
-        # the first batch of packed documents (a masked attention: a second graph variant).
+        # breaks; after the first step both stay 0 (tests/test_train_compile.py).
         compile_record = {} if compiled is None else _compile_record(compiled)
         result.losses.append(loss)
         report.step(

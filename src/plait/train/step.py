@@ -117,7 +117,11 @@ def step_batch(
     (every rank calls this: a collective when there are several)."""
     docs: torch.Tensor | None = None
     positions: torch.Tensor | None = None
-    if _several_documents(documents):  # else the models keep plain causal attention
+    # Rows of one document each keep plain causal attention, unless --compile: there the
+    # attention stays masked by document on every batch (one graph variant for the whole
+    # run, as block-causal attention in torchtitan), so that the first batch of packed
+    # documents compiles nothing new. Under --cp attention is not compiled.
+    if _several_documents(documents) or (cfg.compile and cfg.cp == 1):
         docs, positions = documents, document_positions(documents)
     if cfg.cp > 1:  # this rank's tokens of every row (the model knows their places)
         assert mesh is not None
