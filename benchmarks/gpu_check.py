@@ -230,7 +230,7 @@ def train_config(cfg: CheckConfig, kind: str, **changes: Any) -> Any:
     """``plait train``'s resolved configuration for ``kind`` ("llama": ``--model``; "moe":
     the GPT with 4 experts, top-2), one process, evaluation and checkpoint only at the end."""
     from plait.train.config import TrainConfig
-    from plait.train.layout import resolve
+    from plait.train.resolve import resolve
 
     if kind == "llama":
         model: dict[str, Any] = {"model_config": cfg.model}

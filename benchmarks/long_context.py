@@ -74,9 +74,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from benchmarks.comm_bytes import count_comm_bytes
 from plait.context import shard_sequence
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
 from plait.train.loop import Trainable, model_config
 from plait.train.model import GPT
+from plait.train.resolve import resolve
 
 METHODS = ("allgather", "ring", "alltoall", "torch")
 MiB = 2**20

@@ -42,8 +42,8 @@ from plait.plan.models import gpt, param_counts
 from plait.plan.spec import DeviceSpec
 from plait.plan.train_plan import plan_of_config
 from plait.train.cli import build_config
-from plait.train.layout import resolve
 from plait.train.metrics import read_metrics
+from plait.train.resolve import resolve
 from plait.train.worker import threads_per_worker
 
 MODEL = ["--n-layer", "4", "--d-model", "256", "--n-head", "4", "--seq-len", "128"]

@@ -1,7 +1,7 @@
 """Record the collectives a block of code issues, by patching ``torch.distributed``.
 
-plait looks collectives up on ``torch.distributed`` at call time (DESIGN.md), so replacing
-the attribute sees every call.
+plait looks collectives up on ``torch.distributed`` at call time (docs/architecture.md),
+so replacing the attribute sees every call.
 """
 
 from __future__ import annotations

@@ -739,8 +739,9 @@ def test_recompute_mismatch_raises_checkpoint_error(variant: str, message: str) 
 
 
 def test_checkpoint_error_is_caught_as_torchs_base_class() -> None:
-    """plait imports nothing from torch.utils.checkpoint (DESIGN.md), so its error is not a
-    subclass of torch's; both are RuntimeErrors, which is what portable handlers catch."""
+    """plait imports nothing from torch.utils.checkpoint (docs/architecture.md), so its
+    error is not a subclass of torch's; both are RuntimeErrors, which is what portable
+    handlers catch."""
     import plait
 
     assert issubclass(torch_checkpoint.CheckpointError, RuntimeError)

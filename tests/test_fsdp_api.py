@@ -38,7 +38,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 # --- the layering of plait/fsdp ------------------------------------------------------------
 
 # Each file may import only the files listed for it (within plait.fsdp): the DAG of
-# DESIGN.md, collectives <- param <- (settings) <- group <- state <- module <- init <-
+# docs/architecture.md, collectives <- param <- (settings) <- group <- state <- module <- init <-
 # fully_shard (the entry points; api re-exports them), with state_dict / clip / memory
 # beside, above state; replicate's unit (replica beside group, replica_state beside state).
 _ALLOWED = {

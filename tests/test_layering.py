@@ -1,4 +1,4 @@
-"""plait's imports run one way (DESIGN.md, Architecture): core <- APIs <- train <- plan <- cli.
+"""plait's imports run one way (docs/architecture.md): core <- APIs <- train <- plan <- cli.
 
 The source is read, not run, so every import counts wherever it stands: at module level,
 inside a function, under ``if TYPE_CHECKING:``, relative, or through
@@ -18,7 +18,7 @@ ROOT = "plait"  # the unit of src/plait/__init__.py, the package's public face
 
 CORE, APIS, TRAIN, PLAN, COMMAND = range(5)
 #: Every unit's layer. A new module or package of src/plait takes its place here (and in
-#: DESIGN.md's map).
+#: docs/architecture.md's map).
 LAYERS = {
     # core: what every API builds on; imports torch only
     "contract": CORE,
@@ -140,7 +140,7 @@ def cycle(src: Path) -> list[str]:
 
 def test_every_unit_has_a_layer() -> None:
     units = {unit_of_file(path, SRC) for path in SRC.rglob("*.py")}
-    assert units - set(LAYERS) == set(), "place the new unit in LAYERS (and DESIGN.md)"
+    assert units - set(LAYERS) == set(), "place the new unit in LAYERS (and docs/architecture.md)"
 
 
 def test_imports_point_down_the_layers() -> None:

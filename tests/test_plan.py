@@ -236,7 +236,7 @@ def test_command_table_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plan_of_a_train_configuration() -> None:
     from plait.plan.train_plan import plan_of_config, plan_summary
     from plait.train.config import TrainConfig
-    from plait.train.layout import resolve
+    from plait.train.resolve import resolve
 
     cfg = resolve(TrainConfig(nproc=4, pp=2, device="cpu", microbatches=4))
     c = plan_of_config(cfg)

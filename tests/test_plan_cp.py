@@ -26,7 +26,7 @@ from plait.plan.models import gpt
 from plait.plan.report import cp_per_step
 from plait.plan.train_plan import config_of_layout, plan_of_config, plan_summary
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
+from plait.train.resolve import resolve
 
 from harness import run_on_ranks
 

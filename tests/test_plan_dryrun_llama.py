@@ -16,7 +16,7 @@ from plait.plan.dryrun import dry_run
 from plait.plan.models import from_hf_config, param_counts
 from plait.plan.train_plan import plan_of_config
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
+from plait.train.resolve import resolve
 
 #: A small Llama: grouped-query attention (8 heads, 2 KV heads), a 32,000-token vocabulary
 #: (the loss's full-vocabulary tensors are a visible part), untied head.

@@ -23,7 +23,7 @@ from plait.plan.dryrun import dry_run, step_memory
 from plait.plan.live import LiveTensors
 from plait.plan.train_plan import plan_of_config
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
+from plait.train.resolve import resolve
 
 from harness import run_on_ranks
 

@@ -37,8 +37,8 @@ from plait.plan.schedule import layout_shape
 from plait.plan.shards import rank_params
 from plait.plan.train_plan import model_of_config, plan_of_config, plan_summary
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
 from plait.train.model import GPT, GPTConfig
+from plait.train.resolve import resolve
 
 from harness import run_on_ranks
 

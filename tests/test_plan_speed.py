@@ -24,7 +24,8 @@ from plait.pipeline.simulate import peak_live
 from plait.plan import Workload, device, plan, preset
 from plait.plan import schedule as schedule_module
 from plait.plan import search as search_module
-from plait.plan.search import Candidate, _ep_options, _Pinned, _with, describe
+from plait.plan.pinned import Pinned as _Pinned
+from plait.plan.search import Candidate, _ep_options, _with, describe
 
 H100 = device("h100")
 PEAKS = tuple[tuple[int, ...], int, tuple[int, ...]]

@@ -21,10 +21,10 @@ from plait.train import checkpointing
 from plait.train.checkpointing import latest_checkpoint, list_checkpoints
 from plait.train.cli import build_config, main
 from plait.train.config import ConfigError, TrainConfig, load_toml
-from plait.train.layout import resolve
 from plait.train.loop import TrainResult, train
 from plait.train.manifest import write_manifest
 from plait.train.metrics import read_metrics
+from plait.train.resolve import resolve
 
 from harness import run_on_ranks
 from train_helpers import TINY, forbid_launch, run_train

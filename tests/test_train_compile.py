@@ -25,9 +25,9 @@ import torch
 
 from plait.train.compiled import CompileCounters, compiled_parts
 from plait.train.config import ConfigError
-from plait.train.layout import resolve
 from plait.train.loop import TrainResult, build_model
 from plait.train.metrics import read_metrics
+from plait.train.resolve import resolve
 
 from harness import run_on_ranks
 from train_helpers import TINY, assert_losses_close, run_train, train_on_rank

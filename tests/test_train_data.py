@@ -30,7 +30,7 @@ from plait.train.data import (
     load_data,
     record_fingerprint,
 )
-from plait.train.layout import resolve
+from plait.train.resolve import resolve
 from plait.train.tokenizer import (
     CHATML_TEMPLATE,
     ENDOFTEXT,

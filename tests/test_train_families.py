@@ -20,11 +20,11 @@ import torch
 
 from plait.train.checkpointing import check_settings, list_checkpoints
 from plait.train.config import ConfigError
-from plait.train.layout import resolve
 from plait.train.llama import FAMILIES, Llama, LlamaConfig, LlamaConfigError
 from plait.train.loop import model_settings
 from plait.train.metrics import read_metrics
 from plait.train.presets import PRESETS, RUN_FILE, config_bytes
+from plait.train.resolve import resolve
 
 from harness import run_on_ranks
 from train_helpers import TINY, assert_losses_close, run_train, train_on_rank

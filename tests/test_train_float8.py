@@ -30,9 +30,9 @@ from plait.train import parallelize as recipe
 from plait.train.checkpointing import latest_checkpoint, load_weights
 from plait.train.cli import main
 from plait.train.config import ConfigError, TrainConfig
-from plait.train.layout import resolve
 from plait.train.loop import Trainable, TrainResult, build_model
 from plait.train.parallelize import build_mesh
+from plait.train.resolve import resolve
 
 from collective_spy import spy_collectives
 from harness import run_on_ranks

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from plait.train.config import ConfigError
+from plait.train.export import export_run
 from plait.train.hf import (
     LLAMA_RULES,
     MIXTRAL_RULES,
     HFCheckpointError,
     check_init_from,
-    export_run,
     export_state,
     hf_source,
     load_hf_checkpoint,
@@ -257,8 +257,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 
 def test_init_from_loads_the_weights(hf_dir: Path, tmp_path: Path) -> None:
     """A session started --init-from holds the checkpoint's weights, not random ones."""
-    from plait.train.layout import resolve
     from plait.train.loop import _Session
+    from plait.train.resolve import resolve
 
     cfg = resolve(_train_cfg(hf_dir).replace(run_dir=str(tmp_path)), 1)
     session = _Session(cfg)

@@ -15,10 +15,10 @@ import torch
 
 from plait.train.checkpointing import check_settings, list_checkpoints
 from plait.train.config import ConfigError
-from plait.train.hf import export_run
-from plait.train.layout import resolve
+from plait.train.export import export_run
 from plait.train.llama import Llama, LlamaConfig, LlamaConfigError, rope_inv_freq
 from plait.train.loop import model_settings
+from plait.train.resolve import resolve
 
 from harness import run_on_ranks
 from train_helpers import TINY, assert_losses_close, run_train, train_on_rank

@@ -24,12 +24,12 @@ from plait.train import flops
 from plait.train.cli import main
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.flops import cuda_peak, flops_per_token
-from plait.train.layout import resolve
 from plait.train.loggers import check_logging, require
 from plait.train.loop import build_model, model_flops_per_token
 from plait.train.metrics import read_metrics
 from plait.train.model import GPT, GPTConfig
 from plait.train.progress import Progress
+from plait.train.resolve import resolve
 
 from train_helpers import TINY, forbid_launch, run_train
 

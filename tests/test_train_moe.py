@@ -229,10 +229,10 @@ def test_fewer_experts_than_shard_ranks_shard_another_dim(ep: int, tmp_path: Pat
 
 
 def _describe_on_rank(cfg: TrainConfig) -> dict[str, Any]:
-    from plait.train.layout import resolve
     from plait.train.loop import Trainable, model_config
     from plait.train.model import GPT
     from plait.train.parallelize import build_mesh
+    from plait.train.resolve import resolve
 
     cfg = resolve(cfg, dist.get_world_size())
     parts = Trainable(GPT(model_config(cfg)), cfg, build_mesh(cfg))

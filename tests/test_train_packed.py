@@ -27,11 +27,11 @@ from torch.distributed.tensor import DTensor
 from plait.layout import DP_REPLICATE, DP_SHARD
 from plait.mesh import mesh_coordinate
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
 from plait.train.llama import Llama, LlamaConfig
 from plait.train.loop import Trainable, build_model
 from plait.train.model import GPT, IGNORE, GPTConfig, document_positions, token_loss
 from plait.train.parallelize import build_mesh
+from plait.train.resolve import resolve
 from plait.train.step import global_loss, step_batch
 
 from harness import run_on_ranks

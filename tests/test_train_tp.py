@@ -25,11 +25,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from plait.train.cli import main
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
 from plait.train.loop import TrainResult, model_config
 from plait.train.metrics import read_metrics
 from plait.train.model import GPT
 from plait.train.parallelize import build_mesh, parallelize
+from plait.train.resolve import resolve
 from plait.train.sample import load_model
 
 from harness import run_on_ranks

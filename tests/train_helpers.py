@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from plait.train.config import TrainConfig
-from plait.train.layout import resolve
 from plait.train.loop import TrainResult, train
+from plait.train.resolve import resolve
 
 #: A few steps of a small model on CPU: no evaluation between the first and the last step,
 #: a checkpoint only at the end.

@@ -1,7 +1,7 @@
 """plait: composable parallelism for PyTorch.
 
 The public vocabulary follows torch's composable APIs, so code moves over by changing
-imports. See README.md for the tour and DESIGN.md (in the shared folder) for the layout.
+imports. See README.md for the tour and docs/architecture.md for the map.
 """
 
 from plait.checkpoint import (

@@ -101,9 +101,9 @@ from torch.utils._pytree import tree_map_only
 from plait.contract import contract, get_registry
 from plait.fsdp.collectives import Groups
 from plait.fsdp.fully_shard import attach_unit
-from plait.fsdp.init import check_policies, param_uid
+from plait.fsdp.init import check_policies, param_locations, param_uid
 from plait.fsdp.module import FSDPDeepcopyError, FSDPModule
-from plait.fsdp.param import Location, ParamPolicy
+from plait.fsdp.param import ParamPolicy
 from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from plait.fsdp.replica import ReplicaGroup, ReplicaParam
 from plait.fsdp.replica_state import ReplicateState
@@ -281,20 +281,6 @@ def _check_tensor_parallel(
         )
 
 
-def _collect(module: nn.Module, skip: set[int]) -> dict[nn.Parameter, list[Location]]:
-    """The unit's parameters (those not in ``skip``), with every place the module tree
-    refers to them from, in registration order."""
-    found: dict[nn.Parameter, list[Location]] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, param in sub._parameters.items():
-            if param is None or id(param) in skip:
-                continue
-            locations = found.setdefault(param, [])
-            if all(loc.module is not sub or loc.name != name for loc in locations):
-                locations.append(Location(sub, name, f"{prefix}.{name}" if prefix else name))
-    return found
-
-
 @contract(ReplicateState)
 def replicate(
     module: nn.Module,
@@ -363,7 +349,7 @@ def replicate(
     ]
     ignored.update(id(p) for sub in managed for p in sub.parameters())
     managed_buffers = {id(b) for sub in managed for b in sub.buffers()}
-    found = _collect(module, ignored)
+    found = param_locations([module], lambda _sub, _fqn, param: id(param) not in ignored)
     synced = [(locs[0].fqn, p) for p, locs in found.items()] + [
         (n, b) for n, b in module.named_buffers() if id(b) not in managed_buffers
     ]

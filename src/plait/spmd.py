@@ -294,7 +294,7 @@ def _exchange(prefix: str, mine: str, timeout: float) -> list[str]:
     Not a collective, so it works whatever state the process groups are in; raises
     :class:`_Missing` naming the ranks that did not publish within ``timeout`` seconds.
     """
-    store, world = _store(), dist.get_world_size()
+    store, world = default_store(), dist.get_world_size()
     keys = [f"{prefix}/{r}" for r in range(world)]
     store.set(keys[dist.get_rank()], mine)
     try:
@@ -304,7 +304,15 @@ def _exchange(prefix: str, mine: str, timeout: float) -> list[str]:
     return [store.get(key).decode() for key in keys]
 
 
-def _store() -> Store:
+def default_store() -> Store:
+    """The job's key-value store (the one ``init_process_group`` rendezvoused through).
+
+    plait talks through it where a collective cannot be trusted: divergence checks here,
+    schedule agreement and abort reasons in the pipeline. Looked up at call time, so it
+    follows the current default process group.
+    """
+    # torch exposes the default group's store only through this private accessor; one
+    # definition keeps that reach into c10d in one place.
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()

@@ -42,6 +42,7 @@ __all__ = [
     "collect_params",
     "data_parallel_mesh",
     "make_groups",
+    "param_locations",
     "param_uid",
     "shard_params",
 ]
@@ -205,24 +206,47 @@ def collect_params(
         if "replicate" in (get_registry(sub) or {})
         for p in sub.parameters()
     }
+
+    def keep(sub: nn.Module, fqn: str, param: nn.Parameter) -> bool:
+        if param in ignored or id(param) in replicated:
+            return False
+        owner = owned_by_inner.get(param)
+        if owner is not None:
+            if not any(sub is m for om in owner.modules for m in om.modules()):
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} is shared with another fully_shard "
+                    f"unit ({owner.name}); a parameter can belong to one unit only. "
+                    "Shard all its users as one unit: fully_shard([module_a, module_b])."
+                )
+            return False
+        _check_shardable(fqn, param, mesh)
+        return True
+
+    return param_locations(modules, keep)
+
+
+def param_locations(
+    modules: list[nn.Module], keep: Callable[[nn.Module, str, nn.Parameter], bool]
+) -> dict[nn.Parameter, list[Location]]:
+    """Every parameter of ``modules`` that ``keep`` accepts, with every place the module
+    trees refer to it from, in registration order.
+
+    ``keep(submodule, fqn, param)`` is asked once per reference (a shared parameter is
+    asked again from each place it is registered); it may raise to refuse the call. Both
+    ``fully_shard`` and ``replicate`` find their unit's parameters through this one walk,
+    so a shared or tied parameter is one entry with several locations under either API.
+    """
     found: dict[nn.Parameter, list[Location]] = {}
     for module in modules:
         for prefix, sub in module.named_modules(remove_duplicate=False):
             for name, param in sub._parameters.items():
-                if param is None or param in ignored or id(param) in replicated:
+                if param is None:
                     continue
                 fqn = f"{prefix}.{name}" if prefix else name
-                owner = owned_by_inner.get(param)
-                if owner is not None:
-                    if not any(sub is m for om in owner.modules for m in om.modules()):
-                        raise ValueError(
-                            f"fully_shard: parameter {fqn!r} is shared with another fully_shard "
-                            f"unit ({owner.name}); a parameter can belong to one unit only. "
-                            "Shard all its users as one unit: fully_shard([module_a, module_b])."
-                        )
+                if not keep(sub, fqn, param):
                     continue
-                _check_shardable(fqn, param, mesh)
                 locations = found.setdefault(param, [])
+                # A module registered under two names is walked twice: one location each.
                 if all(loc.module is not sub or loc.name != name for loc in locations):
                     locations.append(Location(sub, name, fqn))
     return found

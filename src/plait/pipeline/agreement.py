@@ -34,7 +34,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
 
 from plait import spmd
 from plait.pipeline.p2p import PipelineAbort, abort_reason, publish_abort
@@ -81,7 +80,7 @@ class Agreement:
         """Tell the other ranks, waiting in this agreement, that this rank's step failed
         with ``error`` (see the module docstring); never raises: the caller raises
         ``error``."""
-        store = _store()
+        store = spmd.default_store()
         try:
             store.set(self.here[self.rank], "1")
             deadline = time.monotonic() + float(os.environ.get("PLAIT_FAULT_TIMEOUT", "10"))
@@ -109,7 +108,7 @@ class Agreement:
         local = torch.tensor([*self.row, failure], dtype=torch.int64, device=self.device)
         gathered = local.new_empty(self.n_ranks * local.numel())
         owner = f"the agreement check of {self.name}"
-        store = _store()
+        store = spmd.default_store()
         store.set(self.here[self.rank], "1")  # a failing rank joins only if all are here
         try:
             spmd.record("all_gather", local, self.group, owner)
@@ -153,9 +152,3 @@ class Agreement:
 
 def _crc(name: str) -> int:
     return zlib.crc32(name.encode())
-
-
-def _store() -> Store:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()

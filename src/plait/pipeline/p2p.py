@@ -58,7 +58,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store
 
 from plait import spmd
 from plait.hooks import traced
@@ -456,23 +455,17 @@ def publish_abort(reason: str) -> int:
     """Put ``reason`` in the job's store under a fresh key; returns the key's number (a
     random one: keys of earlier aborts never collide with it)."""
     key = secrets.randbelow(2**62) + 1
-    _store().set(_abort_key(key), reason)
+    spmd.default_store().set(_abort_key(key), reason)
     return key
 
 
 def abort_reason(key: int) -> str:
     """The reason :func:`publish_abort` put under ``key``."""
-    return _store().get(_abort_key(key)).decode(errors="replace")
+    return spmd.default_store().get(_abort_key(key)).decode(errors="replace")
 
 
 def _abort_key(key: int) -> str:
     return f"plait/pipeline_abort/{key}"
-
-
-def _store() -> Store:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
 
 
 def _op(

@@ -1,5 +1,5 @@
 """The cost model's one fitted constant, the sustained fraction
-(:data:`plait.plan.timing.EFFICIENCY`), recomputed from the published runs it is fitted
+(:data:`plait.plan.compute_time.EFFICIENCY`), recomputed from the published runs it is fitted
 to.
 
 The roofline (:mod:`plait.plan.roofline`) prices every kernel from cited figures (the
@@ -26,7 +26,7 @@ benchmarks (``tests/test_plan_cost.py`` checks both agree):
 :func:`calibrate` finds the shared sustained fraction at which the geometric mean of
 predicted / published throughput over those runs is 1 (each at its stack's scale 1);
 :func:`calibrate_stacks` then each software stack's scale of it
-(:data:`plait.plan.timing.STACK_SCALE`), from that stack's one run. Each run carries its
+(:data:`plait.plan.compute_time.STACK_SCALE`), from that stack's one run. Each run carries its
 software as ``benchmarks/published_runs.py`` states it. Every other published row is a
 prediction.
 """

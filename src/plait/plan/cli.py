@@ -19,8 +19,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from plait.layout import CP, CP_METHODS, EP, LAYOUT_FIELDS, flag
-from plait.plan.devices import DEVICES, device, override
+from plait.layout import LAYOUT_FIELDS, flag
+from plait.plan.devices import device, override
+from plait.plan.flags import add_flags
 from plait.plan.memory import first_rank_memory
 from plait.plan.models import (
     expert_hidden_default,
@@ -28,15 +29,10 @@ from plait.plan.models import (
     gpt,
     param_counts,
     preset,
-    preset_names,
 )
 from plait.plan.report import format_plan, size, to_json
-from plait.plan.roofline import STACK_NAMES
-from plait.plan.search import AC_SEARCHED, Candidate, PlanError, describe, plan
+from plait.plan.search import Candidate, PlanError, describe, plan
 from plait.plan.spec import (
-    LAYOUT_DIMS,
-    RECIPES,
-    TP_OVERLAPS,
     DeviceSpec,
     Layout,
     ModelSpec,
@@ -44,8 +40,7 @@ from plait.plan.spec import (
     Software,
     Workload,
 )
-from plait.plan.timing import EFFICIENCY
-from plait.train.config import DEFAULTS, PRECISIONS, TrainConfig
+from plait.train.config import DEFAULTS, TrainConfig
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -69,164 +64,15 @@ examples:
 
 
 def add_parser(subcommands: Any) -> argparse.ArgumentParser:
-    """Add ``plan`` to an ``argparse`` sub-command set; returns its parser."""
+    """Add ``plan`` to an ``argparse`` sub-command set, with its flags
+    (:data:`plait.plan.flags.PLAN_FLAGS`); returns its parser."""
     p: argparse.ArgumentParser = subcommands.add_parser(
         "plan",
         help="which layouts fit, and how fast they run",
         description=_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    model = p.add_argument_group("model (a preset, a Hugging Face config, or plait's GPT)")
-    which = model.add_mutually_exclusive_group()
-    which.add_argument(
-        "--preset",
-        choices=preset_names(),
-        metavar="NAME",
-        help=f"a published model: {', '.join(preset_names())} (plait train's presets, and "
-        "the llama3-* names for Llama 3.1's)",
-    )
-    which.add_argument("--hf-config", metavar="PATH", help="a Llama-family config.json")
-    for name, what in (("n_layer", "blocks"), ("n_head", "attention heads"), ("d_model", "width")):
-        default = getattr(DEFAULTS, name)
-        model.add_argument(
-            flag(name),
-            type=int,
-            default=default,
-            help=f"plait's GPT: {what} (default: {default})",
-        )
-    moe = p.add_argument_group(
-        "mixture of experts (plait train's flags; --experts 0: dense; with --preset or "
-        "--hf-config, replaces the MLP of every block after --dense-layers)"
-    )
-    moe.add_argument("--experts", type=int, help="routed experts per MoE block")
-    moe.add_argument("--top-k", type=int, help="experts each token goes to (default: 2)")
-    moe.add_argument("--shared-experts", type=int, help="experts every token goes through")
-    moe.add_argument(
-        "--expert-hidden",
-        type=int,
-        help="each expert's hidden width (default: the MLP's width / (top-k + shared))",
-    )
-    moe.add_argument(
-        "--dense-layers", type=int, help="leading blocks that keep a dense MLP (default: 0)"
-    )
-    work = p.add_argument_group("work")
-    work.add_argument(
-        "--seq-len",
-        type=int,
-        help="tokens per sequence (default: 8192 for "
-        f"presets and configs, {DEFAULTS.seq_len} for plait's GPT)",
-    )
-    work.add_argument(
-        "--global-batch",
-        "--batch-size",
-        dest="global_batch",
-        type=int,
-        help="sequences per step over all devices (default: one per device)",
-    )
-    work.add_argument(
-        "--mp", choices=PRECISIONS, help="compute precision (default: bf16, fp32 on --device cpu)"
-    )
-    machine = p.add_argument_group("machine")
-    machine.add_argument("--gpus", type=int, required=True, help="devices in all")
-    machine.add_argument("--gpus-per-node", type=int, help="devices per node (default: 8)")
-    machine.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
-    machine.add_argument(
-        "--measure-cpu",
-        action="store_true",
-        help="--device cpu: measure this machine first (FLOP/s of plait's GPT block, gloo "
-        "bandwidth and latency, optimizer and fully_shard host costs, with --gpus local "
-        "workers; about a minute) instead of the preset's measure-free defaults",
-    )
-    machine.add_argument("--memory-gib", type=float, help="override: memory per device, GiB")
-    machine.add_argument("--tflops", type=float, help="override: dense bf16 peak, TFLOP/s")
-    machine.add_argument("--tflops-fp32", type=float, help="override: dense fp32 peak, TFLOP/s")
-    machine.add_argument("--intra-node-bw", type=float, help="override: GB/s per device, in a node")
-    machine.add_argument("--inter-node-bw", type=float, help="override: GB/s per device, across")
-    machine.add_argument(
-        "--efficiency",
-        type=float,
-        default=EFFICIENCY,
-        help=f"achievable fraction of peak (default: {EFFICIENCY}, calibrated)",
-    )
-    machine.add_argument(
-        "--kernels",
-        choices=STACK_NAMES,
-        default="plait",
-        help="whose kernels run the blocks (the cost model's software stacks; default: plait)",
-    )
-    machine.add_argument(
-        "--tp-overlap",
-        choices=TP_OVERLAPS,
-        default="none",
-        help="TP collectives: none (synchronous, plait's) or async (decomposed into GEMMs)",
-    )
-    machine.add_argument(
-        "--param-gather-overlap",
-        action="store_true",
-        help="ZeRO's parameter all-gather beside the next forward (Megatron's)",
-    )
-    machine.add_argument(
-        "--grad-reduce-bf16",
-        action="store_true",
-        help="reduce gradients in the compute dtype, not fp32 (Megatron-Core's default)",
-    )
-    machine.add_argument(
-        "--memory-fraction",
-        type=float,
-        default=0.9,
-        help="usable fraction of device memory (default: 0.9)",
-    )
-    layout = p.add_argument_group("layout (plait train's flags; given ones are fixed)")
-    helps = {
-        CP: "context-parallel ranks: each sequence split over them (default: searched "
-        "from --seq-len 16384 on, else 1)"
-    }
-    for name in (*LAYOUT_DIMS, "stages_per_rank", "microbatches"):
-        layout.add_argument(flag(name), type=int, help=helps.get(name))
-    layout.add_argument(
-        "--cp-method",
-        choices=CP_METHODS,
-        help="context-parallel attention: keys and values all-gathered, passed around a "
-        "ring, or exchanged all-to-all by heads (default: each searched with --cp > 1)",
-    )
-    layout.add_argument(
-        flag(EP), type=int, help="expert-parallel ranks, taken from dp_shard (with --experts)"
-    )
-    layout.add_argument("--schedule", help="a pipeline schedule (default: all searched)")
-    layout.add_argument("--ac", choices=AC_SEARCHED)
-    layout.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction)
-    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
-    other = p.add_argument_group(
-        "other frameworks (predictions for published runs: plait train runs neither)"
-    )
-    other.add_argument(
-        "--zero",
-        type=int,
-        choices=(1, 2),
-        help="also search ZeRO-1 / ZeRO-2 data parallelism (DeepSpeed; Megatron-LM's "
-        "distributed optimizer is ZeRO-1): parameters replicated over dp_replicate x cp, "
-        "optimizer state (and ZeRO-2 gradients) sharded over them",
-    )
-    other.add_argument(
-        "--recipe",
-        choices=RECIPES,
-        default="plait",
-        help="whose activations the memory model counts: plait's (torch tensor "
-        "parallelism saves all-gathered linear inputs) or Megatron-LM's (Korthikanti et "
-        "al. 2022: sequence-parallel activations saved split; default: plait)",
-    )
-    out = p.add_argument_group("output")
-    out.add_argument("--top", type=int, default=10, help="layouts shown (0: all that fit)")
-    out.add_argument("--json", action="store_true", help="a JSON list instead of the table")
-    out.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="also run plait's real training step (plait's GPT, or plait train's Llama of "
-        "--hf-config or of --preset llama3-8b / llama3-70b) for rank 0 of the best layout "
-        "plait can dry-run (fake process group and tensors; a pipeline: "
-        "without tensor parallelism, schedules with full backwards, rank 0's own "
-        "actions) and compare its measured peak memory with the prediction",
-    )
+    add_flags(p)
     return p
 
 
@@ -309,60 +155,88 @@ def run(args: argparse.Namespace) -> int:
     try:
         seq_len = args.seq_len or (8192 if args.preset or args.hf_config else DEFAULTS.seq_len)
         model = _model(args, seq_len)
-        dev = device(args.device)
-        gib, tera, giga = 2.0**30, 1e12, 1e9
-        dev = override(
-            dev,
-            memory=args.memory_gib and args.memory_gib * gib,
-            flops=args.tflops and args.tflops * tera,
-            flops_fp32=args.tflops_fp32 and args.tflops_fp32 * tera,
-            intra_node_bw=args.intra_node_bw and args.intra_node_bw * giga,
-            inter_node_bw=args.inter_node_bw and args.inter_node_bw * giga,
-            gpus_per_node=args.gpus_per_node,
-        )
-        precision = args.mp or ("fp32" if dev.name == "cpu" else "bf16")
-        work = Workload(seq_len, args.global_batch or args.gpus, precision)
-        if work.seq_len < 1 or work.global_batch < 1:
-            raise PlanError("--seq-len and --global-batch must be at least 1")
-        if not 0 < args.efficiency <= 1 or not 0 < args.memory_fraction <= 1:
-            raise PlanError("--efficiency and --memory-fraction must be in (0, 1]")
+        dev = _device(args)
+        work = _workload(args, seq_len, dev)
         if args.measure_cpu:
             dev = _measured_cpu(args.gpus, model, work, dev)
-        ranked = plan(
-            model,
-            work,
-            dev,
-            args.gpus,
-            memory_fraction=args.memory_fraction,
-            efficiency=args.efficiency,
-            zero=args.zero or 0,
-            recipe=args.recipe,
-            software=Software(
-                args.kernels,
-                args.tp_overlap,
-                param_gather_overlap=args.param_gather_overlap,
-                grad_reduce_fp32=not args.grad_reduce_bf16,
-            ),
-            **{name: getattr(args, name) for name in LAYOUT_FIELDS},
-        )
+        ranked = _plan(args, model, work, dev)
     except ValueError as err:  # PlanError, and bad presets, configs or device values
         print(f"plait plan: error: {err}", file=sys.stderr)
         return 2
-    shown = ranked[: args.top] if args.top > 0 else ranked
-    if args.json:
-        print(json.dumps([to_json(c, model, work, dev) for c in shown], indent=1))
-    else:
-        print(format_plan(shown, model, work, dev, args.gpus))
-        foreign = [c for c in shown if isinstance(c.layout, PlanLayout)]
-        if foreign:
-            print(
-                f"  note: {len(foreign)} layout(s) shown ({describe(foreign[0].layout)}, ...) "
-                "use ZeRO or another framework's recipe: predictions for other frameworks "
-                "(DeepSpeed, Megatron-LM); plait train does not run them"
-            )
+    _print(args, ranked[: args.top] if args.top > 0 else ranked, model, work, dev)
     if args.dry_run:
         return _dry_run(args, ranked, work, model)
     return 0
+
+
+def _device(args: argparse.Namespace) -> DeviceSpec:
+    """``--device`` with the figures the flags override."""
+    gib, tera, giga = 2.0**30, 1e12, 1e9
+    return override(
+        device(args.device),
+        memory=args.memory_gib and args.memory_gib * gib,
+        flops=args.tflops and args.tflops * tera,
+        flops_fp32=args.tflops_fp32 and args.tflops_fp32 * tera,
+        intra_node_bw=args.intra_node_bw and args.intra_node_bw * giga,
+        inter_node_bw=args.inter_node_bw and args.inter_node_bw * giga,
+        gpus_per_node=args.gpus_per_node,
+    )
+
+
+def _workload(args: argparse.Namespace, seq_len: int, dev: DeviceSpec) -> Workload:
+    """The step the flags describe; PlanError for sizes and fractions out of range."""
+    precision = args.mp or ("fp32" if dev.name == "cpu" else "bf16")
+    work = Workload(seq_len, args.global_batch or args.gpus, precision)
+    if work.seq_len < 1 or work.global_batch < 1:
+        raise PlanError("--seq-len and --global-batch must be at least 1")
+    if not 0 < args.efficiency <= 1 or not 0 < args.memory_fraction <= 1:
+        raise PlanError("--efficiency and --memory-fraction must be in (0, 1]")
+    return work
+
+
+def _plan(
+    args: argparse.Namespace, model: ModelSpec, work: Workload, dev: DeviceSpec
+) -> list[Candidate]:
+    """:func:`plait.plan.plan` with the flags' settings, layout fields and software."""
+    software = Software(
+        args.kernels,
+        args.tp_overlap,
+        param_gather_overlap=args.param_gather_overlap,
+        grad_reduce_fp32=not args.grad_reduce_bf16,
+    )
+    return plan(
+        model,
+        work,
+        dev,
+        args.gpus,
+        memory_fraction=args.memory_fraction,
+        efficiency=args.efficiency,
+        zero=args.zero or 0,
+        recipe=args.recipe,
+        software=software,
+        **{name: getattr(args, name) for name in LAYOUT_FIELDS},
+    )
+
+
+def _print(
+    args: argparse.Namespace,
+    shown: list[Candidate],
+    model: ModelSpec,
+    work: Workload,
+    dev: DeviceSpec,
+) -> None:
+    """The table (or ``--json``'s list) of the layouts ``shown``."""
+    if args.json:
+        print(json.dumps([to_json(c, model, work, dev) for c in shown], indent=1))
+        return
+    print(format_plan(shown, model, work, dev, args.gpus))
+    foreign = [c for c in shown if isinstance(c.layout, PlanLayout)]
+    if foreign:
+        print(
+            f"  note: {len(foreign)} layout(s) shown ({describe(foreign[0].layout)}, ...) "
+            "use ZeRO or another framework's recipe: predictions for other frameworks "
+            "(DeepSpeed, Megatron-LM); plait train does not run them"
+        )
 
 
 def _dry_runnable(layout: Layout, tied: bool = False) -> bool:

@@ -57,9 +57,9 @@ from plait.layout import Layout
 from plait.pipeline.schedules import schedule_spec
 from plait.plan.live import LiveTensors
 from plait.train.config import TrainConfig
-from plait.train.layout import model_shape, resolve
 from plait.train.loop import Trainable, build_model
 from plait.train.parallelize import build_expert_mesh, forward_context, loss_context
+from plait.train.resolve import model_shape, resolve
 from plait.train.step import StepBatch
 
 __all__ = [

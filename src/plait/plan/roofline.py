@@ -98,12 +98,12 @@ rank's shard at the sustained bandwidth.
 None of those is fitted. The fitted constants, the *sustained fraction* (power-capped
 clocks below the boost clock the peaks assume, collectives sharing the SMs and memory
 with compute, what the op list above misses), divide every kernel time:
-:data:`plait.plan.timing.EFFICIENCY`, shared, times the stack's
-:data:`plait.plan.timing.STACK_SCALE`, fitted by :mod:`plait.plan.calibration`.
+:data:`plait.plan.compute_time.EFFICIENCY`, shared, times the stack's
+:data:`plait.plan.compute_time.STACK_SCALE`, fitted by :mod:`plait.plan.calibration`.
 
 Devices without a profile (the ``cpu`` preset, a device named otherwise) have no
 roofline: :func:`profile` returns None and the cost model falls back to one fraction of
-the peak for every FLOP (:data:`plait.plan.timing.FLAT_EFFICIENCY`).
+the peak for every FLOP (:data:`plait.plan.compute_time.FLAT_EFFICIENCY`).
 """
 
 from __future__ import annotations

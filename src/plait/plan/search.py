@@ -38,8 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 from plait.layout import (
@@ -47,49 +46,35 @@ from plait.layout import (
     CP_METHODS,
     DP_SHARD,
     EP,
-    LAYOUT_FIELDS,
-    PP,
     TP,
     Layout,
     ModelShape,
-    Reason,
     World,
     check,
     check_batch,
     check_cp,
-    check_ep,
-    check_microbatches,
-    check_schedule,
-    check_sizes,
-    check_stages,
-    check_stages_per_rank,
     check_tp,
-    check_world,
     cp_shard,
     default_stages_per_rank,
     fewest_microbatches,
     find_schedule,
     grids,
     moe_tp_width,
-    tp_splits,
 )
 from plait.pipeline.schedules import SCHEDULES
-from plait.plan.memory import peak_memory
-from plait.plan.schedule import layout_shape
-from plait.plan.shards import fsdp_ranks
+from plait.plan.candidate import Candidate, Pricing, describe, evaluate, fastest
+from plait.plan.pinned import AC_SEARCHED, Pinned, check_pinned, pin
+from plait.plan.plan_error import PlanError
 from plait.plan.spec import (
     RECIPES,
     ZERO_STAGES,
     DeviceSpec,
-    MemoryBreakdown,
     ModelSpec,
     PlanLayout,
     Software,
     Workload,
-    zero_stage,
 )
-from plait.plan.spec import recipe as recipe_of
-from plait.plan.timing import EFFICIENCY, Timing, predict_time
+from plait.plan.timing import EFFICIENCY
 
 __all__ = [
     "AC_SEARCHED",
@@ -99,13 +84,13 @@ __all__ = [
     "STAGES_RETRIES",
     "Candidate",
     "PlanError",
+    "describe",
     "evaluate",
     "model_shape",
     "plan",
     "stages_options",
 ]
 
-AC_SEARCHED = ("none", "selective", "full")
 #: The shortest sequence for which the search tries context parallelism unasked. Shorter
 #: sequences fit without it (activations are what cp divides, and at 8k tokens checkpointing
 #: and tp already hold them in a device's memory for the presets), its exchange costs more
@@ -127,68 +112,6 @@ STAGES_RETRIES = 16
 _GIB = 2.0**30
 
 
-class PlanError(ValueError):
-    """Input the planner cannot plan for; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One evaluated layout: its peak rank's memory, predicted time, and whether it fits."""
-
-    layout: Layout
-    memory: MemoryBreakdown
-    timing: Timing
-    fits: bool
-
-
-@dataclass(frozen=True)
-class _Pricing:
-    """What pricing a layout needs besides the layout: the model, its work, the device,
-    the memory budget and the cost model's settings (one for :func:`plan`'s grid and its
-    retries alike, so they price the same way)."""
-
-    model: ModelSpec
-    work: Workload
-    device: DeviceSpec
-    budget: float
-    efficiency: float
-    software: Software | None
-
-    def price(self, layout: Layout) -> tuple[float, Candidate | None] | None:
-        """``layout``'s peak memory per rank and, when it fits the budget, its candidate
-        (timed only then); None for a pipeline shape plait's schedules refuse."""
-        try:
-            pipeline = layout_shape(self.model, layout)
-        except ValueError:
-            return None
-        memory = peak_memory(self.model, layout, self.work, pipeline)
-        if memory.total > self.budget:
-            return memory.total, None
-        timing = predict_time(
-            self.model,
-            layout,
-            self.work,
-            self.device,
-            pipeline,
-            self.efficiency,
-            software=self.software,
-        )
-        return memory.total, Candidate(layout, memory, timing, True)
-
-    def fitting(
-        self, layouts: Iterator[Layout], shape: ModelShape, world: World
-    ) -> list[Candidate]:
-        """The candidates of ``layouts`` that the rules allow and that fit."""
-        found = []
-        for layout in layouts:
-            if check(layout, shape, self.work.global_batch, world, SCHEDULES):
-                continue
-            priced = self.price(layout)
-            if priced is not None and priced[1] is not None:
-                found.append(priced[1])
-        return found
-
-
 def model_shape(model: ModelSpec, work: Workload) -> ModelShape:
     """What the layout rules need of ``model`` running ``work``.
 
@@ -203,52 +126,6 @@ def model_shape(model: ModelSpec, work: Workload) -> ModelShape:
         ffn = math.gcd(shared, m.ffn_hidden) if m.dense_layers else shared
     shape = (m.layers, m.heads, m.kv_heads, m.d_model, ffn, m.vocab, work.seq_len)
     return ModelShape(*shape, experts=m.experts)
-
-
-def evaluate(
-    model: ModelSpec,
-    layout: Layout,
-    work: Workload,
-    device: DeviceSpec,
-    *,
-    memory_fraction: float = 0.9,
-    efficiency: float = EFFICIENCY,
-    software: Software | None = None,
-) -> Candidate:
-    """Memory and time of one layout (no search). ValueError for a shape plait refuses.
-    ``software``: the framework's kernels and overlaps (:class:`Software`; plait's)."""
-    shape = layout_shape(model, layout)
-    memory = peak_memory(model, layout, work, shape)
-    timing = predict_time(model, layout, work, device, shape, efficiency, software=software)
-    return Candidate(layout, memory, timing, memory.total <= memory_fraction * device.memory)
-
-
-@dataclass(frozen=True)
-class _Pinned:
-    """The layout fields the caller fixed: their values in ``layout`` (the others keep
-    :class:`Layout`'s defaults), their names in ``names``."""
-
-    layout: Layout
-    names: frozenset[str]
-
-    def given(self, name: str) -> bool:
-        return name in self.names
-
-    @property
-    def sizes(self) -> dict[str, int | None]:
-        """The fixed mesh sizes, None for those to search."""
-        return {d: size if self.given(d) else None for d, size in self.layout.sizes.items()}
-
-
-def _pin(fixed: Mapping[str, int | str | bool | None]) -> _Pinned:
-    unknown = sorted(set(fixed) - set(LAYOUT_FIELDS))
-    if unknown:
-        raise TypeError(
-            f"plan() got unexpected keyword argument(s) {', '.join(unknown)}: the layout "
-            f"fields are {', '.join(LAYOUT_FIELDS)}"
-        )
-    given: dict[str, Any] = {name: value for name, value in fixed.items() if value is not None}
-    return _Pinned(Layout(**given), frozenset(given))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -275,7 +152,7 @@ def _with(layout: Layout, **changes: Any) -> Layout:
 
 
 def _layouts(
-    shape: ModelShape, work: Workload, world: World, per_node: int, pinned: _Pinned
+    shape: ModelShape, work: Workload, world: World, per_node: int, pinned: Pinned
 ) -> Iterator[Layout]:
     sp = pinned.layout.sequence_parallel
     for grid in grids(pinned.sizes, world.size):
@@ -297,7 +174,7 @@ def _layouts(
                 yield from _variants(shape, work, world, layout, pinned)
 
 
-def _cp_methods(shape: ModelShape, base: Layout, pinned: _Pinned) -> list[str]:
+def _cp_methods(shape: ModelShape, base: Layout, pinned: Pinned) -> list[str]:
     """Context-parallel attention methods to search on grid ``base``: the fixed one, else
     ``ring`` (any cp the sequence allows takes it). Ring saves nothing beyond the local q,
     k, v and output (as little as alltoall, less than allgather's gathered keys and
@@ -318,7 +195,7 @@ def _other_cp_methods(found: list[Candidate]) -> Iterator[Layout]:
                 yield dataclasses.replace(layout, cp_method=method)
 
 
-def _ep_options(shape: ModelShape, dp_shard: int, pinned: _Pinned) -> list[int]:
+def _ep_options(shape: ModelShape, dp_shard: int, pinned: Pinned) -> list[int]:
     """Expert-parallel sizes to try on a grid of ``dp_shard``: the fixed one, else every
     divisor of ``dp_shard`` that divides the experts (1 for a dense model): the sizes
     :func:`plait.layout.check_ep` takes, in increasing order, found among the divisors of
@@ -331,7 +208,7 @@ def _ep_options(shape: ModelShape, dp_shard: int, pinned: _Pinned) -> list[int]:
 
 
 def _variants(
-    shape: ModelShape, work: Workload, world: World, base: Layout, pinned: _Pinned
+    shape: ModelShape, work: Workload, world: World, base: Layout, pinned: Pinned
 ) -> Iterator[Layout]:
     """The schedules, stages per rank and microbatch counts of grid ``base`` that can
     run (the layout rules decide), each with the checkpointing and resharding options."""
@@ -388,7 +265,7 @@ def _other_stages(found: list[Candidate], layers: int) -> Iterator[Layout]:
             yield dataclasses.replace(layout, stages_per_rank=v)
 
 
-def _options(layout: Layout, pinned: _Pinned) -> Iterator[Layout]:
+def _options(layout: Layout, pinned: Pinned) -> Iterator[Layout]:
     """``layout`` with each checkpointing mode and each ``reshard_after_forward`` that
     matters (only ``fully_shard`` without a pipeline reshards between the passes)."""
     acs = [pinned.layout.ac] if pinned.given("ac") else AC_SEARCHED
@@ -399,83 +276,6 @@ def _options(layout: Layout, pinned: _Pinned) -> Iterator[Layout]:
     for ac in acs:
         for reshard in reshards:
             yield _with(layout, ac=ac, reshard_after_forward=reshard)
-
-
-def _check_pinned(model: ModelSpec, shape: ModelShape, world: World, pinned: _Pinned) -> None:
-    """PlanError for fixed fields no layout can have."""
-    counts = {
-        name: getattr(pinned.layout, name) for name in ("stages_per_rank", "microbatches", EP)
-    }
-    sizes = {**pinned.sizes, **{k: v for k, v in counts.items() if pinned.given(k)}}
-    _refuse(check_sizes({"gpus": world.size, **sizes}) or check_world(pinned.sizes, world))
-    if pinned.given(CP):
-        # The method's own rule only when it is fixed (else another method may do), with
-        # the tp it splits the heads with when that is fixed too.
-        method = pinned.layout.cp_method if pinned.given("cp_method") else "ring"
-        tp = pinned.layout.tp if pinned.given(TP) else 1
-        _refuse(check_cp(shape, pinned.layout.cp, method, tp))
-    if pinned.given(TP):
-        tp = pinned.layout.tp
-        local = cp_shard(shape, pinned.layout.cp)  # tp splits a cp rank's share
-        for split in tp_splits(local, pinned.layout.sequence_parallel and tp > 1):
-            if split.size % tp:
-                raise PlanError(
-                    f"--tp {tp} does not divide {split.what} of {model.name}: use a --tp "
-                    f"that divides {split.size}"
-                )
-    if pinned.given("ac") and pinned.layout.ac not in AC_SEARCHED:
-        raise PlanError(f"--ac {pinned.layout.ac}: the planner models {', '.join(AC_SEARCHED)}")
-    if pinned.given("schedule"):
-        _refuse(check_schedule(SCHEDULES, pinned.layout.schedule))
-    if pinned.given(PP):
-        _refuse(_pipeline_reasons(shape, pinned))
-    if pinned.given(EP):
-        _refuse(_ep_reasons(shape, world, pinned))
-
-
-def _ep_reasons(shape: ModelShape, world: World, pinned: _Pinned) -> list[Reason]:
-    """What rules out a fixed ``ep``: the experts it must split, and the ``dp_shard`` it
-    takes its ranks from (fixed, or at most what the devices leave)."""
-    ep = pinned.layout.ep
-    if pinned.given(DP_SHARD):
-        return check_ep(shape, ep, pinned.layout.dp_shard * pinned.layout.cp)
-    others = math.prod(size or 1 for d, size in pinned.sizes.items() if d != DP_SHARD)
-    room = world.size // others if world.size % others == 0 else world.size
-    reasons = check_ep(shape, ep, room)
-    if shape.experts and shape.experts % ep == 0 and room % ep:
-        # Not check_ep's message: dp_shard is searched, there is no --dp-shard to change.
-        message = (
-            f"--ep {ep} takes its ranks from dp_shard, but the {world.size} devices leave "
-            f"dp_shard {room} (or a divisor of it), not a multiple of {ep}: use an --ep "
-            f"that divides {room}"
-        )
-        reasons = [Reason(EP, message)]
-    return reasons
-
-
-def _pipeline_reasons(shape: ModelShape, pinned: _Pinned) -> list[Reason]:
-    """What rules out a fixed pipeline size with the other fixed fields: the blocks, and
-    with a fixed schedule (else the others are searched) its stages and microbatches."""
-    spec = find_schedule(SCHEDULES, pinned.layout.schedule)
-    assert spec is not None  # known: checked, or the default
-    if pinned.given("stages_per_rank"):
-        v = pinned.layout.stages_per_rank
-    elif pinned.given("schedule"):
-        v = default_stages_per_rank(spec, pinned.layout.pp)
-    else:
-        v = 1  # the fewest stages a pipeline of this many ranks has
-    staged = dataclasses.replace(pinned.layout, stages_per_rank=v)
-    reasons = check_stages(shape, staged)
-    if pinned.given("schedule") or staged.pp == 1:
-        reasons += check_stages_per_rank(staged, spec, SCHEDULES)
-        if pinned.given("microbatches"):
-            reasons += check_microbatches(staged, spec)
-    return reasons
-
-
-def _refuse(reasons: list[Reason]) -> None:
-    if reasons:
-        raise PlanError(reasons[0].message)
 
 
 def plan(
@@ -507,39 +307,17 @@ def plan(
     not divide the model, ...), no possible layout, or no layout that fits (the message
     gives the smallest peak memory found).
     """
-    pinned = _pin(fixed)
-    if zero not in ZERO_STAGES or recipe not in RECIPES:
-        raise PlanError(
-            f"--zero {zero} --recipe {recipe}: ZeRO stages are 0, 1, 2; recipes "
-            f"{', '.join(RECIPES)}"
-        )
-    if zero and (
-        (pinned.given(DP_SHARD) and pinned.layout.dp_shard > 1)
-        or (pinned.given(EP) and pinned.layout.ep > 1)
-    ):
-        raise PlanError(
-            f"--zero {zero} shards the optimizer over dp_replicate x cp and keeps parameters "
-            "whole: it needs --dp-shard 1 and --ep 1 (drop them, or drop --zero)"
-        )
+    pinned = pin(fixed)
+    _check_frameworks(zero, recipe, pinned)
     shape = model_shape(model, work)
     world = World(gpus, "--gpus", "devices", named=f"--gpus {gpus}")
-    _check_pinned(model, shape, world, pinned)
+    check_pinned(model, shape, world, pinned)
     if not pinned.given(CP) and work.seq_len < CP_SEARCH_MIN_SEQ:
-        pinned = _Pinned(pinned.layout, pinned.names | {CP})  # cp 1: see CP_SEARCH_MIN_SEQ
-    fitting: list[Candidate] = []
-    smallest: tuple[float, Layout] | None = None
+        pinned = Pinned(pinned.layout, pinned.names | {CP})  # cp 1: see CP_SEARCH_MIN_SEQ
     budget = memory_fraction * device.memory
-    pricing = _Pricing(model, work, device, budget, efficiency, software)
+    pricing = Pricing(model, work, device, budget, efficiency, software)
     grid = _layouts(shape, work, world, device.gpus_per_node, pinned)
-    for layout in _flavours(grid, zero, recipe):
-        priced = pricing.price(layout)
-        if priced is None:
-            continue  # a shape plait's schedules refuse
-        peak, candidate = priced
-        if smallest is None or peak < smallest[0]:
-            smallest = (peak, layout)
-        if candidate is not None:
-            fitting.append(candidate)
+    fitting, smallest = _price_all(pricing, _flavours(grid, zero, recipe))
     if smallest is None:
         raise PlanError(
             f"no layout of {gpus} devices can run {model.name} with --global-batch "
@@ -554,19 +332,51 @@ def plan(
             f"{budget / _GIB:.1f} GiB usable ({memory_fraction:.0%} of {device.memory / _GIB:.1f}"
             " GiB): use more or larger devices, a shorter sequence or a smaller batch"
         )
-    fitting.sort(key=_fastest)
+    fitting.sort(key=fastest)
     if not pinned.given("stages_per_rank"):
         fitting += pricing.fitting(_other_stages(fitting, model.layers), shape, world)
-        fitting.sort(key=_fastest)
+        fitting.sort(key=fastest)
     if not pinned.given("cp_method"):
         fitting += pricing.fitting(_other_cp_methods(fitting), shape, world)
-        fitting.sort(key=_fastest)
+        fitting.sort(key=fastest)
     return fitting
 
 
-def _fastest(c: Candidate) -> tuple[float, float]:
-    """Sort key: fastest first, then least memory."""
-    return (-c.timing.tokens_per_s_per_device, c.memory.total)
+def _check_frameworks(zero: int, recipe: str, pinned: Pinned) -> None:
+    """PlanError for a ZeRO stage or recipe the planner does not know, or ZeRO with fixed
+    fields it cannot have (it keeps parameters whole)."""
+    if zero not in ZERO_STAGES or recipe not in RECIPES:
+        raise PlanError(
+            f"--zero {zero} --recipe {recipe}: ZeRO stages are 0, 1, 2; recipes "
+            f"{', '.join(RECIPES)}"
+        )
+    if zero and (
+        (pinned.given(DP_SHARD) and pinned.layout.dp_shard > 1)
+        or (pinned.given(EP) and pinned.layout.ep > 1)
+    ):
+        raise PlanError(
+            f"--zero {zero} shards the optimizer over dp_replicate x cp and keeps parameters "
+            "whole: it needs --dp-shard 1 and --ep 1 (drop them, or drop --zero)"
+        )
+
+
+def _price_all(
+    pricing: Pricing, layouts: Iterator[Layout]
+) -> tuple[list[Candidate], tuple[float, Layout] | None]:
+    """The candidates of ``layouts`` that fit, and the smallest peak memory of any layout
+    with its layout (None when plait's schedules refuse every one)."""
+    fitting: list[Candidate] = []
+    smallest: tuple[float, Layout] | None = None
+    for layout in layouts:
+        priced = pricing.price(layout)
+        if priced is None:
+            continue  # a shape plait's schedules refuse
+        peak, candidate = priced
+        if smallest is None or peak < smallest[0]:
+            smallest = (peak, layout)
+        if candidate is not None:
+            fitting.append(candidate)
+    return fitting, smallest
 
 
 def _flavours(layouts: Iterator[Layout], zero: int, recipe: str) -> Iterator[Layout]:
@@ -583,24 +393,3 @@ def _flavours(layouts: Iterator[Layout], zero: int, recipe: str) -> Iterator[Lay
         zeroable = layout.dp_shard == 1 and layout.ep == 1 and layout.reshard_after_forward
         if zero and zeroable and layout.dp_replicate * layout.cp > 1:
             yield PlanLayout(**fields, zero=zero, recipe=recipe)
-
-
-def describe(layout: Layout) -> str:
-    """A one-line summary of ``layout``, e.g. ``dp_shard=128 tp=8 ac=selective``."""
-    parts = [f"{name}={size}" for name, size in layout.sizes.items() if size > 1]
-    if layout.cp > 1:  # cp=4 -> cp=4/ring
-        parts[parts.index(f"{CP}={layout.cp}")] += f"/{layout.cp_method}"
-    if layout.ep > 1:
-        parts.append(f"ep={layout.ep}")
-    if layout.pp > 1:
-        parts.append(f"{layout.schedule}x{layout.stages_per_rank}")
-    if layout.microbatches > 1:
-        parts.append(f"mb={layout.microbatches}")
-    parts.append(f"ac={layout.ac}")
-    if fsdp_ranks(layout) > 1 and not layout.reshard_after_forward:
-        parts.append("no-reshard")
-    if zero_stage(layout):
-        parts.append(f"zero={zero_stage(layout)}")
-    if recipe_of(layout) != "plait":
-        parts.append(f"recipe={recipe_of(layout)}")
-    return " ".join(parts) or "single device"

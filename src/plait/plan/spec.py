@@ -63,7 +63,7 @@ class PlanLayout(Layout):
     with sequence parallelism every saved activation is split by ``tp`` and re-gathered in
     backward, a fused SwiGLU saves its input only), or another framework's as published
     runs used it (``"torchtitan"``, llm-foundry's ``"foundry"``, Meta's ``"llama3"``);
-    :mod:`plait.plan.memory` (``RECIPE_KEEPS``) says what each saves.
+    :mod:`plait.plan.keeps` (``RECIPE_KEEPS``) says what each saves.
     """
 
     zero: int = 0

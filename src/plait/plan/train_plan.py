@@ -15,7 +15,7 @@ from plait.plan.report import all_to_all_per_step, cp_per_step, size
 from plait.plan.search import Candidate, describe, evaluate
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 from plait.train.config import TrainConfig
-from plait.train.layout import model_config_bytes
+from plait.train.resolve import model_config_bytes
 
 __all__ = ["config_of_layout", "local_device", "model_of_config", "plan_of_config", "plan_summary"]
 
@@ -54,7 +54,7 @@ def model_of_config(cfg: TrainConfig) -> ModelSpec:
 
 
 def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candidate:
-    """Predict a resolved configuration (:func:`plait.train.layout.resolve`) on ``device``
+    """Predict a resolved configuration (:func:`plait.train.resolve.resolve`) on ``device``
     (default: :func:`local_device`). ValueError for ``--ac offload`` (not modelled)."""
     model = model_of_config(cfg)
     layout = cfg.layout

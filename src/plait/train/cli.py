@@ -4,7 +4,7 @@ The ``plait`` command (:mod:`plait.cli`) mounts these beside ``plait plan``; :fu
 runs them on their own. Every ``plait train`` flag is a field of
 :class:`~plait.train.config.TrainConfig` (dashes for underscores); flags override
 ``--config`` (a flat TOML file) and, with ``--resume``, the configuration saved in the run
-directory. The configuration is resolved and checked (:func:`~plait.train.layout.resolve`)
+directory. The configuration is resolved and checked (:func:`~plait.train.resolve.resolve`)
 before any worker starts.
 """
 
@@ -28,15 +28,16 @@ from plait.train.checkpointing import (
 )
 from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag, load_toml
 from plait.train.config import from_mapping as config_from_mapping
-from plait.train.hf import check_init_from, export_run, with_default_model_config
+from plait.train.export import export_run
+from plait.train.hf import check_init_from, with_default_model_config
 from plait.train.launch import WorkerFailed, launch, under_torchrun
-from plait.train.layout import resolve
 from plait.train.llama import families_help
 from plait.train.loggers import check_logging
 from plait.train.loop import CONFIG_FILE, model_settings
 from plait.train.presets import preset_names
+from plait.train.resolve import resolve
 from plait.train.sample import sample_command
-from plait.train.tokenizer import tokenizer_command
+from plait.train.tokenizer_command import tokenizer_command
 from plait.train.worker import default_run_dir
 
 __all__ = ["Planner", "add_parsers", "build_config", "main", "run"]

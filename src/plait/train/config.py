@@ -3,7 +3,7 @@
 Precedence, lowest first: the defaults below, a TOML file (``--config``), the configuration
 saved in the run directory (when resuming; except ``stop_after``, which applies only to the
 session that gives it), then command-line flags. Zero in a field marked
-*auto* means "derive it" (see :func:`plait.train.layout.resolve`), which also refuses
+*auto* means "derive it" (see :func:`plait.train.resolve.resolve`), which also refuses
 impossible combinations; the resolved configuration, with every auto field filled in, is
 what the run directory records.
 
@@ -139,7 +139,7 @@ class TrainConfig:
     @property
     def layout(self) -> Layout:
         """The parallel layout: this configuration's fields of :class:`plait.layout.Layout`
-        (auto fields stay 0 until :func:`plait.train.layout.resolve` fills them in)."""
+        (auto fields stay 0 until :func:`plait.train.resolve.resolve` fills them in)."""
         return Layout(**{name: getattr(self, name) for name in LAYOUT_FIELDS})
 
     @property

@@ -37,7 +37,6 @@ from plait.train.faults import FaultInjector
 from plait.train.float8 import after_step as float8_scales
 from plait.train.flops import flops_per_token, mfu, total_peak
 from plait.train.hf import check_init_from, load_hf_checkpoint, parameter_shapes
-from plait.train.layout import llama_config, model_config_bytes, tokenizer_vocab
 from plait.train.llama import Llama
 from plait.train.loggers import open_loggers
 from plait.train.metrics import gather_peak_memory
@@ -61,7 +60,9 @@ from plait.train.parallelize import (
 from plait.train.presets import RUN_FILE as MODEL_CONFIG_FILE
 from plait.train.progress import Progress
 from plait.train.report import imbalance, plot_loss_curve, summary_table
-from plait.train.step import StepBatch, Stepper, global_loss, make_stepper, step_batch
+from plait.train.resolve import llama_config, model_config_bytes, tokenizer_vocab
+from plait.train.step import Stepper, make_stepper
+from plait.train.step_batch import StepBatch, global_loss, step_batch
 from plait.train.tied import TiedCopies
 
 __all__ = ["TrainResult", "Trainable", "model_settings", "train"]

@@ -9,16 +9,14 @@ by index. Attention has separate q, k and v projections and infers its head coun
 their width, so the tensor-parallel plan (:mod:`plait.train.parallelize`) can split them
 by heads.
 
-A pipeline stage is the same class with parts removed (``plait.pipeline.split_model``):
-parts outside the stage become falsy pass-through placeholders, and ``forward`` skips the
-embeddings and the head when they are falsy. So every parameter a stage keeps has the name
-it has in the whole model, and checkpoints of pipelined and unpipelined runs are interchangeable.
-
-Packed rows (several documents in one row of the batch): ``forward(idx, documents)`` keeps
-attention inside each document and restarts positions at 0 in each, as transformers does
-with packed sequences and position ids (:class:`Packing`, shared with
-:mod:`plait.train.llama`); ``forward(idx)`` is one document per row, plain causal
-attention. The loss ignores targets equal to :data:`IGNORE` (chat prompts, padding).
+The forward is :class:`plait.train.decoder.Decoder`'s, shared with the Llama family: a
+pipeline stage is the same class with parts removed (``plait.pipeline.split_model``), which
+skips the embeddings and the head when they are falsy, so every parameter a stage keeps has
+the name it has in the whole model, and checkpoints of pipelined and unpipelined runs are
+interchangeable. Packed rows (several documents in one row of the batch):
+``forward(idx, documents)`` keeps attention inside each document and restarts positions at
+0 in each (:mod:`plait.train.packing`); ``forward(idx)`` is one document per row, plain
+causal attention. The loss ignores targets equal to :data:`IGNORE` (chat prompts, padding).
 """
 
 from __future__ import annotations
@@ -31,85 +29,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
-from plait.context import packed_documents
 from plait.experts import AuxLossType, MoE
+from plait.train.decoder import Decoder, tied_head
+
+# Re-exported: packed rows were defined here before plait.train.packing, and the training
+# step and tests import them from this module.
+from plait.train.packing import Packing as Packing
+from plait.train.packing import causal_attention as causal_attention
+from plait.train.packing import document_positions as document_positions
+from plait.train.packing import packing as packing
 
 #: A target that takes no part in the loss (torch's ``cross_entropy`` default ``ignore_index``).
 IGNORE = -100
-
-
-def document_positions(documents: torch.Tensor) -> torch.Tensor:
-    """Each token's position in its document, ``(B, T)`` int64, from ``documents`` ``(B, T)``:
-    per row, the index of the document each token belongs to (non-decreasing). Whole rows
-    only: a row split over ranks (context parallelism) must be computed whole and sharded."""
-    t = documents.shape[-1]
-    index = torch.arange(t, device=documents.device).expand_as(documents)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[..., 1:] = documents[..., 1:] != documents[..., :-1]
-    # The latest document start at or before each token.
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-    return index - first
-
-
-@dataclass(frozen=True)
-class Packing:
-    """What every attention of one forward needs of packed rows (built once per forward by
-    :func:`packing`, handed to each block, so a recomputing checkpointed block sees it too).
-
-    ``positions`` ``(B, T)``: each token's position in its document. Exactly one of:
-    ``mask`` ``(B, 1, T, T)`` bool, True where a query may attend to a key (same document,
-    not later): the whole rows are on this rank; ``documents`` ``(B, T)``: this rank's
-    document ids of rows split by context parallelism, for its attention
-    (:func:`plait.context.packed_documents`)."""
-
-    positions: torch.Tensor
-    mask: torch.Tensor | None = None
-    documents: torch.Tensor | None = None
-
-
-def packing(
-    documents: torch.Tensor | None, positions: torch.Tensor | None, sharded: bool
-) -> Packing | None:
-    """The :class:`Packing` of one forward over rows with ``documents`` (None: one document
-    per row, plain causal attention: returns None). ``positions``: each token's position in
-    its document, computed from ``documents`` when None, which needs whole rows; with
-    ``sharded`` (the rows are split over context-parallel ranks) they must be given,
-    computed on the whole rows and sharded like the inputs."""
-    if documents is None:
-        return None
-    if sharded:
-        if positions is None:
-            raise ValueError(
-                "packed rows under context parallelism need positions: compute them on the "
-                "whole rows (document_positions) and shard them like the inputs"
-            )
-        return Packing(positions, documents=documents)
-    if positions is None:
-        positions = document_positions(documents)
-    t = documents.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=documents.device).tril()
-    same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
-    return Packing(positions, mask=(same & causal)[:, None])
-
-
-def causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pack: Packing | None,
-    dropout_p: float = 0.0,
-) -> torch.Tensor:
-    """Causal SDPA of ``q``, ``k``, ``v`` ``(B, heads, T, d)``, kept inside documents with
-    ``pack``: through its mask, or (rows split by context parallelism, whose attention
-    builds no mask of the whole row) through ``packed_documents``, opened here so that
-    each call, a checkpointed block's recompute or another pipeline microbatch's included,
-    sees its own documents."""
-    if pack is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-    if pack.mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=pack.mask, dropout_p=dropout_p)
-    with packed_documents(pack.documents):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
 
 @dataclass(frozen=True)
@@ -220,25 +151,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
-    """``forward(idx: (B, T) int64) -> logits (B, T, vocab)``."""
+class GPT(Decoder):
+    """``forward(idx: (B, T) int64) -> logits (B, T, vocab)`` (:class:`Decoder`'s), token
+    and learned position embeddings summed."""
 
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
+        super().__init__(cfg.seq_len)
         self.cfg = cfg
         # Optional: a pipeline stage drops those of other stages (see the module docstring).
         tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.tok_emb: nn.Embedding | None = tok_emb
+        self.tok_emb = tok_emb
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model)
-        head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_weights:
-            head.weight = tok_emb.weight
-        self.head: nn.Linear | None = head
-        #: The global positions of the tokens ``forward`` gets, when they are not the first
-        #: ``T`` of a sequence (context parallelism: this rank's share of every sequence).
-        self.positions: torch.Tensor | None = None
+        self.head = tied_head(tok_emb, cfg.tie_weights)
+        self.positions = None
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -261,44 +188,20 @@ class GPT(nn.Module):
         blocks; None for a dense model (as :attr:`plait.train.llama.Llama.moe_shape`)."""
         return (self.cfg.n_layer, self.cfg.experts) if self.cfg.experts else None
 
-    @property
-    def seq_len(self) -> int:
-        """The longest sequence it takes."""
-        return self.cfg.seq_len
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        documents: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Token ids ``(B, T)`` to logits ``(B, T, vocab)``.
-
-        ``documents`` ``(B, T)``: packed rows, each token's document index in its row
-        (non-decreasing); attention stays inside documents and positions restart at 0 in
-        each (:func:`packing`). None: one document per row. ``positions`` ``(B, T)``: the
-        tokens' positions in their documents, needed (computed on the whole rows, sharded
-        like the inputs) when ``self.positions`` says the rows are split over
-        context-parallel ranks. A pipeline stage without the embeddings takes hidden states
-        ``(B, T, C)`` instead, and one without the head returns hidden states.
-        """
-        t = x.shape[1]
-        if t > self.cfg.seq_len:
-            raise ValueError(f"sequence of {t} tokens exceeds seq_len={self.cfg.seq_len}")
-        pack = packing(documents, positions, sharded=self.positions is not None)
-        if self.tok_emb and self.pos_emb:  # falsy on stages without them (split_model)
-            if pack is not None:
-                pos = pack.positions  # (B, T)
-            elif self.positions is not None:
-                pos = self.positions
-            else:
-                pos = torch.arange(t, device=x.device)
-            x = self.tok_emb(x) + self.pos_emb(pos)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, pack)
-        if self.ln_f and self.head:
-            x = self.head(self.ln_f(x))  # (B, T, vocab)
-        return x
+    def embed(self, idx: torch.Tensor, pack: Packing | None) -> torch.Tensor:
+        """Token ids ``(B, T)`` to token plus position embeddings ``(B, T, C)``: each
+        token's position in its document with packed rows, its global position under
+        context parallelism (``self.positions``), else ``0 .. T-1``. On a pipeline stage
+        without the embeddings, its input unchanged."""
+        if not (self.tok_emb and self.pos_emb):  # falsy on stages without them (split_model)
+            return idx
+        if pack is not None:
+            pos = pack.positions  # (B, T)
+        elif self.positions is not None:
+            pos = self.positions
+        else:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ Packed rows: the documents and positions go to every stage as keyword arguments,
 schedule cuts into microbatches like the inputs, so each stage's forward (and a
 checkpointed block's recompute) sees its own microbatch's, with nothing sent between
 stages. The loss of microbatch i is its tokens' sum over the global batch's count, times
-the gradient ranks (:mod:`plait.train.step`); the schedule seeds each backward with 1
+the gradient ranks (:mod:`plait.train.step_batch`); the schedule seeds each backward with 1
 (``scale_grads=False``): the microbatches' gradients add up to the global batch's.
 """
 
@@ -24,11 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.layout import PP
 from plait.mesh import mesh_device
-from plait.pipeline import SCHEDULE_CLASSES, PipelineScheduleSingle, PipelineStage, schedule_spec
+from plait.pipeline import PipelineScheduleSingle, PipelineStage, get_schedule_class
 from plait.train.config import TrainConfig
 from plait.train.model import token_loss
 from plait.train.parallelize import Stage, forward_context, loss_context
-from plait.train.step import StepBatch, gradient_ranks
+from plait.train.step_batch import StepBatch, gradient_ranks
 
 __all__ = ["PipelineStepper"]
 
@@ -51,7 +51,9 @@ class PipelineStepper:
         pipeline_stages = [
             PipelineStage(s.module, s.index, s.n_stages, device, group=group) for s in stages
         ]
-        schedule_class = SCHEDULE_CLASSES[schedule_spec(cfg.schedule).name]
+        # One lookup in plait.pipeline's registry (case-insensitive, as --schedule is);
+        # resolve() has already refused names it does not hold.
+        schedule_class = get_schedule_class(cfg.schedule)
         single = issubclass(schedule_class, PipelineScheduleSingle)
         # The single-stage classes take a stage, the looped ones this rank's list of stages.
         self.schedule = schedule_class(

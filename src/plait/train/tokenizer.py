@@ -9,7 +9,8 @@ giving the chat template and the beginning- and end-of-sequence tokens.
 :func:`train_bpe` is ``plait tokenizer train``: a byte-level BPE trained on the same files
 ``plait train --data`` reads, with the special tokens ``<|endoftext|>`` (end of a
 document: the eos), ``<|im_start|>`` and ``<|im_end|>`` (ChatML turns), written as a
-``tokenizer.json`` and a ``tokenizer_config.json`` holding a ChatML chat template.
+``tokenizer.json`` and a ``tokenizer_config.json`` holding a ChatML chat template (the
+command itself, reading ``--data``, is :mod:`plait.train.tokenizer_command`).
 
 The optional libraries (``tokenizers``, ``jinja2``) are imported inside the functions
 that need them, so plain byte-level training needs neither.
@@ -318,26 +319,3 @@ class _Counted:
         for text in self.texts:
             self.n += 1
             yield text
-
-
-def tokenizer_command(
-    action: str, data: str, vocab: int, out: str, text_field: str, messages_field: str
-) -> str:
-    """``plait tokenizer train``: train :func:`train_bpe` on ``data``'s records (texts,
-    and the content of every chat message); a line saying what was written."""
-    from plait.train.data import data_files, read_records  # data imports this module
-
-    if action != "train":
-        raise ConfigError(f"plait tokenizer {action}: unknown; the action is: train")
-
-    def texts() -> Iterator[str]:
-        for record in read_records(data_files(data), text_field, messages_field):
-            if record.text is not None:
-                yield record.text
-            else:
-                assert record.messages is not None
-                yield from (m["content"] for m in record.messages)
-
-    tok = train_bpe(texts(), vocab, out)
-    config = Path(out).parent / "tokenizer_config.json"
-    return f"plait tokenizer: wrote {out} ({tok.vocab_size} ids) and {config}"

@@ -92,7 +92,7 @@ def _agree_on_run_dir(cfg: TrainConfig) -> str:
 
 @record  # a failing worker's traceback reaches the launcher's error report
 def worker_main(cfg: TrainConfig) -> TrainResult:
-    """Train ``cfg`` (resolved: see :func:`plait.train.layout.resolve`) in this process."""
+    """Train ``cfg`` (resolved: see :func:`plait.train.resolve.resolve`) in this process."""
     _die_with_the_launcher()
     os.environ["PLAIT_FAULT_TIMEOUT"] = f"{cfg.fault_timeout:g}"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -1,0 +1,140 @@
+"""Seconds of communication on a rank's links, and the exchanges inside a block that
+compute does not hide: tensor, context and expert parallelism's, per block and
+microbatch, and a pipeline's sends (:mod:`plait.plan.timing`).
+
+**Links** (bytes from :mod:`plait.plan.comm`): time = bytes / link bandwidth + the
+device's ``latency`` per call. Collectives whose group spans nodes with ``k`` members in
+each node run at ``k x`` the network's rate per rank, at most NVLink's (NCCL's rings side
+by side, one per NIC).
+
+**Tensor parallelism**: ``tp_overlap="none"`` (plait's recipe, the default: torch's TP
+collectives run synchronously in the compute stream) exposes them whole; ``"async"``
+(Megatron's TP communication overlap, torchtitan's AsyncTP) exposes per block only what
+exceeds the GEMMs they are decomposed into.
+
+**Context parallelism** (``cp`` ranks per sequence, :mod:`plait.context`): a rank computes
+its ``seq_len / cp`` tokens of each of its data-parallel rank's sequences, each attending
+to the whole sequence (so attention's FLOPs per rank fall by ``cp`` like the rest; the
+causal load balancing makes the ranks' shares equal). Its key/value exchange per block
+(:func:`~plait.plan.comm.cp_traffic`), on NVLink while ``cp x tp`` ranks fit a node:
+
+* ``allgather`` and ``alltoall``: exposed whole. The all-gather (its reduce-scatter in
+  backward) and the all-to-alls sit between the q, k, v projections and attention, and
+  between attention and the output projection: nothing of the block runs beside them.
+* ``ring``: overlapped with attention. Each shift starts before the current block's
+  attention runs, so per block only what exceeds the attention's compute (forward: the
+  forward's; backward: twice that) is exposed, latencies included. That assumes the
+  kernels run at the same rate beside the transfers and that no shift waits on one
+  another.
+
+Recomputation (``--ac full`` or ``selective``) repeats the forward's exchange. ``fully_shard``
+shards over ``dp_shard x cp`` and its collectives have that many ranks.
+
+**Mixture of experts.** A MoE block's expert-parallel all-to-alls (of its tp chunk of the
+routed rows) sit between the router and the experts and between the experts and the
+residual: nothing runs beside them, so they are exposed whole, like tensor parallelism's,
+per MoE block and microbatch: dispatch and combine in forward, both again in backward, and
+the forward's in a recompute; each forward also pays the latency of its row-count exchange
+and load all-reduce. Under tensor parallelism the chunks' outputs are all-gathered over tp
+(in backward the input rows' gradients), one all-gather per pass, exposed whole as well.
+"""
+
+from __future__ import annotations
+
+from plait.layout import CP, EFSDP, EP, PP, TP
+from plait.plan.comm import (
+    _span,
+    all_to_all_bytes,
+    cp_traffic,
+    link_bandwidth,
+    tp_bytes_per_block,
+    tp_gather_bytes,
+)
+from plait.plan.shards import (
+    compute_bytes,
+    expert_fsdp_ranks,
+    fsdp_ranks,
+    microbatch_tokens,
+    routed_tp,
+)
+from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
+
+__all__ = [
+    "cp_exposed",
+    "link_seconds",
+    "microbatch_hop",
+    "moe_exchanges",
+    "tp_exposed",
+]
+
+
+def _bandwidth(dim: str, layout: Layout, device: DeviceSpec) -> float:
+    """Per rank bandwidth of ``dim``'s collectives. Inside a node NVLink's; across nodes, a
+    group with ``k`` members in each node runs ``k`` rings side by side, one per NIC
+    (NCCL's channels over rail-optimised networks), each member's NIC carrying ``1 / k``
+    of the node-crossing traffic: ``k x`` the network's rate, at most NVLink's."""
+    bw = link_bandwidth(dim, layout, device)
+    if bw != device.inter_node_bw or dim == PP:
+        return bw
+    sizes = {EP: layout.ep, EFSDP: expert_fsdp_ranks(layout), "dp_shard_cp": fsdp_ranks(layout)}
+    sizes["zero"] = layout.dp_replicate * layout.cp
+    size = sizes[dim] if dim in sizes else int(getattr(layout, dim))
+    per_node = max(1, device.gpus_per_node * size // max(_span(dim, layout), 1))
+    return min(device.intra_node_bw, per_node * device.inter_node_bw)
+
+
+def link_seconds(nbytes: float, dim: str, layout: Layout, device: DeviceSpec, calls: int) -> float:
+    """Seconds of ``calls`` collectives of ``dim`` moving ``nbytes`` per rank in all."""
+    return nbytes / _bandwidth(dim, layout, device) + calls * device.latency
+
+
+def tp_exposed(
+    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec, gemm: float, overlap: str
+) -> tuple[float, float]:
+    """Seconds tensor parallelism's collectives expose in one block's forward and backward
+    for one microbatch (module docstring): whole, or with ``overlap`` ``"async"`` beyond
+    the block's forward GEMMs ``gemm`` (the backward's: twice that)."""
+    t_tp = 0.0
+    if layout.tp > 1:
+        t_tp = link_seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
+    if overlap == "async" and device.overlap:
+        return max(0.0, t_tp - gemm), max(0.0, t_tp - 2 * gemm)
+    return t_tp, t_tp
+
+
+def moe_exchanges(
+    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec
+) -> tuple[float, float]:
+    """Seconds one MoE block's exchanges take in forward and in backward for one
+    microbatch, all exposed (module docstring): the all-to-alls of dispatch and combine,
+    the row counts' and the load's latencies, and the routed rows' all-gather over tp."""
+    one = link_seconds(all_to_all_bytes(model, layout, work), EP, layout, device, 0)
+    latency = device.latency * ((3 if layout.ep > 1 else 0) + (1 if layout.dp > 1 else 0))
+    exchange = 2 * one + latency  # forward: counts, dispatch, combine (and the load)
+    back = 2 * one + (2 * device.latency if layout.ep > 1 else 0.0)
+    if routed_tp(layout) > 1:  # the routed rows' all-gather over tp, one per pass
+        gathered = link_seconds(tp_gather_bytes(model, layout, work), TP, layout, device, 1)
+        exchange, back = exchange + gathered, back + gathered
+    return exchange, back
+
+
+def cp_exposed(
+    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec, attention: float
+) -> tuple[float, float]:
+    """Seconds context parallelism's exchange adds to one block's forward and backward for
+    one microbatch (module docstring); ``attention``: the forward's attention compute,
+    which a ring's shifts run beside (the backward's is twice that)."""
+    t = cp_traffic(model, layout, work)
+    fwd = link_seconds(t.forward, CP, layout, device, t.forward_calls)
+    bwd = link_seconds(t.backward, CP, layout, device, t.backward_calls)
+    if layout.cp_method == "ring" and device.overlap:
+        return max(0.0, fwd - attention), max(0.0, bwd - 2 * attention)
+    return fwd, bwd
+
+
+def microbatch_hop(model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec) -> float:
+    """Seconds to send one microbatch's activation to the next pipeline stage."""
+    sp = layout.tp if layout.sequence_parallel else 1
+    n = microbatch_tokens(layout, work)
+    e = compute_bytes(work)
+    return link_seconds(n * model.d_model / sp * e, PP, layout, device, 1)

@@ -1,0 +1,162 @@
+"""Compute seconds of one block and of a rank's ends for one microbatch: the compute part
+of the cost model (:mod:`plait.plan.timing`), and its fitted constants.
+
+**Compute** (:mod:`plait.plan.roofline`): each kernel of a block (q, k, v, o and MLP
+GEMMs at their tp split and the microbatch's tokens; flash attention, causal, at its share
+of the sequence; the eager memory-bound norms, residuals, rotary embeddings and
+activations at the HBM bandwidth) and of the head and its loss, priced by the roofline
+with a fraction of the peak that depends on the GEMM's shape; backward twice the GEMMs
+and the memory-bound passes, flash attention's backward its own. Every kernel time is
+divided by ``EFFICIENCY``, the sustained fraction. Checkpointing adds its recomputation:
+``selective`` recomputes attention and the memory-bound work (plait keeps only matmul
+outputs), ``full`` the whole block forward, less what runs after the block's last saved
+tensor where the checkpoint stops early (``Software.ac_early_stop``: the MLP's output
+GEMM and the residual addition after it). Devices without a roofline profile (the
+``cpu`` preset) run every FLOP at ``FLAT_EFFICIENCY`` of the peak; measured devices at
+their measured rates.
+
+**Mixture of experts.** A MoE block's compute is its attention, router and shared experts
+and, per token, its ``top_k`` experts. The router runs whole on every tp rank; under tensor
+parallelism with ``fully_shard`` the routed rows are cut into ``tp`` chunks, one per tp
+rank, so a rank runs ``1 / tp`` of the routed experts' rows (whole experts: tp splits rows,
+not their matrices; without ``fully_shard`` every tp rank runs all of them:
+:func:`~plait.plan.shards.routed_tp`).
+
+**Calibration.** ``EFFICIENCY`` (the shared sustained fraction) and ``STACK_SCALE`` (one
+factor per software stack) are the fitted constants, on the four runs
+``benchmarks/published_runs.py`` marks ``"calibration"``, one per stack
+(:mod:`plait.plan.calibration`, which recomputes them); the roofline's other figures are
+cited (:mod:`plait.plan.roofline`). Every other published row is a prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.plan.devices import compute_peak
+from plait.plan.models import attention_flops_per_token
+from plait.plan.roofline import block_kernels, elementwise_seconds, head_kernels, profile, stack
+from plait.plan.schedule import RankLoad
+from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params, routed_tp
+from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Software, Workload
+
+__all__ = ["EFFICIENCY", "FLAT_EFFICIENCY", "STACK_SCALE", "KernelTimes", "kernel_times"]
+
+EFFICIENCY = 0.8113
+"""The sustained fraction: every roofline kernel time is divided by it (fitted by
+:mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
+
+STACK_SCALE: dict[str, float] = {
+    "torchtitan": 0.8857,
+    "megatron-2021": 1.1071,
+    "megatron-core": 1.1131,
+    "llm-foundry": 0.9589,
+}
+"""Per software stack (:data:`plait.plan.roofline.STACKS`), the factor its sustained
+fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
+list cost or save), fitted on that stack's one calibration run by
+:func:`plait.plan.calibration.calibrate_stacks`; 1 for a stack without one (``plait``)."""
+
+FLAT_EFFICIENCY = 0.3641
+"""Devices without a roofline profile (the ``cpu`` preset, unknown names): the fraction
+of the dense peak every FLOP runs at (scaled by ``efficiency / EFFICIENCY``)."""
+
+
+@dataclass(frozen=True)
+class KernelTimes:
+    """Compute seconds of one block and of the rank's ends, one microbatch."""
+
+    fwd: float
+    bwd: float  # without recomputation
+    recompute: float
+    gemm_fwd: float  # of fwd: the GEMMs (what async TP hides collectives behind)
+    attention_fwd: float  # of fwd: attention (what a ring's shifts run beside)
+    head_fwd: float
+    head_bwd: float
+
+
+def kernel_times(
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    load: RankLoad,
+    efficiency: float,
+    software: Software,
+    kernel_gap: float,
+) -> KernelTimes:
+    """The roofline's kernel times (:mod:`plait.plan.roofline`) for ``software``'s kernels,
+    divided by the sustained fraction ``efficiency``, plus ``kernel_gap`` seconds between
+    kernels (:data:`~plait.plan.roofline.KERNEL_GAP`, passed by :mod:`plait.plan.timing`);
+    without a profile, FLOPs at one fraction of the peak."""
+    peak = compute_peak(device, work.precision)
+    n, tp = microbatch_tokens(layout, work), layout.tp
+    p = rank_params(model, layout, load)
+    prof = profile(device)
+    if prof is None:
+        flat = 1.0 if device.measured else FLAT_EFFICIENCY * efficiency / EFFICIENCY
+        rate = peak * flat
+        attention = n * attention_flops_per_token(model, work.seq_len) / tp / rate
+        forward = n * 2 * p.block_matmul / rate + attention
+        recompute = {"none": 0.0, "selective": attention, "full": forward}[layout.ac]
+        head = n * 2 * model.vocab * model.d_model / tp / rate if load.head else 0.0
+        return KernelTimes(
+            forward, 2 * forward, recompute, forward - attention, attention, head, 2 * head
+        )
+    e = compute_bytes(work)
+    kernels = stack(software.kernels)
+    sp = layout.sequence_parallel and tp > 1
+    kinds = []
+    if p.dense_blocks:
+        kinds.append((p.dense_blocks, False))
+    if p.moe_blocks:
+        kinds.append((p.moe_blocks, True))
+    early = kernels.early_stop if software.ac_early_stop is None else software.ac_early_stop
+    fwd = bwd = gemm = attn = redo = full = 0.0
+    launches = 0.0
+    for count, moe in kinds:
+        k = block_kernels(
+            model,
+            tp,
+            n,
+            work.seq_len,
+            layout.cp,
+            e,
+            moe,
+            prof,
+            peak,
+            kernels,
+            sp,
+            device.name,
+            routed_tp(layout),
+        )
+        share = count / p.blocks
+        fwd += share * k.forward
+        bwd += share * k.backward
+        gemm += share * k.gemm
+        attn += share * k.attention_fwd
+        launches += share * k.launches
+        full += share * (k.forward - (k.tail if early else 0.0))
+        if kernels.selective == "torchtitan":  # keeps attention and every second matmul
+            redo += share * (k.gemm / 2 + k.elementwise)
+        else:  # plait keeps matmul outputs
+            redo += share * (k.attention_fwd + k.elementwise)
+    recompute = {"none": 0.0, "selective": redo, "full": full}[layout.ac]
+    gap = kernel_gap * launches  # per forward; backward launches twice as many
+    redo_gap = {"none": 0.0, "selective": gap / 2, "full": gap}[layout.ac]
+    head_f = head_b = 0.0
+    if load.head:
+        head_f, head_b = head_kernels(model, tp, n, e, prof, peak, kernels.loss)
+    if load.embedding:  # the lookup's rows, and backward's scatter into the gradient
+        rows = elementwise_seconds(n * model.d_model * e, prof)
+        head_f, head_b = head_f + rows, head_b + 2 * rows
+    s = efficiency * STACK_SCALE.get(software.kernels, 1.0)
+    return KernelTimes(
+        fwd / s + gap,
+        bwd / s + 2 * gap,
+        recompute / s + redo_gap,
+        gemm / s,
+        attn / s,
+        head_f / s,
+        head_b / s,
+    )

@@ -1,0 +1,61 @@
+"""Grouped-query causal self-attention with rotary position embeddings, the Llama family's
+(:class:`LlamaAttention`): separate q, k, v and output projections, so tensor parallelism
+splits each by heads, and head counts read from the projections' widths, so each rank runs
+its local heads with the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.train.llama.config import LlamaConfig
+from plait.train.llama.rms_norm import RMSNorm
+from plait.train.llama.rotary import apply_rotary, rope_inv_freq
+from plait.train.packing import Packing, causal_attention
+
+__all__ = ["LlamaAttention"]
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query causal self-attention with rotary embeddings. The query and key/value
+    head counts come from the projections' output widths (this rank's under tensor
+    parallelism); ``positions`` is set by :class:`~plait.train.llama.Llama`."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        c, d = cfg.hidden_size, cfg.dim_head
+        self.head_dim = d
+        self.q = nn.Linear(c, cfg.num_attention_heads * d, bias=cfg.qkv_bias)
+        self.k = nn.Linear(c, cfg.num_key_value_heads * d, bias=cfg.qkv_bias)
+        self.v = nn.Linear(c, cfg.num_key_value_heads * d, bias=cfg.qkv_bias)
+        self.proj = nn.Linear(cfg.num_attention_heads * d, c, bias=cfg.proj_bias)
+        # Qwen3: each head's queries and keys RMS-normalised (one gain per head dimension,
+        # shared by the heads) before the rotary embedding.
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.positions: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
+        b, t = x.shape[0], x.shape[1]  # x: (B, T, C)
+        q, k, v = (
+            p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )  # (B, heads, T, d) and (B, kv heads, T, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        pos = self.positions if self.positions is not None else torch.arange(t, device=x.device)
+        if pack is not None:  # packed rows: positions in each document, (B, T)
+            pos = pack.positions
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        angles = pos.to(inv_freq.device, torch.float32)[..., None] * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)  # (T, d), or (B, T, d) per row
+        cos, sin = angles.cos(), angles.sin()
+        if cos.dim() == 3:  # per row: broadcast over the heads
+            cos, sin = cos[:, None], sin[:, None]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # every kv head serves `groups` consecutive query heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        y = causal_attention(q, k, v, pack)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
