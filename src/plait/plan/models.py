@@ -32,6 +32,11 @@ from typing import Any
 
 from plait.plan.spec import ModelSpec
 from plait.train import presets as train_presets
+from plait.train.llama import LlamaConfig, LlamaConfigError
+from plait.train.model import GPTConfig
+
+# Re-exported: the rule is the trainer's (plait.train.model_spec), the CLI asks it here.
+from plait.train.model_spec import expert_hidden_default as expert_hidden_default
 
 __all__ = [
     "PRESET_ALIASES",
@@ -72,12 +77,6 @@ def preset(name: str) -> ModelSpec:
     return dataclasses.replace(spec, name=key, source=source)
 
 
-def expert_hidden_default(ffn_hidden: int, top_k: int, shared_experts: int) -> int:
-    """Each expert's width when not given: as many active MLP weights per token as the dense
-    MLP of width ``ffn_hidden`` (``plait train``'s rule, ``GPTConfig.d_expert``)."""
-    return max(1, ffn_hidden // (top_k + shared_experts))
-
-
 def gpt(
     n_layer: int,
     n_head: int,
@@ -94,37 +93,29 @@ def gpt(
     """plait's GPT (:mod:`plait.train.model`) from ``plait train``'s flags: GELU MLP of
     width ``4 d_model``, biased linears, LayerNorm, learned positions, byte vocabulary.
     With ``experts`` > 0 every block's MLP is a mixture of experts as ``plait train
-    --experts`` builds it (``expert_hidden`` 0: :func:`expert_hidden_default`)."""
+    --experts`` builds it (``expert_hidden`` 0: :func:`expert_hidden_default`). The spec is
+    the trainer's own (``GPTConfig.spec``); ValueError in flag words for what it refuses."""
     if n_head < 1 or d_model % n_head:
         raise ValueError(f"--d-model {d_model} must be a positive multiple of --n-head {n_head}")
-    moe: dict[str, Any] = {}
-    name = f"gpt-{n_layer}x{d_model}"
-    if experts:
+    if experts > 0 and not 1 <= top_k <= experts:
+        # The spec's refusal in its words (GPTConfig, built first, would say it in its own).
         hidden = expert_hidden or expert_hidden_default(4 * d_model, top_k, shared_experts)
-        moe = {
-            "experts": experts,
-            "top_k": top_k,
-            "shared_experts": shared_experts,
-            "expert_hidden": hidden,
-        }
-        name += f"-moe{experts}x{hidden}-top{top_k}" + (
-            f"+{shared_experts}" if shared_experts else ""
-        )
-    return ModelSpec(
-        name=name,
-        layers=n_layer,
+        plus = f"+{shared_experts}" if shared_experts else ""
+        name = f"gpt-{n_layer}x{d_model}-moe{experts}x{hidden}-top{top_k}{plus}"
+        raise ValueError(f"{name}: --top-k {top_k} must be in 1..--experts {experts}")
+    config = GPTConfig(
+        vocab_size=vocab,
+        seq_len=seq_len,
+        n_layer=n_layer,
+        n_head=n_head,
         d_model=d_model,
-        heads=n_head,
-        kv_heads=n_head,
-        ffn_hidden=4 * d_model,
-        vocab=vocab,
-        gated=False,
-        tied=tied,
-        bias=True,
-        norm_bias=True,
-        positions=seq_len,
-        **moe,
+        tie_weights=tied,
+        experts=experts,
+        top_k=top_k,
+        shared_experts=shared_experts,
+        expert_hidden=expert_hidden,
     )
+    return config.spec()
 
 
 _HF_KEYS = {  # ModelSpec field: config.json key
@@ -137,15 +128,23 @@ _HF_KEYS = {  # ModelSpec field: config.json key
 
 
 def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
-    """A Llama-family decoder from a Hugging Face ``config.json`` (a path or its contents).
+    """A decoder from a Hugging Face ``config.json`` (a path or its contents), named by its
+    ``_name_or_path`` (contents; default ``hf-config``) or its folder (a path), whose
+    ``source`` is the path (contents: none). ValueError names a missing key.
 
-    Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
-    ``num_key_value_heads`` (default: no grouped-query attention), ``intermediate_size``,
-    ``vocab_size``, ``tie_word_embeddings`` (default false) and ``head_dim`` (default:
-    ``hidden_size / num_attention_heads``; Qwen3's and Qwen3-MoE's ``model_type`` add their
-    per-head query and key norms), and the routed experts of a
-    mixture of experts where the config has them (:func:`_hf_moe`; attention is read as
-    Llama's, so DeepSeek's latent attention is not exact). ValueError names a missing key.
+    A config ``plait train`` can build (its ``model_type`` or ``architectures`` one of the
+    Llama families :class:`~plait.train.llama.LlamaConfig` reads, with nothing it refuses) is
+    the trainer's own description (``LlamaConfig.from_hf(values).spec()``: the family's
+    defaults for keys the file leaves out, as plait train builds it). Any other, which the
+    planner prices but plait cannot train (DeepSeek-V3's ``n_routed_experts``,
+    ``n_shared_experts`` and ``first_k_dense_replace``, a rope scaling plait does not
+    build, a config naming no family), is read here as a Llama's: ``hidden_size``,
+    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (default: no
+    grouped-query attention), ``intermediate_size``, ``vocab_size``,
+    ``tie_word_embeddings`` (default false) and ``head_dim`` (default: ``hidden_size /
+    num_attention_heads``; Qwen3's and Qwen3-MoE's ``model_type`` add their per-head query
+    and key norms), and the routed experts of a mixture of experts where the config has
+    them (:func:`_hf_moe`; DeepSeek's latent attention is not exact).
     """
     if isinstance(config, Mapping):
         values, name = dict(config), str(config.get("_name_or_path", "hf-config"))
@@ -159,6 +158,18 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
             f"--hf-config: {', '.join(missing)} missing; a Llama-family config.json has "
             f"{', '.join(_HF_KEYS.values())}"
         )
+    source = "" if isinstance(config, Mapping) else str(config)
+    if "model_type" in values or "architectures" in values:
+        try:
+            return LlamaConfig.from_hf(values).spec(name=name, source=source)
+        except LlamaConfigError:
+            pass  # a family or a feature plait does not build: the planner's own reading
+    return _generic(values, name, source)
+
+
+def _generic(values: Mapping[str, Any], name: str, source: str) -> ModelSpec:
+    """The planner's reading of a config.json ``plait train`` cannot build
+    (:func:`from_hf_config`)."""
     n = {field: int(values[key]) for field, key in _HF_KEYS.items()}
     kind = values.get("model_type")
     spec = ModelSpec(
@@ -173,7 +184,6 @@ def from_hf_config(config: str | Path | Mapping[str, Any]) -> ModelSpec:
         head_dim=int(values.get("head_dim") or 0),
         qk_norm=kind in ("qwen3", "qwen3_moe"),
     )
-    source = "" if isinstance(config, Mapping) else str(config)
     return dataclasses.replace(spec, source=source, **_hf_moe(values, n["ffn_hidden"]))
 
 

@@ -59,7 +59,6 @@ from plait.layout import (
     fewest_microbatches,
     find_schedule,
     grids,
-    moe_tp_width,
 )
 from plait.pipeline.schedules import SCHEDULES
 from plait.plan.candidate import Candidate, Pricing, describe, evaluate, fastest
@@ -113,19 +112,10 @@ _GIB = 2.0**30
 
 
 def model_shape(model: ModelSpec, work: Workload) -> ModelShape:
-    """What the layout rules need of ``model`` running ``work``.
-
-    The MLP width tensor parallelism must divide: a MoE block's is its shared experts'
-    (its routed experts' matrices are split by ``ep``, not ``tp``: tp splits their rows,
-    not their widths; without shared experts none, as ``plait train`` states it), the
-    dense blocks' as well when there are some."""
-    m = model
-    ffn = m.ffn_hidden
-    if m.experts:
-        shared = moe_tp_width(m.expert_hidden, m.shared_experts, m.d_model)
-        ffn = math.gcd(shared, m.ffn_hidden) if m.dense_layers else shared
-    shape = (m.layers, m.heads, m.kv_heads, m.d_model, ffn, m.vocab, work.seq_len)
-    return ModelShape(*shape, experts=m.experts)
+    """What the layout rules need of ``model`` running ``work``: :meth:`ModelSpec.shape`,
+    the derivation ``plait train`` uses too (the MLP width tp must divide:
+    :attr:`ModelSpec.tp_mlp_width`)."""
+    return model.shape(work.seq_len)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -3,7 +3,9 @@ of one rank. Plain frozen dataclasses shared by the cost model, the search, the 
 the command line; nothing here computes a prediction. The layout is the one ``plait
 train`` runs (:class:`plait.layout.Layout`), or a :class:`PlanLayout`: the same layout as
 another framework would run it (ZeRO-1/2 data parallelism, Megatron-LM's activations),
-which the planner predicts and ``plait train`` does not run.
+which the planner predicts and ``plait train`` does not run. The model
+(:class:`ModelSpec`) is the train layer's (:mod:`plait.train.model_spec`: the one
+description ``plait train`` builds from), re-exported here.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.layout import LAYOUT_FIELDS, MESH_DIMS, Layout
+
+# Re-exported: the model is described once, in the train layer (``plait train`` builds from
+# it, the planner prices it).
+from plait.train.model_spec import ModelSpec as ModelSpec
 
 __all__ = [
     "LAYOUT_DIMS",
@@ -135,87 +141,6 @@ class Software:
     def __post_init__(self) -> None:
         if self.tp_overlap not in TP_OVERLAPS:
             raise ValueError(f"tp_overlap must be one of {TP_OVERLAPS}, got {self.tp_overlap!r}")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer (Llama family or plait's GPT).
-
-    ``ffn_hidden``: the MLP's inner width; ``gated``: a SwiGLU MLP (three matrices, Llama)
-    rather than two (GPT); ``kv_heads``: grouped-query attention (``heads`` for none);
-    ``tied``: the head shares the embedding's weight; ``bias`` / ``norm_bias``: linear and
-    norm layers have biases (GPT: LayerNorm and biased linears; Llama: RMSNorm, none);
-    ``head_dim``: the heads' width where it is not ``d_model / heads`` (Qwen3); ``qk_norm``:
-    per-head RMSNorms of queries and keys (Qwen3); ``source``: what ``plait train
-    --model-config`` builds it from (a preset or a config.json; empty for plait's GPT).
-
-    Mixture of experts (``experts`` > 0, plait's ``plait.experts.MoE``): every block after
-    the first ``dense_layers`` replaces its MLP by a router (a bias-free ``d_model x
-    experts`` gate), ``experts`` routed SwiGLU experts of width ``expert_hidden`` (each
-    token goes to ``top_k`` of them, dropless) and ``shared_experts`` shared ones (one
-    SwiGLU of width ``expert_hidden x shared_experts`` every token goes through). The
-    leading dense blocks keep the MLP of ``ffn_hidden`` / ``gated``. Without experts the
-    other MoE fields are ignored.
-    """
-
-    name: str
-    layers: int
-    d_model: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    gated: bool = True
-    tied: bool = False
-    bias: bool = False
-    norm_bias: bool = False
-    positions: int = 0  # rows of a learned position embedding (plait's GPT: seq_len), else 0
-    experts: int = 0  # routed experts per MoE block; 0: a dense model
-    top_k: int = 1
-    shared_experts: int = 0
-    expert_hidden: int = 0
-    dense_layers: int = 0  # leading blocks with a dense MLP (DeepSeek-V3: 3)
-    head_dim: int = 0  # each attention head's width; 0: d_model / heads
-    qk_norm: bool = False  # per-head RMSNorms of queries and keys (Qwen3)
-    # What ``plait train --model-config`` takes to build exactly this model (a preset name
-    # or a config.json path); "" for plait's GPT (its --n-layer / --n-head / --d-model).
-    source: str = ""
-
-    @property
-    def dim_head(self) -> int:
-        """Each attention head's width (``head_dim``, by default ``d_model / heads``)."""
-        return self.head_dim or self.d_model // self.heads
-
-    @property
-    def q_width(self) -> int:
-        """The width of the queries (and of the attention's output): ``heads x head_dim``."""
-        return self.heads * self.dim_head
-
-    @property
-    def kv_width(self) -> int:
-        """The width of the keys, and of the values: ``kv_heads x head_dim``."""
-        return self.kv_heads * self.dim_head
-
-    def __post_init__(self) -> None:
-        if self.experts < 0 or self.shared_experts < 0 or self.dense_layers < 0:
-            raise ValueError(f"{self.name}: experts, shared experts and dense layers must be >= 0")
-        if self.experts:
-            if not 1 <= self.top_k <= self.experts:
-                raise ValueError(
-                    f"{self.name}: --top-k {self.top_k} must be in 1..--experts {self.experts}"
-                )
-            if self.expert_hidden < 1:
-                raise ValueError(f"{self.name}: --expert-hidden must be at least 1 with experts")
-            if self.dense_layers >= self.layers:
-                raise ValueError(
-                    f"{self.name}: --dense-layers {self.dense_layers} leaves no MoE block of "
-                    f"{self.layers}: use fewer than {self.layers}"
-                )
-
-    @property
-    def moe_layers(self) -> int:
-        """Blocks whose MLP is a mixture of experts (0 for a dense model)."""
-        return self.layers - self.dense_layers if self.experts else 0
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,13 @@ The layout goes both ways whole: :class:`~plait.train.config.TrainConfig`'s layo
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from plait.plan.devices import device as device_preset
-from plait.plan.models import from_hf_config, gpt
 from plait.plan.report import all_to_all_per_step, cp_per_step, size
 from plait.plan.search import Candidate, describe, evaluate
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 from plait.train.config import TrainConfig
-from plait.train.resolve import model_config_bytes
+from plait.train.resolve import model_spec
 
 __all__ = ["config_of_layout", "local_device", "model_of_config", "plan_of_config", "plan_summary"]
 
@@ -35,22 +33,10 @@ def local_device(kind: str) -> DeviceSpec:
 
 
 def model_of_config(cfg: TrainConfig) -> ModelSpec:
-    """The planner's description of the model ``plait train`` builds from ``cfg``: the GPT
-    (its MoE blocks included: same parameters as ``GPT(GPTConfig(...))``), or the
-    ``--model-config`` file or preset (:func:`plait.plan.models.from_hf_config`)."""
-    if cfg.model_config:
-        values = json.loads(model_config_bytes(cfg.model_config))
-        return from_hf_config({"_name_or_path": cfg.model_config, **values})
-    return gpt(
-        cfg.n_layer,
-        cfg.n_head,
-        cfg.d_model,
-        cfg.seq_len,
-        experts=cfg.experts,
-        top_k=cfg.top_k,
-        shared_experts=cfg.shared_experts,
-        expert_hidden=cfg.expert_hidden,
-    )
+    """The planner's description of the model ``plait train`` builds from ``cfg``: the
+    trainer's own (:func:`plait.train.resolve.model_spec`), the GPT's vocabulary the
+    tokenizer's, or the ``--model-config`` file or preset."""
+    return model_spec(cfg)
 
 
 def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candidate:

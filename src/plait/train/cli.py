@@ -26,7 +26,15 @@ from plait.train.checkpointing import (
     latest_checkpoint,
     read_info,
 )
-from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag, load_toml
+from plait.train.config import (
+    CHOICES,
+    DEFAULTS,
+    ConfigError,
+    RunConfig,
+    TrainConfig,
+    flag,
+    load_toml,
+)
 from plait.train.config import from_mapping as config_from_mapping
 from plait.train.export import export_run
 from plait.train.hf import check_init_from, with_default_model_config
@@ -299,6 +307,9 @@ def build_config(flags: dict[str, Any]) -> TrainConfig:
 
 
 def _check_paths(cfg: TrainConfig) -> None:
+    """Refuse missing data files, and a run directory whose checkpoints do not fit: a
+    resume without one, a new run over one, another model's (so the whole ``cfg``: its
+    data, run directory and model settings)."""
     if cfg.data and not Path(cfg.data).exists():
         raise ConfigError(f"--data {cfg.data}: no such file or directory")
     if cfg.chat_template and not Path(cfg.chat_template).is_file():
@@ -342,20 +353,22 @@ def _train(flags: dict[str, Any], planner: Planner | None) -> None:
     try:
         launch(cfg)
     except WorkerFailed as err:
-        raise WorkerFailed(f"{err}{_resume_hint(cfg)}") from None
+        raise WorkerFailed(f"{err}{_resume_hint(cfg.run)}") from None
 
 
-def _resume_hint(cfg: TrainConfig) -> str:
-    latest = latest_checkpoint(cfg.run_dir)
+def _resume_hint(run: RunConfig) -> str:
+    """How to continue the failed run ``run`` from its last checkpoint ("" if none)."""
+    latest = latest_checkpoint(run.run_dir)
     if latest is None:
         return ""
     return (
         f"\nthe last checkpoint is {latest}; continue from it with: "
-        f"plait train --run-dir {cfg.run_dir} --resume"
+        f"plait train --run-dir {run.run_dir} --resume"
     )
 
 
 def _describe(cfg: TrainConfig) -> str:
+    """One line naming what the run trains and how (it describes every group of ``cfg``)."""
     dims = " ".join(
         f"{name}={size}" for name, size in cfg.mesh_dims.items() if name != CP or size > 1
     )

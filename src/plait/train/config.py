@@ -9,6 +9,20 @@ what the run directory records.
 
 The TOML file is flat: the keys are the field names (``dp_shard = 2``), dashes allowed
 (``dp-shard = 2``), so a TOML file and the command line speak the same words.
+
+**Groups.** The flat :class:`TrainConfig` stays the one source (its constructor, TOML keys,
+``replace``, ``to_dict`` and the run directory's config.json); read-only properties give
+its fields by concern, each a small frozen dataclass built from them: ``cfg.corpus``
+(:class:`DataConfig`), ``cfg.optim`` (:class:`OptimConfig`), ``cfg.balance``
+(:class:`BalanceConfig`), ``cfg.execution`` (:class:`ExecutionConfig`, which holds
+``cfg.layout``, a :class:`plait.layout.Layout`), ``cfg.run`` (:class:`RunConfig`) and
+``cfg.logging`` (:class:`LogConfig`); the model's fields (:data:`MODEL_FIELDS`) are read by
+the model's builders. A function that needs one concern takes its group, so its signature
+says what it depends on. A group's fields have the same names as TrainConfig's, so a
+public function that takes a group also accepts the whole TrainConfig (annotated
+``OptimConfig | TrainConfig``: the body may read only names both have, which mypy checks).
+Every field belongs to exactly one group or to :data:`MODEL_FIELDS`
+(tests/test_train_config_groups.py): a new field must be placed in one.
 """
 
 from __future__ import annotations
@@ -18,7 +32,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from plait.layout import CP_METHODS, LAYOUT_FIELDS, Layout, flag
 
@@ -33,9 +47,17 @@ __all__ = [
     "CHOICES",
     "DEFAULTS",
     "DEVICES",
+    "GROUPS",
+    "MODEL_FIELDS",
     "PRECISIONS",
     "WANDB_MODES",
+    "BalanceConfig",
     "ConfigError",
+    "DataConfig",
+    "ExecutionConfig",
+    "LogConfig",
+    "OptimConfig",
+    "RunConfig",
     "TrainConfig",
     "flag",
     "from_mapping",
@@ -51,6 +73,134 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the flag and the fix."""
+
+
+_G = TypeVar("_G", bound="_Group")
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A group of :class:`TrainConfig`'s fields, under the same names (module docstring).
+    No defaults: a group is built from a TrainConfig, which holds them."""
+
+    @classmethod
+    def of(cls: type[_G], source: _G | TrainConfig) -> _G:
+        """This group of ``source``: ``source`` itself if it is one, else built from the
+        same-named attributes of the TrainConfig."""
+        if isinstance(source, cls):
+            return source
+        values = {f.name: getattr(source, f.name) for f in dataclasses.fields(cls)}
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class DataConfig(_Group):
+    """The corpus and how it becomes rows (:func:`plait.train.data.load_data`): the files,
+    the tokenizer and its vocabulary, the record fields, the chat template, the row length,
+    and the seed (the split and batch order draw from it; so do the initial weights)."""
+
+    data: str
+    tokenizer: str
+    vocab_size: int
+    text_field: str
+    messages_field: str
+    chat_template: str
+    seq_len: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class OptimConfig(_Group):
+    """The optimisation (:mod:`plait.train.optimizer`): how many steps of how many
+    sequences, AdamW's learning-rate schedule and weight decay, and gradient clipping."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    min_lr_ratio: float
+    warmup: int
+    weight_decay: float
+    grad_clip: float
+
+
+@dataclass(frozen=True)
+class BalanceConfig(_Group):
+    """How a mixture of experts balances its load: the auxiliary and router z losses, and
+    the auxiliary-loss-free bias (they change training, not the shape of the weights)."""
+
+    aux_loss_coeff: float
+    aux_loss_type: str
+    z_loss_coeff: float
+    bias_update_speed: float
+
+
+@dataclass(frozen=True)
+class ExecutionConfig(_Group):
+    """How the ranks run the model: the parallel ``layout`` (every mesh size and its
+    choices), the processes and their device, precision and CPU offload, the speed flags
+    (``compile``, ``float8``: they change how each rank computes, as the layout does), and
+    ``fault_timeout``, how long a collective waits for a peer."""
+
+    layout: Layout
+    nproc: int
+    device: str
+    mp: str
+    cpu_offload: bool
+    compile: bool
+    float8: bool
+    fault_timeout: float
+
+
+@dataclass(frozen=True)
+class RunConfig(_Group):
+    """The run directory and what a session leaves in it: validation, checkpoints (how
+    often, how many kept), resuming, and where this session stops."""
+
+    run_dir: str
+    eval_every: int
+    eval_batches: int
+    ckpt_every: int
+    keep: int
+    resume: bool
+    stop_after: int
+
+
+@dataclass(frozen=True)
+class LogConfig(_Group):
+    """Where rank 0's records go besides metrics.jsonl (:mod:`plait.train.loggers`), and
+    the peak FLOP/s its MFU is measured against."""
+
+    tensorboard: bool
+    wandb: bool
+    wandb_project: str
+    wandb_mode: str
+    peak_flops: float
+
+
+#: The groups by the name of their :class:`TrainConfig` property.
+GROUPS: dict[str, type[_Group]] = {
+    "corpus": DataConfig,
+    "optim": OptimConfig,
+    "balance": BalanceConfig,
+    "execution": ExecutionConfig,
+    "run": RunConfig,
+    "logging": LogConfig,
+}
+#: The model's fields, in no group: the model's builders (:mod:`plait.train.loop`) read
+#: them, with ``seq_len`` and ``vocab_size`` of the data and the balancing settings.
+MODEL_FIELDS = (
+    "n_layer",
+    "n_head",
+    "d_model",
+    "dropout",
+    "model_config",
+    "model_hash",
+    "init_from",
+    "experts",
+    "top_k",
+    "shared_experts",
+    "expert_hidden",
+)
 
 
 @dataclass(frozen=True)
@@ -163,6 +313,38 @@ class TrainConfig:
     def local_batch(self) -> int:
         """Sequences each data-parallel rank takes from a global batch."""
         return self.batch_size // self.dp
+
+    # The groups (module docstring): each built from this configuration's own fields.
+
+    @property
+    def corpus(self) -> DataConfig:
+        """The data group (named ``corpus``: ``data`` is the field naming the files)."""
+        return DataConfig.of(self)
+
+    @property
+    def optim(self) -> OptimConfig:
+        """The optimisation group."""
+        return OptimConfig.of(self)
+
+    @property
+    def balance(self) -> BalanceConfig:
+        """The experts' load-balancing group."""
+        return BalanceConfig.of(self)
+
+    @property
+    def execution(self) -> ExecutionConfig:
+        """The execution group: the layout, the device, precision and speed flags."""
+        return ExecutionConfig.of(self)
+
+    @property
+    def run(self) -> RunConfig:
+        """The run directory group: validation, checkpoints, resuming, stopping."""
+        return RunConfig.of(self)
+
+    @property
+    def logging(self) -> LogConfig:
+        """The logging group."""
+        return LogConfig.of(self)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` applied (names checked, values type-checked)."""

@@ -1,8 +1,9 @@
 """Training data: documents read from files, tokenized once, packed into rows by step number.
 
-:func:`load_data` is the entry: it turns a :class:`~plait.train.config.TrainConfig` into
-the :class:`TokenData` that ``plait train`` draws its batches from, through four steps,
-each a module that states its own contract:
+:func:`load_data` is the entry: it turns the data settings (a
+:class:`~plait.train.config.DataConfig`, a TrainConfig's ``corpus``) into the
+:class:`TokenData` that ``plait train`` draws its batches from, through four steps, each
+a module that states its own contract:
 
 * :mod:`plait.train.sources`: ``--data``'s files (text, JSON lines, Parquet; default the
   Python standard library) read as records, texts or chats;
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plait.train.config import ConfigError, TrainConfig
+from plait.train.config import ConfigError, DataConfig, TrainConfig
 from plait.train.data_record import DATA_FILE, record_fingerprint
 from plait.train.documents import Document, tokenize_records
 from plait.train.sources import Record, data_files, read_records, stdlib_files
@@ -59,10 +60,13 @@ __all__ = [
 _tokenize = tokenize_records
 
 
-def load_data(cfg: TrainConfig, cache: Path | None = None, use_cache: bool = True) -> TokenData:
+def load_data(
+    cfg: DataConfig | TrainConfig, cache: Path | None = None, use_cache: bool = True
+) -> TokenData:
     """``cfg``'s corpus (``--data``, default the standard library) tokenized by its
-    ``--tokenizer``, split and packed for ``--seq-len``; ConfigError for a record that
-    cannot be read or a corpus too small for one row per split.
+    ``--tokenizer``, split (by ``--seed``) and packed for ``--seq-len``; ConfigError for a
+    record that cannot be read or a corpus too small for one row per split. ``cfg``: the
+    data group (``TrainConfig.corpus``), or the whole configuration.
 
     The tokens come from the token cache in ``cache`` (default :func:`cache_dir`) when it
     holds them, else are tokenized and written there; ``use_cache=False``: no cache. With

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.train.config import ConfigError, TrainConfig
+from plait.train.config import ConfigError, ExecutionConfig, TrainConfig
 from plait.train.extras import missing, require
 
 __all__ = ["ALIGN", "after_step", "check", "convert", "emulates", "gathers_float8"]
@@ -80,13 +80,13 @@ def emulates(device: str) -> bool:
     return not device.startswith("cuda")
 
 
-def gathers_float8(cfg: TrainConfig) -> bool:
-    """Whether ``fully_shard`` shards the blocks (``dp_shard x cp > 1``), so their float8
-    weights are all-gathered in float8."""
-    return cfg.float8 and cfg.dp_shard * cfg.cp > 1
+def gathers_float8(cfg: ExecutionConfig | TrainConfig) -> bool:
+    """Whether ``--float8`` is on and ``fully_shard`` shards the blocks (``dp_shard x cp >
+    1``), so their float8 weights are all-gathered in float8."""
+    return cfg.float8 and cfg.layout.dp_shard * cfg.layout.cp > 1
 
 
-def check(cfg: TrainConfig, d_model: int) -> None:
+def check(cfg: ExecutionConfig | TrainConfig, d_model: int) -> None:
     """Refuse ``--float8`` combinations that cannot run (module docstring), naming the fix:
     ConfigError. ``d_model``: the model's width (every block linear has it as one dim)."""
     if not cfg.float8:
@@ -119,7 +119,7 @@ def _eligible(module: nn.Module, fqn: str) -> bool:
     return module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
 
 
-def convert(blocks: Iterable[nn.Module], cfg: TrainConfig) -> int:
+def convert(blocks: Iterable[nn.Module], cfg: ExecutionConfig | TrainConfig) -> int:
     """Swap the eligible linears of ``blocks`` (module docstring) for torchao's
     ``Float8Linear``, in place; returns how many were swapped. Nothing without ``--float8``.
     Parameters keep their names and values (the weight object is reused, or wrapped in
@@ -173,7 +173,7 @@ def _plain_weight(module: nn.Module, state: dict[str, Any], prefix: str, metadat
         state[key] = _plain(state[key])
 
 
-def after_step(modules: Iterable[nn.Module], cfg: TrainConfig) -> None:
+def after_step(modules: Iterable[nn.Module], cfg: ExecutionConfig | TrainConfig) -> None:
     """After each optimizer step, with float8 all-gather on: every float8 weight's scale
     from its updated values, for the next forward's pre-all-gather casts (one all-reduce
     of the weights' max magnitudes per module). Nothing otherwise."""

@@ -26,6 +26,7 @@ The optional packages are imported only when their flag is on; a missing one is 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -36,7 +37,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from plait.train import extras
-from plait.train.config import ConfigError, TrainConfig
+from plait.train.config import ConfigError, LogConfig, TrainConfig
 from plait.train.extras import missing
 from plait.train.metrics import MetricsLog
 
@@ -98,7 +99,7 @@ def require(option: str) -> ModuleType:
     return module_type
 
 
-def check_logging(cfg: TrainConfig) -> None:
+def check_logging(cfg: LogConfig | TrainConfig) -> None:
     """Refuse, before any worker starts, logging settings that cannot work: a flag whose
     package is missing, a negative ``--peak-flops``."""
     for option, on in (("--tensorboard", cfg.tensorboard), ("--wandb", cfg.wandb)):
@@ -165,9 +166,16 @@ class TensorBoardLogger:
 
 class WandbLogger:
     """A Weights & Biases run with files under ``<run_dir>/wandb`` (see the module
-    docstring)."""
+    docstring), of ``cfg``'s project and mode, recording ``config`` (default: ``cfg``'s
+    fields: a TrainConfig's are the whole run's)."""
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig, resume: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LogConfig | TrainConfig,
+        resume: bool,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         wandb = require("--wandb")
         id_file = run_dir / WANDB_ID_FILE
         if resume and id_file.is_file():
@@ -183,7 +191,7 @@ class WandbLogger:
             resume="allow",
             dir=str(run_dir),  # W&B writes into its "wandb" folder
             mode=cfg.wandb_mode,
-            config=cfg.to_dict(),
+            config=dict(config) if config is not None else dataclasses.asdict(cfg),
             settings=wandb.Settings(console="off", quiet=True),
         )
         self.run_id = run_id
@@ -226,17 +234,18 @@ class Loggers:
 
 
 def open_loggers(cfg: TrainConfig, resume_step: int | None) -> Loggers:
-    """The backends ``cfg`` asks for, in ``cfg.run_dir`` (which must exist). A resumed
-    session (``resume_step``: its checkpoint's step) keeps the records up to that step and
-    continues the same TensorBoard history and W&B run."""
-    run_dir = Path(cfg.run_dir)
+    """The backends ``cfg.logging`` asks for, in ``cfg.run_dir`` (which must exist). A
+    resumed session (``resume_step``: its checkpoint's step) keeps the records up to that
+    step and continues the same TensorBoard history and W&B run. Takes the whole
+    configuration: TensorBoard and W&B record all of it."""
+    run_dir, log, config = Path(cfg.run_dir), cfg.logging, cfg.to_dict()
     metrics = MetricsLogger(run_dir, resume_step)
     others: list[Logger] = []
     try:
-        if cfg.tensorboard:
-            others.append(TensorBoardLogger(run_dir, cfg.to_dict(), resume_step))
-        if cfg.wandb:
-            others.append(WandbLogger(run_dir, cfg, resume_step is not None))
+        if log.tensorboard:
+            others.append(TensorBoardLogger(run_dir, config, resume_step))
+        if log.wandb:
+            others.append(WandbLogger(run_dir, log, resume_step is not None, config))
     except BaseException:
         for logger in [metrics, *others]:
             logger.close()

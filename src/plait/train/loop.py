@@ -8,6 +8,7 @@ loss curve, and draws the progress bar. With divergence checking on (``PLAIT_CHE
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -60,7 +61,7 @@ from plait.train.parallelize import (
 from plait.train.presets import RUN_FILE as MODEL_CONFIG_FILE
 from plait.train.progress import Progress
 from plait.train.report import imbalance, plot_loss_curve, summary_table
-from plait.train.resolve import llama_config, model_config_bytes, tokenizer_vocab
+from plait.train.resolve import gpt_config, llama_config, model_config_bytes
 from plait.train.step import Stepper, make_stepper
 from plait.train.step_batch import StepBatch, global_loss, step_batch
 from plait.train.tied import TiedCopies
@@ -103,10 +104,10 @@ def model_settings(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def model_config(cfg: TrainConfig) -> GPTConfig:
+    """The GPT ``cfg`` trains: the shape of :func:`~plait.train.resolve.gpt_config` (the
+    one the planner prices), with ``--dropout`` and the load-balancing settings."""
     balance = {name: getattr(cfg, name) for name in BALANCE_SETTINGS}
-    gpt = {name: value for name, value in model_settings(cfg).items() if name != "model_hash"}
-    gpt["vocab_size"] = tokenizer_vocab(cfg)[0]  # the resolved one, or the tokenizer's
-    return GPTConfig(dropout=cfg.dropout, **gpt, **balance)
+    return dataclasses.replace(gpt_config(cfg), dropout=cfg.dropout, **balance)
 
 
 def build_model(cfg: TrainConfig) -> Model:
@@ -152,21 +153,27 @@ class Trainable:
         builds every mesh before its fake tensors: building one needs real ones); by
         default built here (:func:`build_expert_mesh`, :func:`build_shard_mesh`)."""
         self.cfg = cfg
+        # The groups the steps read, built once (each property call builds a new one).
+        self.optim = cfg.optim
+        self.execution = execution = cfg.execution
         #: ``(blocks, experts)`` of a model with MoE blocks (the GPT's ``--experts``, a
         #: Llama's config.json), None for a dense one.
         self.moe_shape = model.moe_shape
         moe = model.moe_shape is not None
-        experts, shard = side_meshes or (build_expert_mesh(cfg, moe), build_shard_mesh(cfg))
+        experts, shard = side_meshes or (
+            build_expert_mesh(execution, moe),
+            build_shard_mesh(execution),
+        )
         tied = is_tied(model)  # asked before the pipeline split copies the matrix
         self.stages: list[Stage] = parallelize(model, cfg, mesh, experts, shard)
         self.modules = [s.module for s in self.stages]
         self.params = [p for m in self.modules for p in m.parameters()]
-        self.optimizer = build_optimizer(self.modules, cfg)
-        self.stepper: Stepper = make_stepper(self.stages, cfg, mesh)
+        self.optimizer = build_optimizer(self.modules, self.optim)
+        self.stepper: Stepper = make_stepper(self.stages, execution, mesh)
         self.pipeline_group = mesh[PP].get_group() if mesh and cfg.pp > 1 else None
         #: A head tied to the embedding, split by the pipeline: its two copies.
         self.tied = (
-            TiedCopies(self.stages, cfg, self.pipeline_group)
+            TiedCopies(self.stages, execution.layout, self.pipeline_group)
             if tied and self.pipeline_group is not None
             else None
         )
@@ -184,9 +191,10 @@ class Trainable:
         if self.tied is not None:  # both copies get the tied matrix's whole gradient
             self.tied.sum_grads()
             duplicates = self.tied.duplicates()
-        norm = clip_grad_norm(self.params, self.cfg, self.pipeline_group, duplicates)
+        norm = clip_grad_norm(self.params, self.optim, self.pipeline_group, duplicates)
         self.optimizer.step()
-        float8_scales(self.modules, self.cfg)  # --float8 weights: scales for the next gather
+        # --float8 weights: their scales for the next all-gather.
+        float8_scales(self.modules, self.execution)
         self.optimizer.zero_grad(set_to_none=True)
         if self.moe_shape is not None:
             self.expert_load = self._gather_expert_load(self.moe_shape)
@@ -216,7 +224,7 @@ class _Session:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.data: TokenData = load_data(cfg)
+        self.data: TokenData = load_data(cfg.corpus)
         if _rank() == 0 and (note := record_fingerprint(self.run_dir, self.data, cfg.resume)):
             _warn(note)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -227,7 +235,7 @@ class _Session:
         if init_from:
             check_init_from(cfg)
             shapes = parameter_shapes(model)
-        self.mesh = build_mesh(cfg)
+        self.mesh = build_mesh(cfg.execution)
         self.parts = Trainable(model, cfg, self.mesh)
         self.stages, self.modules = self.parts.stages, self.parts.modules
         if init_from:  # into this rank's shards of the parallelized stages
@@ -252,18 +260,19 @@ class _Session:
         cfg = self.cfg
         rows = self.data.batch(split, index, cfg.batch_size, self.dp_rank, cfg.dp)
         known = self.data.loss_tokens(split, cfg.batch_size)
-        return step_batch(rows.inputs, rows.targets, rows.documents, cfg, self.mesh, known)
+        execution = self.parts.execution
+        return step_batch(rows.inputs, rows.targets, rows.documents, execution, self.mesh, known)
 
     def train_step(self, step: int) -> tuple[float, float]:
         """Optimizer step ``step`` (0-based); returns (global loss, gradient norm)."""
-        set_lr(self.optimizer, lr_at(step, self.cfg))
+        set_lr(self.optimizer, lr_at(step, self.parts.optim))
         self.faults.step = step + 1
         local = self.stepper.train(self.batch("train", step))
         self.faults.step = 0
         norm = self.parts.update()
         spmd.check("end of a training step")  # free unless divergence checking is on
         # Read back only now, the step queued: one wait for the device per step.
-        return global_loss(local, self.cfg)[0], float(norm)
+        return global_loss(local, self.parts.execution.layout)[0], float(norm)
 
     def expert_record(self) -> dict[str, Any]:
         """The last step's expert load for its metrics record ({} for a dense model):
@@ -289,7 +298,7 @@ class _Session:
             for module in self.modules:
                 module.train()
         counts = torch.stack(tokens).tolist()  # global counts, the same on every rank
-        means = global_loss(torch.stack(losses), self.cfg)
+        means = global_loss(torch.stack(losses), self.parts.execution.layout)
         return sum(m * n for m, n in zip(means, counts, strict=True)) / sum(counts)
 
     def save(self, step: int) -> Path:
@@ -435,7 +444,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             {
                 "step": step,
                 "loss": loss,
-                "lr": lr_at(step - 1, cfg),
+                "lr": lr_at(step - 1, session.parts.optim),
                 "grad_norm": norm,
                 "step_time": elapsed,
                 "tokens_per_s": tokens_per_step / elapsed,

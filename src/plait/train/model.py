@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from plait.experts import AuxLossType, MoE
 from plait.train.decoder import Decoder, tied_head
+from plait.train.model_spec import ModelSpec, expert_hidden_default
 
 # Re-exported: packed rows were defined here before plait.train.packing, and the training
 # step and tests import them from this module.
@@ -79,7 +80,41 @@ class GPTConfig:
     def d_expert(self) -> int:
         """Each expert's hidden width: a token's active MLP weights (its ``top_k`` experts
         and the shared ones) match the dense MLP's unless ``expert_hidden`` says otherwise."""
-        return self.expert_hidden or max(1, self.d_mlp // (self.top_k + self.shared_experts))
+        return self.expert_hidden or expert_hidden_default(
+            self.d_mlp, self.top_k, self.shared_experts
+        )
+
+    def spec(self) -> ModelSpec:
+        """This GPT as the planner prices it and the layout rules see it (the one
+        description of its shape): a GELU MLP of width ``4 d_model``, biased linears,
+        LayerNorm with a bias, ``seq_len`` learned positions, ``vocab_size`` tokens, the head
+        tied when ``tie_weights``; with experts, every block's MLP a mixture of ``experts``
+        of width :attr:`d_expert`. Named ``gpt-{n_layer}x{d_model}``, with experts
+        ``-moe{experts}x{d_expert}-top{top_k}`` and ``+{shared_experts}`` when there are
+        some. Dropout and the balance settings change no shape and are not in it."""
+        moe = self.experts > 0
+        name = f"gpt-{self.n_layer}x{self.d_model}"
+        if moe:
+            name += f"-moe{self.experts}x{self.d_expert}-top{self.top_k}"
+            name += f"+{self.shared_experts}" if self.shared_experts else ""
+        return ModelSpec(
+            name=name,
+            layers=self.n_layer,
+            d_model=self.d_model,
+            heads=self.n_head,
+            kv_heads=self.n_head,  # no grouped-query attention
+            ffn_hidden=self.d_mlp,
+            vocab=self.vocab_size,
+            gated=False,
+            tied=self.tie_weights,
+            bias=True,
+            norm_bias=True,
+            positions=self.seq_len,
+            experts=self.experts,
+            top_k=self.top_k if moe else 1,
+            shared_experts=self.shared_experts if moe else 0,
+            expert_hidden=self.d_expert if moe else 0,
+        )
 
 
 class CausalSelfAttention(nn.Module):

@@ -21,14 +21,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from plait.fsdp.clip import clip_grad_norm_
-from plait.train.config import TrainConfig
+from plait.train.config import OptimConfig, TrainConfig
 
 __all__ = ["build_optimizer", "clip_grad_norm", "finish_partial_grads", "lr_at"]
 
 
-def build_optimizer(modules: Sequence[nn.Module], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over ``modules``' parameters; weight decay on matrices only (not on gains,
-    biases: decaying a LayerNorm gain towards zero only hurts)."""
+def build_optimizer(
+    modules: Sequence[nn.Module], cfg: OptimConfig | TrainConfig
+) -> torch.optim.AdamW:
+    """AdamW over ``modules``' parameters at ``cfg.lr``; weight decay on matrices only (not
+    on gains, biases: decaying a LayerNorm gain towards zero only hurts)."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -37,7 +39,7 @@ def build_optimizer(modules: Sequence[nn.Module], cfg: TrainConfig) -> torch.opt
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: OptimConfig | TrainConfig) -> float:
     """Learning rate of (0-based) ``step``: warm-up to ``cfg.lr``, cosine down to
     ``cfg.lr * cfg.min_lr_ratio`` at the last step."""
     if step < cfg.warmup:
@@ -71,7 +73,7 @@ def finish_partial_grads(params: list[nn.Parameter]) -> None:
 
 def clip_grad_norm(
     params: list[nn.Parameter],
-    cfg: TrainConfig,
+    cfg: OptimConfig | TrainConfig,
     pipeline: dist.ProcessGroup | None,
     duplicates: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:

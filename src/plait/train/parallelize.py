@@ -115,6 +115,7 @@ from plait.layout import (
     EP,
     PP,
     TP,
+    Layout,
     expert_shard_dim,
 )
 from plait.mesh import mesh_coordinate
@@ -122,7 +123,7 @@ from plait.pipeline import schedule_spec, split_model, stage_layers, stages_of_r
 from plait.replicate import replicate
 from plait.train.checkpointing import save_as
 from plait.train.compiled import compile_blocks
-from plait.train.config import TrainConfig
+from plait.train.config import ExecutionConfig, TrainConfig
 from plait.train.float8 import convert as float8_linears
 from plait.train.llama import Llama, LlamaBlock
 from plait.train.model import GPT, Block
@@ -172,19 +173,21 @@ class Stage:
         return self.index == self.n_stages - 1
 
 
-def build_mesh(cfg: TrainConfig) -> DeviceMesh | None:
-    """The device mesh of ``cfg``'s layout (:meth:`plait.layout.Layout.mesh`): ``(pp,
-    dp_replicate, dp_shard, tp)``, keeping only dimensions > 1; None for one process."""
+def build_mesh(cfg: ExecutionConfig | TrainConfig) -> DeviceMesh | None:
+    """The device mesh of ``cfg``'s layout (:meth:`plait.layout.Layout.mesh`) on its
+    device: ``(pp, dp_replicate, dp_shard, tp)``, keeping only dimensions > 1; None for
+    one process. ``cfg``: the execution group, or the whole TrainConfig (so for the two
+    below)."""
     return cfg.layout.mesh(cfg.device)
 
 
-def build_shard_mesh(cfg: TrainConfig) -> DeviceMesh | None:
+def build_shard_mesh(cfg: ExecutionConfig | TrainConfig) -> DeviceMesh | None:
     """With ``--cp``, the mesh of tensor parallelism and fully_shard
     (:meth:`plait.layout.Layout.shard_mesh`: ``dp_shard x cp`` as one dimension)."""
     return cfg.layout.shard_mesh(cfg.device)
 
 
-def build_expert_mesh(cfg: TrainConfig, moe: bool) -> DeviceMesh | None:
+def build_expert_mesh(cfg: ExecutionConfig | TrainConfig, moe: bool) -> DeviceMesh | None:
     """The routed experts' mesh (:meth:`plait.layout.Layout.expert_mesh`) of a model with
     (``moe``) or without mixture-of-experts blocks: ``(pp, dp_replicate, efsdp, ep, tp)``,
     or with tp ranks that split the routed rows ``(pp, dp_replicate, efsdp, ep)`` (tp
@@ -192,19 +195,19 @@ def build_expert_mesh(cfg: TrainConfig, moe: bool) -> DeviceMesh | None:
     return cfg.layout.expert_mesh(cfg.device, split_rows=moe and cfg.layout.splits_routed_rows)
 
 
-def _split(model: Model, cfg: TrainConfig, pp_rank: int) -> list[Stage]:
-    if cfg.pp == 1:
+def _split(model: Model, layout: Layout, pp_rank: int) -> list[Stage]:
+    if layout.pp == 1:
         return [Stage(0, 1, model)]
-    style = schedule_spec(cfg.schedule).style
-    mine = stages_of_rank(pp_rank, cfg.pp, cfg.n_stages, style)
+    style = schedule_spec(layout.schedule).style
+    mine = stages_of_rank(pp_rank, layout.pp, layout.n_stages, style)
     # Blocks in contiguous runs; the embeddings go with the first, the head with the last.
-    plan = stage_layers(model, cfg.n_stages, layers="blocks")
+    plan = stage_layers(model, layout.n_stages, layers="blocks")
     modules = split_model(model, plan, stages=mine)
     if is_tied(model):  # the last stage's copy of the matrix: saved as the embedding's
         for m in modules:
             if not m.tok_emb and m.head:
                 save_as(m, "head.weight", "tok_emb.weight")
-    return [Stage(s, cfg.n_stages, cast(Model, m)) for s, m in zip(mine, modules, strict=True)]
+    return [Stage(s, layout.n_stages, cast(Model, m)) for s, m in zip(mine, modules, strict=True)]
 
 
 def tensor_parallel_plan(module: Model, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -290,9 +293,9 @@ def is_tied(module: Model) -> bool:
     return bool(emb and head) and head.weight is emb.weight  # type: ignore[union-attr]
 
 
-def loss_context(cfg: TrainConfig) -> AbstractContextManager[Any]:
-    """What the loss and its backward run under: ``loss_parallel`` with ``--tp``, whose
-    head leaves the logits sharded by vocabulary."""
+def loss_context(cfg: Layout | TrainConfig) -> AbstractContextManager[Any]:
+    """What the loss and its backward run under in the layout ``cfg``: ``loss_parallel``
+    with ``--tp``, whose head leaves the logits sharded by vocabulary."""
     return loss_parallel() if cfg.tp > 1 else nullcontext()
 
 
@@ -308,30 +311,30 @@ def _checkpoint(module: Model, ac: str) -> None:
         checkpoint(block, **options.get(ac, {}))  # "full": no options
 
 
-def _shard_dims(cfg: TrainConfig) -> tuple[str, ...]:
+def _shard_dims(layout: Layout) -> tuple[str, ...]:
     """The dims fully_shard shards over (HSDP: replicates, then shards): of the layout's
     mesh, or with context parallelism of its shard mesh (``dp_shard x cp`` as one)."""
-    shard = DP_SHARD_CP if cfg.cp > 1 else DP_SHARD
-    return (DP_REPLICATE, shard) if cfg.dp_replicate > 1 else (shard,)
+    shard = DP_SHARD_CP if layout.cp > 1 else DP_SHARD
+    return (DP_REPLICATE, shard) if layout.dp_replicate > 1 else (shard,)
 
 
-def _token_dims(cfg: TrainConfig) -> tuple[str, ...]:
+def _token_dims(layout: Layout) -> tuple[str, ...]:
     """The dims of the layout's mesh whose ranks hold different tokens of a batch."""
-    return tuple(d for d in (*DATA_PARALLEL, CP) if getattr(cfg, d) > 1)
+    return tuple(d for d in (*DATA_PARALLEL, CP) if getattr(layout, d) > 1)
 
 
 def _moe(
-    module: Model, cfg: TrainConfig, mesh: DeviceMesh | None, experts: DeviceMesh | None
+    module: Model, layout: Layout, mesh: DeviceMesh | None, experts: DeviceMesh | None
 ) -> None:
     """Expert parallelism and load balancing of ``module``'s MoE blocks (recipe step 4)."""
-    dims = _token_dims(cfg)
+    dims = _token_dims(layout)
     dp = mesh[dims] if mesh is not None and dims else None
-    if cfg.ep > 1:
+    if layout.ep > 1:
         assert experts is not None
         expert_parallel(module, experts[EP], load_balance_mesh=dp)
     else:
         set_load_balance_mesh(module, dp)
-    if experts is not None and cfg.layout.splits_routed_rows:
+    if experts is not None and layout.splits_routed_rows:
         # The tp ranks see the same tokens: each runs a chunk of the routed rows, and the
         # experts' fully_shard group (efsdp, folded with tp) sums their gradients.
         assert mesh is not None
@@ -343,12 +346,10 @@ def _moe(
             # fully_shard / replicate, over the data-parallel ranks), as the one-process loss
             # counts them once. (The token loss needs no such factor: each microbatch's is
             # its tokens' sum over the global batch's count, plait.train.step.)
-            m.aux_loss_scale = 1.0 / cfg.microbatches
+            m.aux_loss_scale = 1.0 / layout.microbatches
 
 
-def _expert_placement(
-    block: Block | LlamaBlock, cfg: TrainConfig, experts: DeviceMesh | None
-) -> Any:
+def _expert_placement(block: Block | LlamaBlock, layout: Layout, experts: DeviceMesh | None) -> Any:
     """``shard_placement_fn`` of ``block``'s unit: its routed experts' stacked weights
     sharded on a dim their shard group divides (:func:`plait.layout.expert_shard_dim`), in
     a group on ``efsdp`` (HSDP: ``(dp_replicate, efsdp)``) under expert parallelism; the
@@ -356,11 +357,11 @@ def _expert_placement(
     if not isinstance(block.mlp, MoE):
         return None
     if experts is not None:
-        dims = (DP_REPLICATE, EFSDP) if cfg.dp_replicate > 1 else (EFSDP,)
+        dims = (DP_REPLICATE, EFSDP) if layout.dp_replicate > 1 else (EFSDP,)
         mesh: DeviceMesh | None = experts[dims]
         group = experts[EFSDP].size()
     else:  # the experts shard with the rest of the unit
-        mesh, group = None, cfg.dp_shard * cfg.cp
+        mesh, group = None, layout.dp_shard * layout.cp
     placements: dict[int, Any] = {}
     for weight in block.mlp.experts.parameters():
         local = weight.to_local() if isinstance(weight, DTensor) else weight
@@ -369,32 +370,39 @@ def _expert_placement(
     return lambda p: placements.get(id(p))
 
 
-def _shard(module: Model, cfg: TrainConfig, mesh: DeviceMesh, experts: DeviceMesh | None) -> None:
-    bf16 = cfg.mp == "bf16"
+def _shard(
+    module: Model, execution: ExecutionConfig, mesh: DeviceMesh, experts: DeviceMesh | None
+) -> None:
+    layout, bf16 = execution.layout, execution.mp == "bf16"
     shard = functools.partial(
         fully_shard,
-        mesh=mesh[_shard_dims(cfg)],
+        mesh=mesh[_shard_dims(layout)],
         mp_policy=MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
         ),
-        offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+        offload_policy=CPUOffloadPolicy() if execution.cpu_offload else OffloadPolicy(),
     )
     for block in _blocks(module):
-        placement = _expert_placement(block, cfg, experts)
-        shard(block, reshard_after_forward=cfg.reshard_after_forward, shard_placement_fn=placement)
+        placement = _expert_placement(block, layout, experts)
+        reshard = layout.reshard_after_forward
+        shard(block, reshard_after_forward=reshard, shard_placement_fn=placement)
     shard(module)  # the root: embeddings, head, and what runs at the end of backward
 
 
-def _context_parallel(module: Model, cfg: TrainConfig, mesh: DeviceMesh) -> None:
-    """Every attention of ``module`` over the whole sequence from this rank's tokens, and
-    the position embedding at their global positions (recipe step 3)."""
+def _context_parallel(
+    module: Model, execution: ExecutionConfig, seq_len: int, mesh: DeviceMesh
+) -> None:
+    """Every attention of ``module`` over the whole sequence (of ``seq_len`` tokens) from
+    this rank's tokens, and the position embedding at their global positions (recipe
+    step 3)."""
     # On each attention, not the whole model: the mode then intercepts only the calls
     # that run SDPA, and nothing else of a block (its norms, its MLP) carries the mode's
     # hooks, so --compile can compile those parts whole.
     for block in _blocks(module):
-        apply_context_parallel(block.attn, mesh[CP], method=cast(Method, cfg.cp_method))
-    module.positions = sequence_positions(cfg.seq_len, mesh[CP], device=cfg.device)
+        method = cast(Method, execution.layout.cp_method)
+        apply_context_parallel(block.attn, mesh[CP], method=method)
+    module.positions = sequence_positions(seq_len, mesh[CP], device=execution.device)
 
 
 def parallelize(
@@ -405,41 +413,46 @@ def parallelize(
     shard: DeviceMesh | None = None,
 ) -> list[Stage]:
     """Apply the recipe (module docstring) to ``model``; returns this rank's stages.
-    ``mesh``: the layout's (:func:`build_mesh`); ``experts``: the experts' mesh
-    (:func:`build_expert_mesh`; None without ``--ep``); ``shard``: what tensor parallelism
-    and fully_shard use with ``--cp`` (:func:`build_shard_mesh`; default ``mesh``)."""
+    ``cfg``: the whole configuration (the recipe reads ``cfg.execution``, and for ``--cp``
+    the sequence length); ``mesh``: the layout's (:func:`build_mesh`); ``experts``: the
+    experts' mesh (:func:`build_expert_mesh`; None without ``--ep``); ``shard``: what
+    tensor parallelism and fully_shard use with ``--cp`` (:func:`build_shard_mesh`;
+    default ``mesh``)."""
+    execution = cfg.execution
+    layout = execution.layout
     has_experts = model.moe_shape is not None  # the GPT's --experts, a Llama's config
-    stages = _split(model, cfg, mesh_coordinate(mesh, PP))  # 1. pipeline split
+    stages = _split(model, layout, mesh_coordinate(mesh, PP))  # 1. pipeline split
     inner = shard if shard is not None else mesh
     for stage in stages:
-        float8_linears(_blocks(stage.module), cfg)  # --float8: the blocks' linears
-        if cfg.tp > 1:  # 2. tensor parallelism
+        float8_linears(_blocks(stage.module), execution)  # --float8: the blocks' linears
+        if layout.tp > 1:  # 2. tensor parallelism
             assert inner is not None
-            plan = tensor_parallel_plan(stage.module, cfg.sequence_parallel)
+            plan = tensor_parallel_plan(stage.module, layout.sequence_parallel)
             tied = is_tied(stage.module)
             parallelize_module(stage.module, inner[TP], plan)
             if tied:  # each style made its own DTensor: one matrix again (both Shard(0))
                 assert stage.module.head and stage.module.tok_emb
                 stage.module.head.weight = stage.module.tok_emb.weight
-        if cfg.cp > 1:  # 3. context parallelism: sequences split, attention exact
+        if layout.cp > 1:  # 3. context parallelism: sequences split, attention exact
             assert mesh is not None
-            _context_parallel(stage.module, cfg, mesh)
+            _context_parallel(stage.module, execution, cfg.seq_len, mesh)
         if has_experts:  # 4. expert parallelism, load balancing over the dp ranks
-            _moe(stage.module, cfg, mesh, experts)
-        if cfg.compile:  # each block's forward compiled; the APIs' hooks stay around it
-            compile_blocks(_blocks(stage.module), context_parallel=cfg.cp > 1)
-        _checkpoint(stage.module, cfg.ac)  # 5. activation checkpointing per block
-        if cfg.dp_shard * cfg.cp > 1:  # 6. data parallelism per block, then the root
+            _moe(stage.module, layout, mesh, experts)
+        if execution.compile:  # each block's forward compiled; the APIs' hooks stay around it
+            compile_blocks(_blocks(stage.module), context_parallel=layout.cp > 1)
+        _checkpoint(stage.module, layout.ac)  # 5. activation checkpointing per block
+        if layout.dp_shard * layout.cp > 1:  # 6. data parallelism per block, then the root
             assert inner is not None
-            _shard(stage.module, cfg, inner, experts)
-        elif cfg.dp_replicate > 1:
+            _shard(stage.module, execution, inner, experts)
+        elif layout.dp_replicate > 1:
             assert mesh is not None
             replicate(stage.module, mesh=mesh[DP_REPLICATE])
     return stages
 
 
-def forward_context(cfg: TrainConfig) -> AbstractContextManager[Any]:
-    """What the forward runs under: autocast to bf16 where no ``fully_shard`` casts."""
-    if cfg.mp == "bf16" and cfg.dp_shard * cfg.cp == 1:
+def forward_context(cfg: ExecutionConfig | TrainConfig) -> AbstractContextManager[Any]:
+    """What the forward runs under: autocast to bf16 where no ``fully_shard`` casts.
+    ``cfg``: the execution group, or the whole TrainConfig."""
+    if cfg.mp == "bf16" and cfg.layout.dp_shard * cfg.layout.cp == 1:
         return torch.autocast(cfg.device, dtype=torch.bfloat16)
     return nullcontext()

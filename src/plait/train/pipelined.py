@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait.layout import PP
 from plait.mesh import mesh_device
 from plait.pipeline import PipelineScheduleSingle, PipelineStage, get_schedule_class
-from plait.train.config import TrainConfig
+from plait.train.config import ExecutionConfig, TrainConfig
 from plait.train.model import token_loss
 from plait.train.parallelize import Stage, forward_context, loss_context
 from plait.train.step_batch import StepBatch, gradient_ranks
@@ -42,23 +42,27 @@ def _microbatch_loss(
 
 
 class PipelineStepper:
-    """:class:`~plait.train.step.Stepper` for ``--pp`` > 1."""
+    """:class:`~plait.train.step.Stepper` for ``--pp`` > 1, of this rank's ``stages``;
+    ``cfg``: the execution group (or the whole TrainConfig); ``mesh``: the layout's."""
 
-    def __init__(self, stages: list[Stage], cfg: TrainConfig, mesh: DeviceMesh) -> None:
-        self.cfg = cfg
-        self.scale = float(gradient_ranks(cfg))
+    def __init__(
+        self, stages: list[Stage], cfg: ExecutionConfig | TrainConfig, mesh: DeviceMesh
+    ) -> None:
+        self.execution = execution = ExecutionConfig.of(cfg)
+        layout = execution.layout
+        self.scale = float(gradient_ranks(layout))
         group, device = mesh[PP].get_group(), mesh_device(mesh)
         pipeline_stages = [
             PipelineStage(s.module, s.index, s.n_stages, device, group=group) for s in stages
         ]
         # One lookup in plait.pipeline's registry (case-insensitive, as --schedule is);
         # resolve() has already refused names it does not hold.
-        schedule_class = get_schedule_class(cfg.schedule)
+        schedule_class = get_schedule_class(layout.schedule)
         single = issubclass(schedule_class, PipelineScheduleSingle)
         # The single-stage classes take a stage, the looped ones this rank's list of stages.
         self.schedule = schedule_class(
             pipeline_stages[0] if single else pipeline_stages,  # type: ignore[arg-type]
-            cfg.microbatches,
+            layout.microbatches,
             loss_fn=_microbatch_loss,
             scale_grads=False,
         )
@@ -79,7 +83,8 @@ class PipelineStepper:
         """``run`` (the schedule's ``step`` or ``eval``) over ``batch``'s microbatches;
         this rank's contribution to the loss."""
         losses: list[torch.Tensor] = []
-        with loss_context(self.cfg), forward_context(self.cfg):  # backwards run in step too
+        # The backwards run in the schedule's step too.
+        with loss_context(self.execution.layout), forward_context(self.execution):
             run(
                 batch.inputs,
                 target=batch.targets,

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from plait.layout import Layout
 from plait.train.config import TrainConfig
 from plait.train.flops import Peak, mfu
 from plait.train.progress import format_mfu
@@ -15,16 +16,16 @@ __all__ = ["expert_rows", "imbalance", "plot_loss_curve", "summary_table"]
 LOSS_CURVE = "loss.png"
 
 
-def _layout(cfg: TrainConfig) -> str:
+def _layout(layout: Layout) -> str:
     """The mesh, every dimension shown (outermost first), e.g. ``pp=2 x dp_replicate=1 x
     dp_shard=1 x tp=2, sequence parallel``."""
     mesh = " x ".join(
-        f"{name}={size}" for name, size in cfg.mesh_dims.items() if name != "cp" or size > 1
+        f"{name}={size}" for name, size in layout.sizes.items() if name != "cp" or size > 1
     )
-    if cfg.ep > 1:
-        mesh += f", experts over ep={cfg.ep} x efsdp={cfg.dp_shard // cfg.ep}"
-    if cfg.tp > 1:
-        mesh += ", sequence parallel" if cfg.sequence_parallel else ", no sequence parallelism"
+    if layout.ep > 1:
+        mesh += f", experts over ep={layout.ep} x efsdp={layout.dp_shard // layout.ep}"
+    if layout.tp > 1:
+        mesh += ", sequence parallel" if layout.sequence_parallel else ", no sequence parallelism"
     return mesh
 
 
@@ -66,10 +67,11 @@ def summary_table(
     *,
     mfu_of: tuple[float, Peak] | None = None,
 ) -> str:
-    """The end-of-run table. ``records``: the whole run's metrics (a resumed run's too);
-    ``session_steps``: the training records of this session, timed here; ``mfu_of``: the
-    model's training FLOPs per token and the peak (:mod:`plait.train.flops`), for the MFU
-    of the steady tokens/s."""
+    """The end-of-run table. ``cfg``: the whole configuration (the table reports the steps
+    and batch, the sequence length, the processes, device and layout); ``records``: the
+    whole run's metrics (a resumed run's too); ``session_steps``: the training records of
+    this session, timed here; ``mfu_of``: the model's training FLOPs per token and the
+    peak (:mod:`plait.train.flops`), for the MFU of the steady tokens/s."""
     times = [r["step_time"] for r in session_steps]
     steady = times[1:] or times  # the first step also pays for warm-up (allocations, plans)
     tokens = cfg.batch_size * cfg.seq_len * len(steady)
@@ -77,7 +79,7 @@ def summary_table(
     memory_kind = "peak allocated" if cfg.device == "cuda" else "peak RSS"
     rows = [
         ("steps", f"{records[-1]['step'] if records else 0} of {cfg.steps}"),
-        ("layout", f"{cfg.nproc} x {cfg.device} ({_layout(cfg)})"),
+        ("layout", f"{cfg.nproc} x {cfg.device} ({_layout(cfg.layout)})"),
         ("tokens/s", f"{tokens / sum(steady):,.0f}" if times else "-"),
     ]
     if mfu_of is not None:

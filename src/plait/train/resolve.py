@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from typing import Any
 
 import torch
 
@@ -22,10 +23,19 @@ from plait.train import float8
 from plait.train.config import CHOICES, DEFAULTS, ConfigError, TrainConfig, flag
 from plait.train.llama import LlamaConfig, LlamaConfigError
 from plait.train.model import GPTConfig
+from plait.train.model_spec import ModelSpec
 from plait.train.presets import config_bytes, config_object, preset_names
 from plait.train.tokenizer import load_tokenizer
 
-__all__ = ["default_device", "default_nproc", "llama_config", "model_shape", "resolve"]
+__all__ = [
+    "default_device",
+    "default_nproc",
+    "gpt_config",
+    "llama_config",
+    "model_shape",
+    "model_spec",
+    "resolve",
+]
 
 
 _CPU_WORKERS = 4
@@ -53,14 +63,18 @@ def model_config_bytes(value: str) -> bytes:
         ) from err
 
 
+def model_config_values(value: str) -> dict[str, Any]:
+    """The contents of ``--model-config value``'s config.json, or ConfigError."""
+    return config_object(model_config_bytes(value), f"--model-config {value}", ConfigError)
+
+
 def llama_config(cfg: TrainConfig) -> LlamaConfig:
     """The Llama-family configuration of ``--model-config`` (a config.json or a preset),
     or ConfigError saying what is wrong with it (or what it cannot train on: the byte
     data, ``--seq-len``)."""
     path = cfg.model_config
-    values = config_object(model_config_bytes(path), f"--model-config {path}", ConfigError)
     try:
-        llama = LlamaConfig.from_hf(values)
+        llama = LlamaConfig.from_hf(model_config_values(path))
     except LlamaConfigError as err:
         raise ConfigError(f"--model-config {path}: {err}") from err
     vocab, tokenizer = tokenizer_vocab(cfg)
@@ -100,27 +114,11 @@ def model_hash(path: str) -> str:
     return hashlib.sha256(model_config_bytes(path)).hexdigest()
 
 
-def model_shape(cfg: TrainConfig) -> rules.ModelShape:
-    """What the layout rules need of ``cfg``'s model: the GPT (shaped by its flags, its
-    vocabulary the tokenizer's), or the Llama of ``--model-config``."""
-    if cfg.model_config:
-        llama = llama_config(cfg)
-        moe = llama.moe_shape is not None
-        dense = not moe or len(llama.moe_layers) < llama.num_hidden_layers
-        # tp splits the dense blocks' SwiGLU; a MoE's routed experts are split by ep, and
-        # without shared experts it leaves only the model width (moe_tp_width).
-        mlp = llama.intermediate_size if dense else rules.moe_tp_width(0, 0, llama.hidden_size)
-        sizes = (
-            llama.num_hidden_layers,
-            llama.num_attention_heads,
-            llama.num_key_value_heads,
-            llama.hidden_size,
-            mlp,
-            llama.vocab_size,
-            cfg.seq_len,
-        )
-        return rules.ModelShape(*sizes, tokens="tokens", experts=llama.num_experts if moe else 0)
-    gpt = GPTConfig(
+def gpt_config(cfg: TrainConfig) -> GPTConfig:
+    """The shape of ``cfg``'s GPT: its model flags, its vocabulary the resolved one (by
+    default the tokenizer's: :func:`tokenizer_vocab`). Dropout and the balance settings
+    keep their defaults: they change no shape (``plait.train.loop.model_config`` adds them)."""
+    return GPTConfig(
         vocab_size=tokenizer_vocab(cfg)[0],
         seq_len=cfg.seq_len,
         n_layer=cfg.n_layer,
@@ -131,13 +129,27 @@ def model_shape(cfg: TrainConfig) -> rules.ModelShape:
         shared_experts=cfg.shared_experts,
         expert_hidden=cfg.expert_hidden,
     )
-    heads = gpt.n_head  # no grouped-query attention: as many KV heads
-    mlp = gpt.d_mlp
-    if gpt.experts:
-        mlp = rules.moe_tp_width(gpt.d_expert, gpt.shared_experts, gpt.d_model)
-    sizes = (gpt.n_layer, heads, heads, gpt.d_model, mlp, gpt.vocab_size, gpt.seq_len)
-    tokens = "tokens" if cfg.tokenizer else "byte tokens"
-    return rules.ModelShape(*sizes, from_flags=True, tokens=tokens, experts=cfg.experts)
+
+
+def model_spec(cfg: TrainConfig) -> ModelSpec:
+    """The model ``plait train`` builds from ``cfg``, described once (what ``plait train
+    --plan`` prices and :func:`model_shape` derives from): the Llama of ``--model-config``
+    (named as its config.json's ``_name_or_path`` says, by default the ``--model-config``
+    value, its source), else the GPT of :func:`gpt_config`. ConfigError as
+    :func:`llama_config`'s."""
+    if cfg.model_config:
+        name = str(model_config_values(cfg.model_config).get("_name_or_path", cfg.model_config))
+        return llama_config(cfg).spec(name=name, source=cfg.model_config)
+    return gpt_config(cfg).spec()
+
+
+def model_shape(cfg: TrainConfig) -> rules.ModelShape:
+    """What the layout rules need of ``cfg``'s model (:meth:`ModelSpec.shape` of
+    :func:`model_spec`): the GPT, whose messages name its flags and its byte tokens
+    unless a ``--tokenizer`` is given, or the Llama of ``--model-config``."""
+    gpt = not cfg.model_config
+    tokens = "byte tokens" if gpt and not cfg.tokenizer else "tokens"
+    return model_spec(cfg).shape(cfg.seq_len, from_flags=gpt, tokens=tokens)
 
 
 def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:

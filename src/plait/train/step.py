@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.fsdp import FSDPModule
 from plait.replicate import ReplicateModule
-from plait.train.config import TrainConfig
+from plait.train.config import ExecutionConfig, TrainConfig
 from plait.train.model import token_loss
 from plait.train.parallelize import Stage, forward_context, loss_context
 from plait.train.pipelined import PipelineStepper
@@ -41,11 +41,16 @@ class Stepper(Protocol):
         ...
 
 
-def make_stepper(stages: list[Stage], cfg: TrainConfig, mesh: DeviceMesh | None) -> Stepper:
-    if cfg.pp > 1:
+def make_stepper(
+    stages: list[Stage], cfg: ExecutionConfig | TrainConfig, mesh: DeviceMesh | None
+) -> Stepper:
+    """The stepper of this rank's ``stages`` (module docstring); ``cfg``: the execution
+    group (or the whole TrainConfig); ``mesh``: the layout's (None for one process)."""
+    execution = ExecutionConfig.of(cfg)
+    if execution.layout.pp > 1:
         assert mesh is not None
-        return PipelineStepper(stages, cfg, mesh)
-    return DataParallelStepper(stages[0], cfg)
+        return PipelineStepper(stages, execution, mesh)
+    return DataParallelStepper(stages[0], execution)
 
 
 def _set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
@@ -70,20 +75,20 @@ def _rows(batch: StepBatch, m: int) -> list[StepBatch]:
 class DataParallelStepper:
     """No pipeline: the whole model on every rank, gradient accumulation over microbatches."""
 
-    def __init__(self, stage: Stage, cfg: TrainConfig) -> None:
+    def __init__(self, stage: Stage, execution: ExecutionConfig) -> None:
         self.module = stage.module
-        self.cfg = cfg
-        self.scale = float(gradient_ranks(cfg))
+        self.execution = execution
+        self.scale = float(gradient_ranks(execution.layout))
 
     def train(self, batch: StepBatch) -> torch.Tensor:
-        m = self.cfg.microbatches
+        m = self.execution.layout.microbatches
         total = torch.zeros((), dtype=torch.float32, device=batch.inputs.device)
         for i, mb in enumerate(_rows(batch, m)):
             # Each microbatch's loss is its tokens' sum over the global count, so the
             # accumulated gradient is this rank's share of the global batch's; only the
             # last backward communicates (and averages over the gradient ranks: scaled up).
             _set_gradient_sync(self.module, i == m - 1)
-            with loss_context(self.cfg):
+            with loss_context(self.execution.layout):
                 loss = self._loss(mb)
                 (loss * self.scale).backward()
             total += loss.detach()
@@ -93,11 +98,11 @@ class DataParallelStepper:
         """``batch``'s loss: its tokens' sum over the global count. The logits live only
         here: a reference held through the backward would keep them (tokens x vocabulary,
         the step's largest activation) alive to its end."""
-        with forward_context(self.cfg):
+        with forward_context(self.execution):
             logits = self.module(batch.inputs, **batch.model_kwargs())
             return token_loss(logits, batch.targets) / batch.tokens
 
     @torch.no_grad()
     def evaluate(self, batch: StepBatch) -> torch.Tensor:
-        with loss_context(self.cfg):
+        with loss_context(self.execution.layout):
             return self._loss(batch).float()

@@ -29,9 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait import spmd
 from plait.context import shard_sequence
-from plait.layout import CP
+from plait.layout import CP, Layout
 from plait.mesh import collective_device
-from plait.train.config import TrainConfig
+from plait.train.config import ExecutionConfig, TrainConfig
 from plait.train.model import IGNORE, document_positions
 
 __all__ = ["StepBatch", "global_loss", "gradient_ranks", "step_batch"]
@@ -62,11 +62,11 @@ class StepBatch:
         return {"documents": self.documents, "positions": self.positions}
 
 
-def gradient_ranks(cfg: TrainConfig) -> int:
-    """How many ranks ``fully_shard`` / ``replicate`` average each gradient over: the
-    data-parallel ranks and, with ``--cp``, the context-parallel ones (each holds a share of
-    its data-parallel rank's tokens). Every backward is scaled up by it, so that their mean
-    is the sum the token-weighted loss needs."""
+def gradient_ranks(cfg: Layout | TrainConfig) -> int:
+    """How many ranks ``fully_shard`` / ``replicate`` average each gradient over in the
+    layout ``cfg``: the data-parallel ranks and, with ``--cp``, the context-parallel ones
+    (each holds a share of its data-parallel rank's tokens). Every backward is scaled up by
+    it, so that their mean is the sum the token-weighted loss needs."""
     return cfg.dp * cfg.cp
 
 
@@ -79,7 +79,7 @@ def step_batch(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     documents: torch.Tensor,
-    cfg: TrainConfig,
+    cfg: ExecutionConfig | TrainConfig,
     mesh: DeviceMesh | None,
     tokens: int | None = None,
 ) -> StepBatch:
@@ -89,16 +89,18 @@ def step_batch(
     tensor is cut to this rank's tokens of each row (``--cp``: ``shard_sequence``) and moved
     to the device. The global count of loss tokens is ``tokens`` when the caller knows it
     (data without masked targets), else one all-reduce of the local counts over the world
-    (every rank calls this: a collective when there are several)."""
+    (every rank calls this: a collective when there are several). ``cfg``: the execution
+    group (layout, device, ``--compile``), or the whole TrainConfig."""
     docs: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     # Rows of one document each keep plain causal attention, unless --compile: there the
     # attention stays masked by document on every batch (one graph variant for the whole
     # run, as block-causal attention in torchtitan), so that the first batch of packed
     # documents compiles nothing new. Under --cp attention is not compiled.
-    if _several_documents(documents) or (cfg.compile and cfg.cp == 1):
+    layout = cfg.layout
+    if _several_documents(documents) or (cfg.compile and layout.cp == 1):
         docs, positions = documents, document_positions(documents)
-    if cfg.cp > 1:  # this rank's tokens of every row (the model knows their places)
+    if layout.cp > 1:  # this rank's tokens of every row (the model knows their places)
         assert mesh is not None
         group = mesh[CP]
         inputs, targets = (shard_sequence(t, group, dim=1) for t in (inputs, targets))
@@ -112,7 +114,7 @@ def step_batch(
         count = count.to(collective_device(world))
         spmd.record("all_reduce", count, world, "the loss tokens")
         spmd.wait(dist.all_reduce(count, group=world, async_op=True), "all_reduce of tokens")
-        count = count // (cfg.pp * cfg.tp)
+        count = count // (layout.pp * layout.tp)
     device = cfg.device
 
     def moved(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -127,11 +129,12 @@ def step_batch(
     )
 
 
-def global_loss(local: torch.Tensor, cfg: TrainConfig) -> list[float]:
+def global_loss(local: torch.Tensor, cfg: Layout | TrainConfig) -> list[float]:
     """The global batch's loss from every rank's contribution ``local`` (one per batch:
-    several batches cost one collective and one wait for the device). The ``tp`` ranks of a
-    data-parallel rank hold the same contribution (of the same tokens), so the sum over the
-    world counts it ``tp`` times; pipeline ranks without the last stage contribute zero."""
+    several batches cost one collective and one wait for the device), in the layout
+    ``cfg``. The ``tp`` ranks of a data-parallel rank hold the same contribution (of the
+    same tokens), so the sum over the world counts it ``tp`` times; pipeline ranks without
+    the last stage contribute zero."""
     total = local.detach().float().reshape(-1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         world = dist.group.WORLD

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from plait import spmd
+from plait.layout import Layout
 from plait.mesh import collective_device
 from plait.pipeline import schedule_spec, stage_to_rank
 from plait.train.config import TrainConfig
@@ -47,10 +48,13 @@ def _local_grad(param: torch.Tensor) -> torch.Tensor:
 
 class TiedCopies:
     """The copies of a tied embedding and head among this rank's pipeline ``stages``
-    (built after :func:`~plait.train.parallelize.parallelize`); ``group``: this rank's
-    pipeline group. Collective: every rank builds one."""
+    (built after :func:`~plait.train.parallelize.parallelize`); ``cfg``: the run's layout
+    (its pipeline and schedule), or the whole TrainConfig; ``group``: this rank's pipeline
+    group. Collective: every rank builds one."""
 
-    def __init__(self, stages: list[Stage], cfg: TrainConfig, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, stages: list[Stage], cfg: Layout | TrainConfig, group: dist.ProcessGroup
+    ) -> None:
         self.emb: torch.Tensor | None = None
         self.head: torch.Tensor | None = None
         for stage in stages:
@@ -60,23 +64,24 @@ class TiedCopies:
             if stage.is_last:
                 assert stage.module.head is not None
                 self.head = stage.module.head.weight
+        pp = cfg.pp
         style = schedule_spec(cfg.schedule).style
-        first, last = (stage_to_rank(s, cfg.pp, style) for s in (0, cfg.n_stages - 1))
+        first, last = (stage_to_rank(s, pp, style) for s in (0, cfg.n_stages - 1))
         #: Both copies on one rank (V-shaped schedules): summed there, no communication.
         self.local = first == last
         #: The group of the two pipeline ranks holding the copies (None on the others).
         self.pair: dist.ProcessGroup | None = None
         if self.local:
             return
-        if cfg.pp == 2:
+        if pp == 2:
             self.pair = group
             return
         # The pipeline is the mesh's outermost dimension: pipeline rank p of the group of
         # ranks r, r + inner, ... is global rank p * inner + r. Collective: every rank
         # makes every pair's group.
-        inner = dist.get_world_size() // cfg.pp
+        inner = dist.get_world_size() // pp
         ranks = dist.get_process_group_ranks(group)
-        assert ranks == [p * inner + ranks[0] for p in range(cfg.pp)], ranks
+        assert ranks == [p * inner + ranks[0] for p in range(pp)], ranks
         pairs = [[first * inner + r, last * inner + r] for r in range(inner)]
         self.pair, _ = dist.new_subgroups_by_enumeration(pairs)
 

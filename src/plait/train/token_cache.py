@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.train.config import ConfigError, TrainConfig
+from plait.train.config import ConfigError, DataConfig, TrainConfig
 from plait.train.documents import Document
 
 __all__ = [
@@ -77,9 +77,12 @@ def cache_file(folder: Path, fingerprint: str) -> Path:
     return folder / f"{fingerprint[:40]}{_CACHE_SUFFIX}"
 
 
-def cache_fingerprint(cfg: TrainConfig, files: list[Path], template: str | None) -> str:
+def cache_fingerprint(
+    cfg: DataConfig | TrainConfig, files: list[Path], template: str | None
+) -> str:
     """Names what tokenizing ``files`` gives: the files (path, size, modification time),
-    the tokenizer's files' content, the template, the fields and :data:`CACHE_VERSION`."""
+    ``cfg``'s tokenizer (its files' content) and record fields, the template and
+    :data:`CACHE_VERSION`."""
     digest = hashlib.sha256()
 
     def add(*parts: object) -> None:

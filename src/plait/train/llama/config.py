@@ -23,6 +23,7 @@ from plait.train.llama.families import (
     unsupported_type,
 )
 from plait.train.llama.values import LlamaConfigError, read_bool, read_float, read_int
+from plait.train.model_spec import ModelSpec
 from plait.train.presets import read_config
 
 __all__ = ["LlamaConfig"]
@@ -109,6 +110,38 @@ class LlamaConfig:
     def dim_head(self) -> int:
         """Each attention head's width."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def spec(self, name: str = "", source: str = "") -> ModelSpec:
+        """This model as the planner prices it and the layout rules see it (the one
+        description of its shape), named ``name``, built by ``plait train --model-config
+        source``: RMSNorm and SwiGLU of width ``intermediate_size``, no linear biases, the
+        MoE blocks' ``num_experts`` experts of ``moe_intermediate_size`` (no shared ones).
+
+        ``dense_layers`` is the number of blocks not in ``moe_layers``, wherever they are:
+        the parameter count and the widths tensor parallelism splits are exact, while
+        the spec places those blocks first (Qwen3-MoE's ``mlp_only_layers`` or
+        ``decoder_sparse_step`` may interleave them), which only a pipeline stage's share
+        of them can tell. Not described (the planner's counts leave them out): Qwen2's
+        q, k and v biases and ``attention_bias``' biases, ``heads x head_dim + 2 x kv_heads
+        x head_dim`` parameters a block (and ``hidden_size`` more with attention_bias)."""
+        moe = bool(self.moe_layers)
+        return ModelSpec(
+            name=name,
+            layers=self.num_hidden_layers,
+            d_model=self.hidden_size,
+            heads=self.num_attention_heads,
+            kv_heads=self.num_key_value_heads,
+            ffn_hidden=self.intermediate_size,
+            vocab=self.vocab_size,
+            tied=self.tie_word_embeddings,
+            experts=self.num_experts if moe else 0,
+            top_k=self.num_experts_per_tok if moe else 1,
+            expert_hidden=self.moe_intermediate_size if moe else 0,
+            dense_layers=self.num_hidden_layers - len(self.moe_layers) if moe else 0,
+            head_dim=self.head_dim,
+            qk_norm=self.qk_norm,
+            source=source,
+        )
 
     @classmethod
     def from_hf(cls, values: Mapping[str, Any]) -> LlamaConfig:
