@@ -2,7 +2,12 @@
 
 Spawning a process that imports torch costs seconds, so the harness keeps one pool of
 ``world_size`` workers per world size alive for the whole pytest session and sends each
-test body to it. After warm-up a multi-process test costs milliseconds of overhead.
+test body to it. After warm-up a multi-process test costs milliseconds of overhead. Workers are
+forked from a fork server that has imported torch and plait once (``_PRELOAD``), so a new
+pool (the first of a world size, or the one replacing a pool a failing test broke) starts in
+a fraction of a second rather than importing torch again in every worker: torch's own
+distributed tests fork after ``import torch`` too. Each worker takes the test process's
+environment as it is when the pool starts, as a spawned process would.
 
 Usage, from a test module (the body must be a module-level function so it pickles)::
 
@@ -53,6 +58,8 @@ from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+#: What the fork server imports before forking any worker: what every test body needs.
+_PRELOAD = ["torch", "torch.distributed", "plait", "plait.train.loop"]
 DEFAULT_TIMEOUT = 120.0
 _STARTUP_TIMEOUT = 180.0
 # After one rank fails, how long the others get to finish (or fail too) before the
@@ -110,9 +117,16 @@ def current_pool_pids(world_size: int) -> list[int]:
     return [] if pool is None else [p.pid for p in pool.procs if p.pid is not None]
 
 
+def _context() -> Any:
+    """The fork server's multiprocessing context, its preloads set (once per process)."""
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class _Pool:
     def __init__(self, world_size: int) -> None:
-        ctx = get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix=f"plait-ranks{world_size}-")
         store = os.path.join(self.tmpdir, "store")
@@ -123,7 +137,7 @@ class _Pool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, store, child, self.logs[rank]),
+                args=(rank, world_size, store, child, self.logs[rank], dict(os.environ)),
                 name=f"plait-rank{rank}of{world_size}",
                 daemon=True,
             )
@@ -261,7 +275,11 @@ _POOLS: dict[int, _Pool] = {}
 # ----------------------------------------------------------------------------------------
 
 
-def _worker_main(rank: int, world_size: int, store: str, conn: Connection, log: str) -> None:
+def _worker_main(
+    rank: int, world_size: int, store: str, conn: Connection, log: str, env: dict[str, str]
+) -> None:
+    os.environ.clear()  # the test process's environment now, not the fork server's
+    os.environ.update(env)
     log_file = open(log, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log_file.fileno(), 1)
     os.dup2(log_file.fileno(), 2)

@@ -59,6 +59,7 @@ __all__ = [
     "device_peak",
     "flops_per_token",
     "matmul_rate",
+    "measured_rate",
     "mfu",
     "total_peak",
 ]
@@ -80,6 +81,10 @@ CUDA_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 _BENCH_SIZE = {"cpu": 512, "cuda": 4096}
 _BENCH_SECONDS = 0.15
 _BENCH_MIN_REPS = 3
+#: The rates this process measured, by (device, dtype, threads): a process measures each
+#: once, and later runs in it (a notebook's, a test worker's) reuse the figure rather than
+#: spend another 0.15 s, or more with other processes sharing the cores.
+_MEASURED: dict[tuple[str, torch.dtype, int], float] = {}
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,16 @@ def matmul_rate(device: str, dtype: torch.dtype) -> float:
     return best
 
 
+def measured_rate(device: str, dtype: torch.dtype) -> float:
+    """:func:`matmul_rate`, measured once per process for each device, dtype and thread
+    count (``_MEASURED``)."""
+    where = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+    key = (where, dtype, torch.get_num_threads())
+    if key not in _MEASURED:
+        _MEASURED[key] = matmul_rate(device, dtype)
+    return _MEASURED[key]
+
+
 def device_peak(device: str, precision: str, override: float = 0.0) -> tuple[float, str]:
     """This process's peak FLOP/s and how it was found: ``override`` (``--peak-flops``)
     when positive, else the CUDA table, else a benchmark (see the module docstring)."""
@@ -191,11 +206,11 @@ def device_peak(device: str, precision: str, override: float = 0.0) -> tuple[flo
         found = cuda_peak(name, precision)
         if found is not None:
             return found[0], f"{name}, dense {found[1]}"
-        rate = matmul_rate(device, dtype)
+        rate = measured_rate(device, dtype)
         return rate, f"{name} is not in the table: measured {precision} matmuls"
     threads = torch.get_num_threads()
     source = f"measured {precision} matmuls, {threads} thread(s), processes sharing the cores"
-    return matmul_rate(device, dtype), source
+    return measured_rate(device, dtype), source
 
 
 def total_peak(device: str, precision: str, override: float = 0.0) -> Peak:

@@ -27,12 +27,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import spmd
 from plait.mesh import collective_device
-from plait.train.config import TrainConfig
+from plait.train.config import ExecutionConfig, RunConfig, TrainConfig
 from plait.train.loop import TrainResult, train
 
 __all__ = ["LAUNCHER_PID", "default_run_dir", "threads_per_worker", "usable_cores", "worker_main"]
 
-#: Set by plait's local launcher for its workers: its own process id.
+#: Set by plait's local launcher for its workers: the pid of their parent (the launcher, or
+#: the fork server it started, which lives exactly as long as it).
 LAUNCHER_PID = "PLAIT_LAUNCHER_PID"
 _MAX_PATH = 4096
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -56,7 +57,9 @@ def threads_per_worker(local_world: int) -> int:
 
 def _die_with_the_launcher() -> None:
     """On Linux, under plait's launcher: have the kernel SIGKILL this worker when the
-    launcher dies (even by SIGKILL, which it cannot pass on), so none is left orphaned."""
+    launcher dies (even by SIGKILL, which it cannot pass on), so none is left orphaned: the
+    signal comes when the worker's parent dies (:data:`LAUNCHER_PID`), which dies with the
+    launcher."""
     launcher = os.environ.get(LAUNCHER_PID)
     if launcher is None or not sys.platform.startswith("linux"):
         return
@@ -65,9 +68,11 @@ def _die_with_the_launcher() -> None:
         os._exit(1)
 
 
-def _join_process_group(cfg: TrainConfig) -> None:
-    timeout = timedelta(seconds=cfg.fault_timeout)
-    if cfg.device == "cuda":
+def _join_process_group(execution: ExecutionConfig) -> None:
+    """Join the default process group: NCCL on CUDA, gloo (with this worker's share of
+    the cores) on the CPU; ``--fault-timeout`` is its collectives' timeout."""
+    timeout = timedelta(seconds=execution.fault_timeout)
+    if execution.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", timeout=timeout)
     else:
@@ -75,11 +80,11 @@ def _join_process_group(cfg: TrainConfig) -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
-def _agree_on_run_dir(cfg: TrainConfig) -> str:
-    """``cfg.run_dir``, or rank 0's default, sent to every rank (machines' clocks and
+def _agree_on_run_dir(run: RunConfig) -> str:
+    """``run.run_dir``, or rank 0's default, sent to every rank (machines' clocks and
     start times differ, so each cannot pick its own)."""
-    if cfg.run_dir or not dist.is_initialized():
-        return cfg.run_dir or default_run_dir()
+    if run.run_dir or not dist.is_initialized():
+        return run.run_dir or default_run_dir()
     world = dist.group.WORLD
     buffer = torch.zeros(_MAX_PATH, dtype=torch.uint8, device=collective_device(world))
     if dist.get_rank() == 0:
@@ -92,13 +97,14 @@ def _agree_on_run_dir(cfg: TrainConfig) -> str:
 
 @record  # a failing worker's traceback reaches the launcher's error report
 def worker_main(cfg: TrainConfig) -> TrainResult:
-    """Train ``cfg`` (resolved: see :func:`plait.train.resolve.resolve`) in this process."""
+    """Train ``cfg`` (resolved: see :func:`plait.train.resolve.resolve`) in this process.
+    Takes the whole configuration: it is what the training loop runs."""
     _die_with_the_launcher()
     os.environ["PLAIT_FAULT_TIMEOUT"] = f"{cfg.fault_timeout:g}"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _join_process_group(cfg)
+        _join_process_group(cfg.execution)
     try:
-        return train(cfg.replace(run_dir=_agree_on_run_dir(cfg)))
+        return train(cfg.replace(run_dir=_agree_on_run_dir(cfg.run)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
