@@ -1,12 +1,12 @@
 """``plait plan``: the cost model's closed forms, its monotonic sanity, the search, the
-command's errors and output. Single process, no communication, seconds in all."""
+command's errors and output. Single process, no communication (the search's timings:
+``benchmarks/plan_speed.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -178,10 +178,8 @@ def test_checkpointing_costs_time_and_pipelines_report_their_bubble() -> None:
 # --- search --------------------------------------------------------------------------------
 
 
-def test_search_of_1024_gpus_takes_seconds_and_ranks_by_throughput() -> None:
-    start = time.perf_counter()
+def test_search_of_1024_gpus_ranks_by_throughput() -> None:
     ranked = plan(LLAMA8, Workload(8192, 1024), H100, 1024)
-    assert time.perf_counter() - start < 30  # about 3 s on a loaded 2-core machine
     speeds = [c.timing.tokens_per_s_per_device for c in ranked]
     assert speeds == sorted(speeds, reverse=True) and len(ranked) > 100
     assert all(c.fits and c.memory.total <= 0.9 * H100.memory for c in ranked)

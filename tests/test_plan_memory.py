@@ -5,8 +5,8 @@
   of live tensor bytes on the rank that needs the most must be within 10% of the
   predicted peak per rank.
 * Dry runs: the same recipe for one rank of 64 and of 1,024 ranks of a 7B-parameter GPT,
-  with a fake process group and fake tensors, in seconds; the prediction must be within
-  5% of what the dry run measures.
+  with a fake process group and fake tensors; the prediction must be within 5% of what
+  the dry run measures (how long they take: ``benchmarks/plan_speed.py``).
 * The measure itself (:class:`plait.plan.live.LiveTensors`) on cases with known answers.
 """
 
@@ -88,7 +88,6 @@ def test_memory_within_5_percent_of_dry_runs(world: int, layout: dict[str, Any])
     full = {**BIG, **layout}
     measured = dry_run(TrainConfig(**full), world)
     predicted = _predicted(_config(world, **full))
-    assert measured.seconds < 60, f"the dry run took {measured.seconds:.0f} s"
     assert predicted == pytest.approx(measured.peak, rel=0.05), (
         f"{layout} on {world} ranks: predicted {predicted:,.0f} B, dry run {measured.peak:,.0f} B"
     )

@@ -1,5 +1,6 @@
-"""``plait plan`` from 8 to 10,000 GPUs: the searches stay fast, and the shortcuts that
-make them fast (closed-form makespans, caches keyed by what matters) change nothing.
+"""``plait plan`` from 8 to 10,000 GPUs: the searches find layouts, and the shortcuts that
+make them fast (closed-form makespans, caches keyed by what matters) change nothing. How
+long the searches take is reported by ``benchmarks/plan_speed.py``, not asserted here.
 
 Oracle: plait's own schedule generator and simulator (:mod:`plait.pipeline`), run the way
 :func:`plait.plan.schedule.pipeline_shape` ran them before the shortcuts. Single process.
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 
 import pytest
 
@@ -143,36 +143,27 @@ def test_figures_are_shared_across_block_counts() -> None:
 
 
 def _cold_caches() -> None:
-    # Time the search as a fresh process would run it, not after earlier tests' shapes.
+    # Search as a fresh process would, not with earlier tests' shapes cached.
     pipeline_shape.cache_clear()
     _figures.cache_clear()
 
 
-def _timed_plan(name: str, seq: int, batch: int, gpus: int) -> tuple[float, int]:
+def _cold_plan_count(name: str, seq: int, batch: int, gpus: int) -> int:
     _cold_caches()
-    start = time.perf_counter()
-    got = plan(preset(name), Workload(seq, batch), H100, gpus)
-    return time.perf_counter() - start, len(got)
+    return len(plan(preset(name), Workload(seq, batch), H100, gpus))
 
 
-def test_10240_gpu_search_of_405b_is_fast() -> None:
-    # The issue's upper end. About 2 s on one loaded core; the deadline is generous.
-    seconds, n = _timed_plan("llama3-405b", 8192, 2048, 10240)
-    assert n > 0
-    assert seconds < 60, f"the 10,240-GPU search took {seconds:.0f} s"
+def test_10240_gpu_search_of_405b_finds_layouts() -> None:
+    # The issue's upper end.
+    assert _cold_plan_count("llama3-405b", 8192, 2048, 10240) > 0
 
 
-def test_1024_gpu_search_of_8b_is_fast() -> None:
-    seconds, n = _timed_plan("llama3-8b", 8192, 1024, 1024)
-    assert n > 1000
-    assert seconds < 60, f"the 1,024-GPU search took {seconds:.0f} s"
+def test_1024_gpu_search_of_8b_finds_layouts() -> None:
+    assert _cold_plan_count("llama3-8b", 8192, 1024, 1024) > 1000
 
 
-def test_cli_json_at_1024_gpus_is_fast(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json_at_1024_gpus_prints_the_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--preset", "llama3-8b", "--gpus", "1024", "--gpus-per-node", "8"]
     _cold_caches()
-    start = time.perf_counter()
     assert main([*argv, "--seq-len", "8192", "--json"]) == 0
-    seconds = time.perf_counter() - start
     assert json.loads(capsys.readouterr().out)
-    assert seconds < 60, f"plait plan --json took {seconds:.0f} s"

@@ -1,5 +1,5 @@
-"""Cold ``plait plan`` searches stay fast (issue 28: 10,240 GPUs under 2 s of CPU), and
-the shortcuts that make them fast change nothing.
+"""The shortcuts that make cold ``plait plan`` searches fast change nothing (how fast they
+are is reported by ``benchmarks/plan_speed.py``, not asserted here).
 
 Oracles: plait's schedule generator (:func:`plait.pipeline.schedules.generate`, peaks
 read with :func:`plait.pipeline.simulate.peak_live`) for the closed-form peaks; the
@@ -179,19 +179,16 @@ RECORDED_10240 = {
 }
 
 _COLD_SEARCH = """
-import hashlib, json, sys, time
+import hashlib, json, sys
 from plait.plan import Workload, device, plan, preset
 from plait.plan.search import describe
 model, work, h100 = preset("llama3-405b"), Workload(8192, 10240), device("h100")
-start = time.process_time()
 found = plan(model, work, h100, 10240)
-seconds = time.process_time() - start
 text = "\\n".join(
     f"{c.layout!r} {c.timing.tokens_per_s_per_device!r} {c.memory.total!r}" for c in found
 )
 piped = [c for c in found if c.layout.pp > 1]
 print(json.dumps({
-    "seconds": seconds,
     "top": [describe(c.layout) for c in found[:3]],
     "piped": [describe(c.layout) for c in piped[:3]],
     "n": len(found),

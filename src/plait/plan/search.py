@@ -28,9 +28,9 @@ cached by (schedule, pp, stages, microbatches) (:mod:`plait.plan.schedule`), so 
 schedule of a hundred thousand actions is generated; the ``ep`` sizes come from the
 divisors of a gcd and layouts are copied without :func:`dataclasses.replace`. A cold
 10,240-device search of Llama 3.1 405B (``plait plan --preset llama3-405b --gpus
-10240``) takes about 1 s of CPU (``tests/test_plan_speed.py`` holds it under 2 s), most
-of it the memory of its 20,000 layouts; 1,024 devices of Llama 3.1 8B under 1 s. Every
-shortcut gives the same candidates, figures to the bit, as the search without it.
+10240``) takes 1-3 s of CPU on a 2-core machine (``benchmarks/plan_speed.py`` reports
+it), most of it the memory of its 20,000 layouts. Every shortcut gives the same
+candidates, figures to the bit, as the search without it (``tests/test_plan_speed.py``).
 """
 
 from __future__ import annotations
