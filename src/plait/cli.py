@@ -4,6 +4,8 @@
 It sits above both: training (:mod:`plait.train.cli`) and the planner
 (:mod:`plait.plan.cli`) each bring their own arguments and runners, and the planner gives
 ``plait train --plan`` its prediction, so that training never imports the planner.
+``plait plan`` goes to the planner alone, without training's parsers: the planner's cost
+model imports no torch, and neither does the command on that path.
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from plait.plan import cli as plan_cli
-from plait.plan.train_plan import plan_summary
-from plait.train import cli as train_cli
-from plait.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from plait.train.config import TrainConfig
 
 __all__ = ["main"]
 
 
 def _plan(cfg: TrainConfig) -> str:
     """``plait train --plan``: the planner's summary of ``cfg``, or why there is none."""
+    from plait.plan.train_plan import plan_summary
+
     try:
         return plan_summary(cfg)
     except ValueError as err:
@@ -29,6 +34,8 @@ def _plan(cfg: TrainConfig) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from plait.train import cli as train_cli  # here: training's commands import torch
+
     parser = argparse.ArgumentParser(prog="plait", description="composable parallelism for PyTorch")
     commands = parser.add_subparsers(dest="command", metavar="{train,sample,export,tokenizer,plan}")
     train_cli.add_parsers(commands, planner=True)
@@ -39,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``plait`` command on ``argv`` (default: the command line); returns the exit
     status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        return plan_cli.main(argv[1:])  # the same parser and runner, without training's
     parser = _parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
@@ -47,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if command == "plan":
         return plan_cli.run(argparse.Namespace(**args))
+    from plait.train import cli as train_cli
+
     return train_cli.run(command, args, planner=_plan)
 
 

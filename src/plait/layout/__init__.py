@@ -8,10 +8,11 @@ can run; each names the field at fault and the fix in ``plait train``'s flag wor
 planner's layout flags are the same). The caller decides what a reason means: training
 refuses with the first, the search skips the layout.
 
-This package is core: it imports torch, nothing of plait's APIs. What the rules need of a
-pipeline schedule comes in as an argument (:class:`ScheduleFacts` by name; the pipeline
-package's ``SCHEDULES`` is such a table), and what they need of a model as a
-:class:`ModelShape`, which training builds from its GPT and the planner from its specs.
+This package is core: it imports torch, nothing of plait's APIs, and torch only when a mesh
+is built (``plait plan`` uses the rules without it). What the rules need of a pipeline
+schedule comes in as an argument (:class:`ScheduleFacts` by name; the pipeline package's
+``SCHEDULES`` is such a table), and what they need of a model as a :class:`ModelShape`,
+which training builds from its GPT and the planner from its specs.
 
 Its modules, each importing only those before it: ``dims`` (the names and their orders)
 <- ``meshes`` (a device mesh from sizes; the dim a stacked expert weight is sharded on)

@@ -11,10 +11,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch.distributed.device_mesh import DeviceMesh
+from typing import TYPE_CHECKING, Any
 
 from plait.layout.dims import (
     DATA_PARALLEL,
@@ -28,6 +25,9 @@ from plait.layout.dims import (
     TP,
 )
 from plait.layout.meshes import device_mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["LAYOUT_FIELDS", "Layout"]
 
@@ -139,6 +139,9 @@ class Layout:
             if self.ep == 1:
                 return None
             return device_mesh(device_type, self.expert_sizes, keep=(EFSDP, EP))
+        import torch  # here, not above: the planner uses Layout without torch
+        from torch.distributed.device_mesh import DeviceMesh
+
         grid = torch.arange(self.world).view(self.pp, self.dp_replicate, self.efsdp, self.ep, -1)
         # An efsdp group varies the layout's efsdp and tp coordinates; an ep group keeps tp's.
         sizes = {PP: self.pp, DP_REPLICATE: self.dp_replicate, EFSDP: self.efsdp * self.tp}

@@ -10,8 +10,10 @@ it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["device_mesh", "expert_shard_dim"]
 
@@ -24,6 +26,8 @@ def device_mesh(
     dims = [(name, size) for name, size in sizes.items() if size > 1 or name in keep]
     if not dims:
         return None
+    from torch.distributed.device_mesh import init_device_mesh  # here: plait plan needs no torch
+
     names, shape = zip(*dims, strict=True)
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 

@@ -33,6 +33,9 @@ processes: :mod:`~plait.pipeline.agreement` (the ranks agree on the schedule at 
 run) and :mod:`~plait.pipeline.stage` / :mod:`~plait.pipeline.p2p`.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from plait.pipeline.actions import (
     OVERLAP_F_B,
     Action,
@@ -47,29 +50,6 @@ from plait.pipeline.actions import (
     requirements,
     stage_to_rank,
     stages_of_rank,
-)
-from plait.pipeline.microbatch import (
-    TensorChunkSpec,
-    merge_chunks,
-    split_args_kwargs_into_chunks,
-)
-from plait.pipeline.p2p import PipelineAbort
-from plait.pipeline.schedule_classes import (
-    SCHEDULE_CLASSES,
-    PipelineSchedule,
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-    _PipelineContext,
-    _PipelineScheduleRuntime,
-    _ScheduleForwardOnly,
-    get_schedule_class,
 )
 from plait.pipeline.schedule_csv import dump_csv, format_csv, load_csv, parse_csv
 from plait.pipeline.schedules import (
@@ -89,10 +69,35 @@ from plait.pipeline.simulate import (
     plot_timeline,
     simulate,
 )
-from plait.pipeline.split import SkippedLayer, split_model, stage_layers
-from plait.pipeline.stage import PipelineStage
-from plait.pipeline.trace import Pipe, PipeInfo, SplitPoint, build_stage, pipe_split, pipeline
 from plait.pipeline.validate import validate
+
+if TYPE_CHECKING:
+    from plait.pipeline.microbatch import (
+        TensorChunkSpec,
+        merge_chunks,
+        split_args_kwargs_into_chunks,
+    )
+    from plait.pipeline.p2p import PipelineAbort
+    from plait.pipeline.schedule_classes import (
+        SCHEDULE_CLASSES,
+        PipelineSchedule,
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleLoopedBFS,
+        ScheduleZBVZeroBubble,
+        _PipelineContext,
+        _PipelineScheduleRuntime,
+        _ScheduleForwardOnly,
+        get_schedule_class,
+    )
+    from plait.pipeline.split import SkippedLayer, split_model, stage_layers
+    from plait.pipeline.stage import PipelineStage
+    from plait.pipeline.trace import Pipe, PipeInfo, SplitPoint, build_stage, pipe_split, pipeline
 
 __all__ = [
     "OVERLAP_F_B",
@@ -156,3 +161,55 @@ __all__ = [
     "stages_of_rank",
     "validate",
 ]
+
+#: The names that run schedules (they import torch), imported on first use (PEP 562): the
+#: schedules as data above serve ``plait plan`` without torch.
+_MODULES = {
+    "plait.pipeline.microbatch": (
+        "TensorChunkSpec",
+        "merge_chunks",
+        "split_args_kwargs_into_chunks",
+    ),
+    "plait.pipeline.p2p": ("PipelineAbort",),
+    "plait.pipeline.schedule_classes": (
+        "SCHEDULE_CLASSES",
+        "PipelineSchedule",
+        "PipelineScheduleMulti",
+        "PipelineScheduleSingle",
+        "Schedule1F1B",
+        "ScheduleDualPipeV",
+        "ScheduleGPipe",
+        "ScheduleInterleaved1F1B",
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleLoopedBFS",
+        "ScheduleZBVZeroBubble",
+        "_PipelineContext",
+        "_PipelineScheduleRuntime",
+        "_ScheduleForwardOnly",
+        "get_schedule_class",
+    ),
+    "plait.pipeline.split": ("SkippedLayer", "split_model", "stage_layers"),
+    "plait.pipeline.stage": ("PipelineStage",),
+    "plait.pipeline.trace": (
+        "Pipe",
+        "PipeInfo",
+        "SplitPoint",
+        "build_stage",
+        "pipe_split",
+        "pipeline",
+    ),
+}
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

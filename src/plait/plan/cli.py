@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from plait.layout import LAYOUT_FIELDS, flag
+from plait.plan.batch import BatchError, read_entries, run_batch
 from plait.plan.devices import device, override
 from plait.plan.flags import add_flags
 from plait.plan.memory import first_rank_memory
@@ -150,16 +151,34 @@ def _measured_cpu(gpus: int, model: ModelSpec, work: Workload, dev: DeviceSpec) 
     return measure_cpu(gpus, shapes)
 
 
+def _evaluate(
+    args: argparse.Namespace,
+) -> tuple[list[Candidate], ModelSpec, Workload, DeviceSpec]:
+    """The layouts ``args`` ask for, best first, with the model, work and device they were
+    priced for; ValueError (PlanError, bad presets, configs or device values) otherwise."""
+    seq_len = args.seq_len or (8192 if args.preset or args.hf_config else DEFAULTS.seq_len)
+    model = _model(args, seq_len)
+    dev = _device(args)
+    work = _workload(args, seq_len, dev)
+    if args.measure_cpu:
+        dev = _measured_cpu(args.gpus, model, work, dev)
+    return _plan(args, model, work, dev), model, work, dev
+
+
+def _evaluate_json(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """What ``--json`` prints for ``args`` (``--top``'s best); ValueError as :func:`_evaluate`."""
+    ranked, model, work, dev = _evaluate(args)
+    shown = ranked[: args.top] if args.top > 0 else ranked
+    return [to_json(c, model, work, dev) for c in shown]
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan from parsed ``args``; prints the table or JSON. Returns the exit status."""
+    if args.batch:
+        print("plait plan: error: --batch needs the command line (plait plan ...)", file=sys.stderr)
+        return 2
     try:
-        seq_len = args.seq_len or (8192 if args.preset or args.hf_config else DEFAULTS.seq_len)
-        model = _model(args, seq_len)
-        dev = _device(args)
-        work = _workload(args, seq_len, dev)
-        if args.measure_cpu:
-            dev = _measured_cpu(args.gpus, model, work, dev)
-        ranked = _plan(args, model, work, dev)
+        ranked, model, work, dev = _evaluate(args)
     except ValueError as err:  # PlanError, and bad presets, configs or device values
         print(f"plait plan: error: {err}", file=sys.stderr)
         return 2
@@ -326,8 +345,19 @@ def _train_config(model_config: str, layout: Layout, work: Workload) -> TrainCon
 def main(argv: Sequence[str] | None = None) -> int:
     """``plait plan`` on its own (``python -m plait.plan.cli``)."""
     parser = argparse.ArgumentParser(prog="plait")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return run(parser.parse_args(["plan", *(argv if argv is not None else sys.argv[1:])]))
+    flags = add_parser(parser.add_subparsers(dest="command", required=True))
+    words = ["plan", *(argv if argv is not None else sys.argv[1:])]
+    args = parser.parse_args(words)
+    if not args.batch:
+        return run(args)
+    try:
+        entries = read_entries(args.batch)
+    except BatchError as err:
+        print(f"plait plan: error: {err}", file=sys.stderr)
+        return 2
+    known = [action.dest for action in flags._actions]
+    print(json.dumps(run_batch(parser, words, known, entries, _evaluate_json), indent=1))
+    return 0
 
 
 if __name__ == "__main__":

@@ -206,6 +206,14 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
         Flag("top", "layouts shown (0: all that fit)", int, 10),
         Flag("json", "a JSON list instead of the table", action="store_true"),
         Flag(
+            "batch",
+            "evaluate each entry of FILE (a JSON list of objects, or JSON lines), each a set "
+            'of this command\'s flags by name (e.g. {"gpus": 64, "tp": 4, "pp": 4}) added to '
+            "the command line's, in one process; prints one JSON list: per entry its flags "
+            "and --json's layouts, or its error",
+            metavar="FILE",
+        ),
+        Flag(
             "dry_run",
             "also run plait's real training step (plait's GPT, or plait train's Llama of "
             "--hf-config or of --preset llama3-8b / llama3-70b) for rank 0 of the best layout "

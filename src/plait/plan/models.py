@@ -32,8 +32,8 @@ from typing import Any
 
 from plait.plan.spec import ModelSpec
 from plait.train import presets as train_presets
+from plait.train.gpt_config import GPTConfig
 from plait.train.llama import LlamaConfig, LlamaConfigError
-from plait.train.model import GPTConfig
 
 # Re-exported: the rule is the trainer's (plait.train.model_spec), the CLI asks it here.
 from plait.train.model_spec import expert_hidden_default as expert_hidden_default

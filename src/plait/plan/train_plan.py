@@ -13,7 +13,6 @@ from plait.plan.report import all_to_all_per_step, cp_per_step, size
 from plait.plan.search import Candidate, describe, evaluate
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 from plait.train.config import TrainConfig
-from plait.train.resolve import model_spec
 
 __all__ = ["config_of_layout", "local_device", "model_of_config", "plan_of_config", "plan_summary"]
 
@@ -36,6 +35,8 @@ def model_of_config(cfg: TrainConfig) -> ModelSpec:
     """The planner's description of the model ``plait train`` builds from ``cfg``: the
     trainer's own (:func:`plait.train.resolve.model_spec`), the GPT's vocabulary the
     tokenizer's, or the ``--model-config`` file or preset."""
+    from plait.train.resolve import model_spec  # here: resolve imports torch, the plan needs none
+
     return model_spec(cfg)
 
 

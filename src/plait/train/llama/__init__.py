@@ -53,17 +53,22 @@ from here: the split into modules is not part of the interface.
 
 from __future__ import annotations
 
-# Public but not in __all__ (as before the split); the recipe imports LlamaBlock by name.
-from plait.train.llama.attention import LlamaAttention as LlamaAttention
-from plait.train.llama.block import LlamaBlock as LlamaBlock
-from plait.train.llama.block import SwiGLU as SwiGLU
-from plait.train.llama.block import moe_block as moe_block
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from plait.train.llama.config import LlamaConfig
 from plait.train.llama.families import FAMILIES, families_help
-from plait.train.llama.model import Llama
-from plait.train.llama.rms_norm import RMSNorm
-from plait.train.llama.rotary import apply_rotary, rope_inv_freq
 from plait.train.llama.values import LlamaConfigError
+
+if TYPE_CHECKING:
+    # Public but not in __all__ (as before the split); the recipe imports LlamaBlock by name.
+    from plait.train.llama.attention import LlamaAttention as LlamaAttention
+    from plait.train.llama.block import LlamaBlock as LlamaBlock
+    from plait.train.llama.block import SwiGLU as SwiGLU
+    from plait.train.llama.block import moe_block as moe_block
+    from plait.train.llama.model import Llama
+    from plait.train.llama.rms_norm import RMSNorm
+    from plait.train.llama.rotary import apply_rotary, rope_inv_freq
 
 __all__ = [
     "FAMILIES",
@@ -75,3 +80,27 @@ __all__ = [
     "families_help",
     "rope_inv_freq",
 ]
+
+#: The modules and layers (they import torch), imported on first use (PEP 562): the config
+#: above serves ``plait plan`` without torch.
+_MODULES = {
+    "plait.train.llama.attention": ("LlamaAttention",),
+    "plait.train.llama.block": ("LlamaBlock", "SwiGLU", "moe_block"),
+    "plait.train.llama.model": ("Llama",),
+    "plait.train.llama.rms_norm": ("RMSNorm",),
+    "plait.train.llama.rotary": ("apply_rotary", "rope_inv_freq"),
+}
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
