@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -321,3 +322,40 @@ def test_plait_train_plan_prints_the_plan_before_launching(
     assert "peak memory per rank" not in capsys.readouterr().err
     assert plait_main(["train", "--plan", "--ac", "offload", *flags]) == 0
     assert "--plan: no prediction: --plan: --ac offload is not modelled" in capsys.readouterr().err
+
+
+def test_plait_train_plan_compares_the_prediction_with_the_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import plait.train.cli as train_cli
+    from plait.cli import main as plait_main
+    from plait.plan.train_plan import local_device, plan_of_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    earlier = {"step": 1, "step_time": 100.0}  # an earlier session's: not this one's
+    (run_dir / "metrics.jsonl").write_text(json.dumps(earlier) + "\n")
+    launched = []
+
+    def fake_launch(cfg: Any) -> None:  # the session's steps: a slow first, then 2.0, 4.0
+        launched.append(cfg)
+        rows = [{"step": 1, "step_time": 9.0}, {"step": 1, "val_loss": 5.0}]
+        rows += [{"step": 2, "step_time": 2.0}, {"step": 3, "step_time": 4.0}]
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+
+    monkeypatch.setattr(train_cli, "launch", fake_launch)
+    flags = ["--nproc", "2", "--device", "cpu", "--run-dir", str(run_dir), "--n-layer", "2"]
+    assert plait_main(["train", "--plan", *flags]) == 0
+    err = capsys.readouterr().err
+    predicted = plan_of_config(launched[0], local_device("cpu")).timing
+    tokens = launched[0].batch_size * launched[0].seq_len / 3.0 / 2  # median 3 s, 2 ranks
+    assert (
+        f"plan vs run on cpu: step {predicted.step_time:.3g} s predicted, 3 s measured "
+        f"(median of 2 step(s), the first left out), measured / predicted "
+        f"{3.0 / predicted.step_time:.2f}x; {predicted.tokens_per_s_per_device:,.0f} tokens/s "
+        f"per device predicted, {tokens:,.0f} measured"
+    ) in err
+    # Without --plan, no comparison.
+    assert plait_main(["train", *flags]) == 0
+    assert "plan vs run" not in capsys.readouterr().err

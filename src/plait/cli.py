@@ -33,6 +33,16 @@ def _plan(cfg: TrainConfig) -> str:
         return f"plait train: --plan: no prediction: {err}"
 
 
+def _plan_check(cfg: TrainConfig, step_times: list[float]) -> str:
+    """``plait train --plan`` after the run: the prediction beside what it measured."""
+    from plait.plan.train_plan import plan_versus_run
+
+    try:
+        return plan_versus_run(cfg, step_times)
+    except ValueError as err:
+        return f"plait train: --plan: no comparison: {err}"
+
+
 def _parser() -> argparse.ArgumentParser:
     from plait.train import cli as train_cli  # here: training's commands import torch
 
@@ -59,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_cli.run(argparse.Namespace(**args))
     from plait.train import cli as train_cli
 
-    return train_cli.run(command, args, planner=_plan)
+    return train_cli.run(command, args, planner=_plan, plan_check=_plan_check)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The plan of one ``plait train`` configuration: what ``plait train --plan`` prints before
-it starts workers (memory per rank, bubble, predicted tokens/s, and whether it fits).
+it starts workers (memory per rank, bubble, predicted tokens/s, and whether it fits), and
+after the run, the prediction beside what the run measured (:func:`plan_versus_run`).
 
 The layout goes both ways whole: :class:`~plait.train.config.TrainConfig`'s layout fields
 (``cp`` and ``cp_method`` among them) are :class:`~plait.layout.Layout`'s."""
@@ -7,6 +8,7 @@ The layout goes both ways whole: :class:`~plait.train.config.TrainConfig`'s layo
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 from plait.plan.devices import device as device_preset
 from plait.plan.report import all_to_all_per_step, cp_per_step, size
@@ -14,7 +16,14 @@ from plait.plan.search import Candidate, describe, evaluate
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 from plait.train.config import TrainConfig
 
-__all__ = ["config_of_layout", "local_device", "model_of_config", "plan_of_config", "plan_summary"]
+__all__ = [
+    "config_of_layout",
+    "local_device",
+    "model_of_config",
+    "plan_of_config",
+    "plan_summary",
+    "plan_versus_run",
+]
 
 
 def local_device(kind: str) -> DeviceSpec:
@@ -113,3 +122,25 @@ def plan_summary(cfg: TrainConfig, device: DeviceSpec | None = None) -> str:
             f"{size(dev.memory)} (planner's usable share: 90%)"
         )
     return "\n".join(lines)
+
+
+def plan_versus_run(
+    cfg: TrainConfig, step_times: list[float], device: DeviceSpec | None = None
+) -> str:
+    """What ``plait train --plan`` prints after the run: the predicted step time and
+    tokens/s per device beside what the run measured, the median of ``step_times`` (this
+    session's, in order) without the first (it pays for warm-up and compilation) unless it
+    is the only one. ValueError as :func:`plan_of_config`, or for no step time."""
+    if not step_times:
+        raise ValueError("--plan: the run recorded no step time to compare with")
+    dev = device or local_device(cfg.device)
+    t = plan_of_config(cfg, dev).timing
+    steady = step_times[1:] or step_times
+    measured = statistics.median(steady)
+    tokens = cfg.batch_size * cfg.seq_len / measured / cfg.layout.world
+    which = f"median of {len(steady)} step(s)" + (", the first left out" if step_times[1:] else "")
+    return (
+        f"plan vs run on {dev.name}: step {t.step_time:.3g} s predicted, {measured:.3g} s "
+        f"measured ({which}), measured / predicted {measured / t.step_time:.2f}x; "
+        f"{t.tokens_per_s_per_device:,.0f} tokens/s per device predicted, {tokens:,.0f} measured"
+    )

@@ -42,17 +42,21 @@ from plait.train.launch import WorkerFailed, launch, under_torchrun
 from plait.train.llama import families_help
 from plait.train.loggers import check_logging
 from plait.train.loop import CONFIG_FILE, model_settings
+from plait.train.metrics import FILENAME as METRICS_FILENAME
 from plait.train.presets import preset_names
 from plait.train.resolve import resolve
 from plait.train.sample import sample_command
 from plait.train.tokenizer_command import tokenizer_command
 from plait.train.worker import default_run_dir
 
-__all__ = ["Planner", "add_parsers", "build_config", "main", "run"]
+__all__ = ["PlanCheck", "Planner", "add_parsers", "build_config", "main", "run"]
 
 #: What ``plait train --plan`` prints before launching, for a resolved configuration: the
 #: planner's prediction, given by the command that has the planner (:mod:`plait.cli`).
 Planner = Callable[[TrainConfig], str]
+#: What ``plait train --plan`` prints after the run: the prediction beside the step times the
+#: session measured (in order), given by the command that has the planner.
+PlanCheck = Callable[[TrainConfig, list[float]], str]
 
 _AUTO = "0 = auto"
 _TRAIN_HELP = """\
@@ -243,7 +247,8 @@ def add_parsers(commands: Any, *, planner: bool = False) -> None:
             "--plan",
             action="store_true",
             help="first print the planner's prediction for this layout (memory per rank, "
-            "bubble, tokens/s; `plait plan`), warning when it will not fit",
+            "bubble, tokens/s; `plait plan`), warning when it will not fit, and after the "
+            "run the predicted step time beside the measured one",
         )
     for title, flags in _FLAGS.items():
         group = train.add_argument_group(title)
@@ -333,7 +338,9 @@ def _check_paths(cfg: TrainConfig) -> None:
     check_settings(latest, model_settings(cfg))  # a checkpoint of another model: refused
 
 
-def _train(flags: dict[str, Any], planner: Planner | None) -> None:
+def _train(
+    flags: dict[str, Any], planner: Planner | None, plan_check: PlanCheck | None = None
+) -> None:
     flags = dict(flags)
     show_plan = flags.pop("plan", False)
     cfg = with_default_model_config(build_config(flags))  # --init-from alone: its config
@@ -350,10 +357,25 @@ def _train(flags: dict[str, Any], planner: Planner | None) -> None:
         print(_describe(cfg), file=sys.stderr, flush=True)
         if show_plan and planner is not None:
             print(planner(cfg), file=sys.stderr, flush=True)
+    metrics = Path(cfg.run_dir) / METRICS_FILENAME
+    written = metrics.stat().st_size if metrics.exists() else 0  # by earlier sessions
     try:
         launch(cfg)
     except WorkerFailed as err:
         raise WorkerFailed(f"{err}{_resume_hint(cfg.run)}") from None
+    if show_plan and plan_check is not None and os.environ.get("RANK", "0") == "0":
+        print(plan_check(cfg, _session_step_times(metrics, written)), file=sys.stderr)
+
+
+def _session_step_times(metrics: Path, offset: int) -> list[float]:
+    """The step times this session appended to ``metrics`` (metrics.jsonl) after byte
+    ``offset``, in order."""
+    if not metrics.exists():
+        return []
+    with open(metrics, "rb") as f:
+        f.seek(offset)
+        rows = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+    return [float(row["step_time"]) for row in rows if "step_time" in row]
 
 
 def _resume_hint(run: RunConfig) -> str:
@@ -386,13 +408,19 @@ def _describe(cfg: TrainConfig) -> str:
     )
 
 
-def run(command: str, args: dict[str, Any], planner: Planner | None = None) -> int:
+def run(
+    command: str,
+    args: dict[str, Any],
+    planner: Planner | None = None,
+    plan_check: PlanCheck | None = None,
+) -> int:
     """Run ``command`` (``train``, ``sample`` or ``export``) with its parsed ``args``;
     returns the exit status: 2 for a configuration that cannot run, 1 for a failed run,
-    130 when interrupted. ``planner``: what ``--plan`` prints (see :func:`add_parsers`)."""
+    130 when interrupted. ``planner``: what ``--plan`` prints before the run (see
+    :func:`add_parsers`); ``plan_check``: what it prints after it."""
     try:
         if command == "train":
-            _train(args, planner)
+            _train(args, planner, plan_check)
         elif command == "export":
             out = export_run(args["run_dir"], args["out"], args.get("step"), args["max_shard_size"])
             print(
