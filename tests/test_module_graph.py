@@ -107,3 +107,16 @@ def test_the_checks_find_lazy_cycles_and_long_files(tmp_path: Path) -> None:
     assert long_files(src) == [f"plait/train/data.py: {MAX_LINES + 1} lines"]
     (src / "train" / "hf.py").write_text("def load():\n    pass\n")
     assert cycles(module_graph(src)) == []
+
+
+def unmapped(src: Path, doc: str) -> list[str]:
+    """Files of ``src`` whose name ``doc`` (docs/architecture.md) never mentions, package
+    ``__init__.py`` and ``__main__.py`` aside (a file is named by its basename in its room)."""
+    names = (p for p in sorted(src.rglob("*.py")) if p.name not in ("__init__.py", "__main__.py"))
+    return [str(p.relative_to(src.parent)) for p in names if f"{p.name}" not in doc]
+
+
+def test_every_file_is_in_a_room_of_the_map() -> None:
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    assert unmapped(SRC, doc) == [], "name the new file in its room of docs/architecture.md"
+    assert unmapped(SRC, doc.replace("`counts.py`", "")) == ["plait/experts/counts.py"]
