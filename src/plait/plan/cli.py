@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from plait.layout import LAYOUT_FIELDS, flag
 from plait.plan.batch import BatchError, read_entries, run_batch
+from plait.plan.calibrate import calibrate, for_workers, read_run
 from plait.plan.devices import device, override
 from plait.plan.flags import add_flags
 from plait.plan.memory import first_rank_memory
@@ -162,7 +164,20 @@ def _evaluate(
     work = _workload(args, seq_len, dev)
     if args.measure_cpu:
         dev = _measured_cpu(args.gpus, model, work, dev)
+    if args.calibrate:
+        dev = _calibrated(args.calibrate, dev, args.gpus)
     return _plan(args, model, work, dev), model, work, dev
+
+
+def _calibrated(run_dirs: list[str], dev: DeviceSpec, workers: int) -> DeviceSpec:
+    """``--calibrate``: ``dev`` fitted to the runs (:mod:`plait.plan.calibrate`), for
+    ``workers`` devices (on a CPU: workers sharing this machine's cores); says the fit on
+    stderr."""
+    fit = calibrate(dev, [read_run(d) for d in run_dirs])
+    for line in fit.lines:
+        print(f"plait plan: {line}", file=sys.stderr)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return for_workers(fit.device, fit.workers, workers, cores or 1)
 
 
 def _evaluate_json(args: argparse.Namespace) -> list[dict[str, Any]]:

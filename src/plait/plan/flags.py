@@ -132,6 +132,14 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
             "workers; about a minute) instead of the preset's measure-free defaults",
             action="store_true",
         ),
+        Flag(
+            "calibrate",
+            "fit the device's figures to a finished plait train run (its config.json and "
+            "metrics.jsonl: measured step time against the prediction; repeat for several "
+            "runs) before predicting; --device the run's kind (cpu for a CPU run)",
+            metavar="RUN_DIR",
+            action="append",
+        ),
         Flag("memory_gib", "override: memory per device, GiB", float),
         Flag("tflops", "override: dense bf16 peak, TFLOP/s", float),
         Flag("tflops_fp32", "override: dense fp32 peak, TFLOP/s", float),

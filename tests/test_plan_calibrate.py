@@ -1,0 +1,147 @@
+"""``plait plan --calibrate RUN_DIR``: the device fitted to a finished run predicts that run's
+step time exactly, scales every later prediction by the same factor (rates divided, fixed
+costs multiplied), moves a CPU fit to another worker count by the workers' share of the
+cores, and refuses what it cannot fit by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from plait.layout import Layout
+from plait.plan import Workload, device, evaluate, gpt
+from plait.plan.calibrate import RunRecord, calibrate, for_workers, read_run, scaled
+from plait.plan.cli import main
+from plait.plan.train_plan import plan_of_config
+from plait.train.config import TrainConfig
+
+RUN = TrainConfig(
+    n_layer=2,
+    n_head=2,
+    d_model=32,
+    seq_len=32,
+    batch_size=8,
+    nproc=2,
+    dp_shard=2,
+    device="cpu",
+    vocab_size=256,
+    microbatches=1,
+    stages_per_rank=1,
+)  # fmt: skip  (resolved, as a run directory's config.json holds it)
+FLAGS = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len", "32"]
+FLAGS += ["--global-batch", "8", "--device", "cpu", "--json", "--top", "1"]
+
+
+def _run_dir(tmp_path: Path, cfg: TrainConfig, times: list[float], name: str = "run") -> Path:
+    """A run directory as plait train leaves it: config.json and metrics.jsonl."""
+    run = tmp_path / name
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    rows = [{"step": 0, "val_loss": 5.0}]
+    rows += [{"step": i + 1, "loss": 5.0, "step_time": t} for i, t in enumerate(times)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def _step(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[float, str]:
+    """The best layout's predicted step time, and what the command said on stderr."""
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    return float(json.loads(out)[0]["step_time_s"]), err
+
+
+def test_the_fit_predicts_the_calibration_run_and_scales_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    predicted = plan_of_config(RUN, device("cpu")).timing.step_time
+    measured = 3 * predicted
+    # The first step (warm-up) is left out; the median of the others is the measurement.
+    run = _run_dir(tmp_path, RUN, [50 * predicted, measured, 0.9 * measured, 1.1 * measured])
+    same = ["--gpus", "2", "--dp-shard", "2"]
+    step, err = _step(capsys, [*FLAGS, *same, "--calibrate", str(run)])
+    assert step == pytest.approx(measured)
+    assert f"calibrated from {run} (2 x cpu, 3 step(s)): measured" in err
+    assert "(3x), after the fit" in err and "(+0.0% measured against it)" in err
+    # Another layout of the same worker count: the uncalibrated prediction, three times.
+    other = ["--gpus", "2", "--dp-replicate", "2", "--dp-shard", "1"]
+    plain, _ = _step(capsys, [*FLAGS, *other])
+    calibrated, _ = _step(capsys, [*FLAGS, *other, "--calibrate", str(run)])
+    assert calibrated == pytest.approx(3 * plain)
+
+
+def test_the_report_names_each_run_and_what_the_fit_leaves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    predicted = plan_of_config(RUN, device("cpu")).timing.step_time
+    slow = _run_dir(tmp_path, RUN, [1.0, 4 * predicted], "slow")
+    fast = _run_dir(tmp_path, RUN, [1.0, 1 * predicted], "fast")
+    flags = [*FLAGS, "--gpus", "2", "--dp-shard", "2", "--calibrate", str(slow)]
+    # Two runs: the geometric mean of 4x and 1x, 2x; each run's remaining error reported.
+    got, err = _step(capsys, [*flags, "--calibrate", str(fast)])
+    assert got == pytest.approx(2 * predicted)
+    assert f"calibrated from {slow} (2 x cpu, 1 step(s))" in err
+    assert "(4x), after the fit" in err and "(+100.0% measured against it)" in err
+    assert f"calibrated from {fast}" in err and "(-50.0% measured against it)" in err
+
+
+def test_every_rate_and_fixed_cost_scales() -> None:
+    base = dataclasses.replace(device("h100"), latency=2e-5, unit_overhead=1e-4, update_rate=1e12)
+    slow = scaled(base, 2.5)
+    assert (slow.flops, slow.flops_fp32, slow.intra_node_bw, slow.inter_node_bw) == (
+        base.flops / 2.5, base.flops_fp32 / 2.5, base.intra_node_bw / 2.5,
+        base.inter_node_bw / 2.5,
+    )  # fmt: skip
+    assert slow.update_rate == base.update_rate / 2.5
+    assert (slow.latency, slow.unit_overhead) == (base.latency * 2.5, base.unit_overhead * 2.5)
+    # On the cpu preset every part of a prediction scales with them.
+    model, work = gpt(4, 4, 256, 512), Workload(512, 16, "fp32")
+    for layout in (Layout(dp_shard=4), Layout(dp_shard=2, tp=2), Layout(dp_shard=2, pp=2)):
+        plain = evaluate(model, layout, work, device("cpu")).timing.step_time
+        slower = evaluate(model, layout, work, scaled(device("cpu"), 2.5)).timing.step_time
+        assert slower == pytest.approx(2.5 * plain), layout
+
+
+def test_a_gpu_run_is_matched_though_its_memory_bound_kernels_do_not_scale() -> None:
+    gpu = TrainConfig(
+        n_layer=8, n_head=16, d_model=2048, seq_len=4096, batch_size=64, nproc=8, dp_shard=8,
+        device="cuda", vocab_size=32000, mp="bf16", microbatches=1, stages_per_rank=1,
+    )  # fmt: skip
+    h100 = device("h100")
+    predicted = plan_of_config(gpu, h100).timing.step_time
+    measured = 1.7 * predicted
+    fit = calibrate(h100, [RunRecord("gpu-run", gpu, measured, 10)])
+    assert plan_of_config(gpu, fit.device).timing.step_time == pytest.approx(measured, rel=1e-6)
+    assert fit.factor > 1.7  # the part that does not scale leaves more to the rest
+
+
+def test_cpu_rates_follow_the_workers_share_of_the_cores() -> None:
+    cpu = device("cpu")
+    assert for_workers(cpu, 2, 4, cores=2).flops == pytest.approx(cpu.flops / 2)
+    assert for_workers(cpu, 4, 2, cores=2).flops == pytest.approx(cpu.flops * 2)
+    assert for_workers(cpu, 1, 2, cores=2) == cpu  # one core each either way
+    assert for_workers(device("h100"), 2, 64, cores=2) == device("h100")  # a device each
+
+
+def test_what_cannot_be_fitted_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [*FLAGS, "--gpus", "2"]
+    assert main([*base, "--calibrate", str(tmp_path)]) == 2
+    assert f"--calibrate {tmp_path}: no config.json" in capsys.readouterr().err
+    run = _run_dir(tmp_path, RUN, [1.0, 2.0])
+    h100 = [a if a != "cpu" else "h100" for a in base]
+    assert main([*h100, "--calibrate", str(run)]) == 2
+    assert "the run trained on cpu, the device calibrated is h100: use --device cpu" in (
+        capsys.readouterr().err
+    )
+    four = _run_dir(tmp_path, dataclasses.replace(RUN, nproc=4, dp_shard=4), [1.0, 2.0], "four")
+    assert main([*base, "--calibrate", str(run), "--calibrate", str(four)]) == 2
+    assert "runs of [2, 4] CPU workers" in capsys.readouterr().err
+    empty = _run_dir(tmp_path, RUN, [], "empty")
+    with pytest.raises(ValueError, match="holds no step_time"):
+        read_run(empty)
+    with pytest.raises(ValueError, match="--calibrate"):
+        calibrate(device("cpu"), [read_run(four), read_run(run)])
