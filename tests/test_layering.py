@@ -26,6 +26,7 @@ LAYERS = {
     "mesh": CORE,
     "spmd": CORE,
     "layout": CORE,
+    "lazy": CORE,
     # the composable APIs; the package root re-exports them
     "checkpoint": APIS,
     "fsdp": APIS,

@@ -10,10 +10,11 @@ parts of it (``plait plan``'s cost model) do not import torch; ``plait.fully_sha
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from plait.lazy import LazyExports
 
 if TYPE_CHECKING:
     from plait.checkpoint import (
@@ -97,20 +98,15 @@ _MODULES = {
     ),
     "plait.replicate": ("ReplicateModule", "replicate"),
 }
-_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+_LAZY = LazyExports(__name__, _MODULES)
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _LAZY.attribute(name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return _LAZY.names()
 
 
 class _Package(types.ModuleType):
@@ -120,7 +116,7 @@ class _Package(types.ModuleType):
     were imported eagerly)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
+        if name in _LAZY.where and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 

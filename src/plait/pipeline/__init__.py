@@ -33,9 +33,9 @@ processes: :mod:`~plait.pipeline.agreement` (the ranks agree on the schedule at 
 run) and :mod:`~plait.pipeline.stage` / :mod:`~plait.pipeline.p2p`.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from plait.lazy import LazyExports
 from plait.pipeline.actions import (
     OVERLAP_F_B,
     Action,
@@ -199,17 +199,12 @@ _MODULES = {
         "pipeline",
     ),
 }
-_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+_LAZY = LazyExports(__name__, _MODULES)
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _LAZY.attribute(name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return _LAZY.names()

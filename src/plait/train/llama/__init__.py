@@ -53,9 +53,9 @@ from here: the split into modules is not part of the interface.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from plait.lazy import LazyExports
 from plait.train.llama.config import LlamaConfig
 from plait.train.llama.families import FAMILIES, families_help
 from plait.train.llama.values import LlamaConfigError
@@ -90,17 +90,12 @@ _MODULES = {
     "plait.train.llama.rms_norm": ("RMSNorm",),
     "plait.train.llama.rotary": ("apply_rotary", "rope_inv_freq"),
 }
-_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+_LAZY = LazyExports(__name__, _MODULES)
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _LAZY.attribute(name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return _LAZY.names()
