@@ -119,36 +119,31 @@ def _search(name: str, batch: int, gpus: int) -> Callable[[], tuple[float, str]]
     return run
 
 
-def _cli_main() -> tuple[float, str]:
+def _timed_main(main: Callable[[list[str]], int], argv: list[str]) -> tuple[float, str]:
+    """CPU seconds of ``main(argv)`` (its JSON printed to a buffer), and how many layouts."""
     import contextlib
     import io
-
-    from plait.plan.cli import main
 
     out = io.StringIO()
     start = time.process_time()
     with contextlib.redirect_stdout(out):
-        status = main(CLI_8B_1024)
+        status = main(argv)
     seconds = time.process_time() - start
     if status != 0:
         raise SystemExit(f"plait plan exited {status}")
-    return seconds, f"{len(json.loads(out.getvalue())):,} layouts in the JSON"
+    return seconds, f"{len(json.loads(out.getvalue())):,} layout(s) in the JSON"
+
+
+def _cli_main() -> tuple[float, str]:
+    from plait.plan.cli import main
+
+    return _timed_main(main, CLI_8B_1024)
 
 
 def _plan_70b_main() -> tuple[float, str]:
-    import contextlib
-    import io
-
     from plait.cli import main
 
-    out = io.StringIO()
-    start = time.process_time()
-    with contextlib.redirect_stdout(out):
-        status = main(PLAN_70B_64)
-    seconds = time.process_time() - start
-    if status != 0:
-        raise SystemExit(f"plait plan exited {status}")
-    return seconds, f"{len(json.loads(out.getvalue()))} layout"
+    return _timed_main(main, PLAN_70B_64)
 
 
 def _dry_run(

@@ -39,8 +39,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: two test processes on a small machine, at most four on a large one.
     Each runs its own rank pools (up to 8 workers each), so more would crowd the cores and
     memory with processes waiting on each other's collectives."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(4, (cores or 1) // 2))
+    from plait.train.cores import usable_cores
+
+    return max(2, min(4, usable_cores() // 2))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +43,7 @@ from plait.plan.spec import (
     Workload,
 )
 from plait.train.config import DEFAULTS, TrainConfig
+from plait.train.cores import usable_cores
 
 __all__ = ["add_parser", "main", "run"]
 
@@ -176,8 +176,7 @@ def _calibrated(run_dirs: list[str], dev: DeviceSpec, workers: int) -> DeviceSpe
     fit = calibrate(dev, [read_run(d) for d in run_dirs])
     for line in fit.lines:
         print(f"plait plan: {line}", file=sys.stderr)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return for_workers(fit.device, fit.workers, workers, cores or 1)
+    return for_workers(fit.device, fit.workers, workers, usable_cores())
 
 
 def _evaluate_json(args: argparse.Namespace) -> list[dict[str, Any]]:

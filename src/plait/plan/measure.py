@@ -47,7 +47,7 @@ import torch.distributed as dist
 from plait.plan.devices import device
 from plait.plan.models import attention_flops_per_token, gpt, param_counts
 from plait.plan.spec import DeviceSpec
-from plait.train.worker import threads_per_worker, usable_cores
+from plait.train.cores import threads_per_worker, usable_cores
 
 __all__ = ["Shapes", "measure_cpu"]
 

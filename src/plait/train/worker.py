@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from plait import spmd
 from plait.mesh import collective_device
 from plait.train.config import ExecutionConfig, RunConfig, TrainConfig
+from plait.train.cores import threads_per_worker, usable_cores
 from plait.train.loop import TrainResult, train
 
 __all__ = ["LAUNCHER_PID", "default_run_dir", "threads_per_worker", "usable_cores", "worker_main"]
@@ -41,18 +42,6 @@ _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 def default_run_dir() -> str:
     return time.strftime("runs/%Y%m%d-%H%M%S")
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores or 1
-
-
-def threads_per_worker(local_world: int) -> int:
-    """CPU threads each of ``local_world`` workers on this machine gets, so that workers do
-    not oversubscribe it: the usable cores divided among them, at least one."""
-    return max(1, usable_cores() // local_world)
 
 
 def _die_with_the_launcher() -> None:
