@@ -1,7 +1,10 @@
 """``plait plan --calibrate RUN_DIR``: the device fitted to a finished run predicts that run's
-step time exactly, scales every later prediction by the same factor (rates divided, fixed
-costs multiplied), moves a CPU fit to another worker count by the workers' share of the
-cores, and refuses what it cannot fit by name."""
+step time and memory exactly, scales every later prediction by the same factor (rates
+divided, fixed costs multiplied) and adds the same memory offset, fits a CPU run on this
+machine measured at the run's worker count and predicts another count on the machine
+measured at that count, and refuses what it cannot fit by name. The arithmetic is checked
+with the measurement replaced by the ``cpu`` preset (deterministic); test_plan_calibrate_runs.py
+trains real runs and checks the prediction of a 4-worker run from a 2-worker one."""
 
 from __future__ import annotations
 
@@ -12,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from plait.layout import Layout
-from plait.plan import Workload, device, evaluate, gpt
+from plait.plan import Workload, device, evaluate, gpt, measure
 from plait.plan.calibrate import RunRecord, calibrate, for_workers, read_run, scaled
 from plait.plan.cli import main
+from plait.plan.spec import DeviceSpec
 from plait.plan.train_plan import plan_of_config
 from plait.train.config import TrainConfig
 
@@ -35,13 +39,36 @@ FLAGS = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len", "32"
 FLAGS += ["--global-batch", "8", "--device", "cpu", "--json", "--top", "1"]
 
 
-def _run_dir(tmp_path: Path, cfg: TrainConfig, times: list[float], name: str = "run") -> Path:
-    """A run directory as plait train leaves it: config.json and metrics.jsonl."""
+@pytest.fixture(autouse=True)
+def preset_cpu(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Measuring this CPU replaced by the ``cpu`` preset (test_plan_calibrate_runs.py
+    measures); the worker counts of each measurement asked for."""
+    asked: list[list[int]] = []
+
+    def preset(counts: list[int], *args: object) -> dict[int, DeviceSpec]:
+        asked.append(counts)
+        return dict.fromkeys(counts, device("cpu"))
+
+    monkeypatch.setattr(measure, "measure_counts", preset)
+    return asked
+
+
+def _run_dir(
+    tmp_path: Path,
+    cfg: TrainConfig,
+    times: list[float],
+    name: str = "run",
+    memory: list[int] | None = None,
+) -> Path:
+    """A run directory as plait train leaves it: config.json and metrics.jsonl (with each
+    rank's peak ``memory`` at the end, if given)."""
     run = tmp_path / name
     run.mkdir()
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    rows = [{"step": 0, "val_loss": 5.0}]
+    rows: list[dict[str, object]] = [{"step": 0, "val_loss": 5.0}]
     rows += [{"step": i + 1, "loss": 5.0, "step_time": t} for i, t in enumerate(times)]
+    if memory:
+        rows.append({"step": len(times), "peak_memory": memory, "memory_kind": "rss"})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
@@ -112,17 +139,65 @@ def test_a_gpu_run_is_matched_though_its_memory_bound_kernels_do_not_scale() -> 
     h100 = device("h100")
     predicted = plan_of_config(gpu, h100).timing.step_time
     measured = 1.7 * predicted
-    fit = calibrate(h100, [RunRecord("gpu-run", gpu, measured, 10)])
-    assert plan_of_config(gpu, fit.device).timing.step_time == pytest.approx(measured, rel=1e-6)
+    fit = calibrate(h100, [RunRecord("gpu-run", gpu, measured, 10)], cores=2)
+    assert plan_of_config(gpu, fit.device(8, cores=2)).timing.step_time == pytest.approx(
+        measured, rel=1e-6
+    )
     assert fit.factor > 1.7  # the part that does not scale leaves more to the rest
+
+
+def test_a_cpu_run_is_fitted_measured_and_another_count_predicted_measured_at_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], preset_cpu: list[list[int]]
+) -> None:
+    predicted = plan_of_config(RUN, device("cpu")).timing.step_time
+    run = _run_dir(tmp_path, RUN, [1.0, 2 * predicted])
+    four = ["--gpus", "4", "--dp-shard", "4", "--calibrate", str(run)]
+    plain, _ = _step(capsys, [*FLAGS, "--gpus", "4", "--dp-shard", "4"])
+    got, _ = _step(capsys, [*FLAGS, *four])
+    # Measured at the run's 2 workers and the prediction's 4 together; the factor applied.
+    assert preset_cpu == [[2, 4]]
+    assert got == pytest.approx(2 * plain)
+    # Runs of different worker counts: each fitted on the machine measured at its own.
+    other = _run_dir(tmp_path, dataclasses.replace(RUN, nproc=4, dp_shard=4), [1.0, 2.0], "4")
+    fit = calibrate(device("cpu"), [read_run(run), read_run(other)], cores=2, predict=(8,))
+    assert preset_cpu[1:] == [[2, 4, 8]]
+    assert sorted(fit.forms) == [2, 4, 8] and len(fit.lines) == 2
+    # A count not measured: the nearest measured one moved by the workers' share of cores.
+    moved = fit.device(16, cores=2)
+    assert moved.flops == pytest.approx(fit.device(8, cores=2).flops / 2)
+    assert moved.latency == pytest.approx(fit.device(8, cores=2).latency * 2)
 
 
 def test_cpu_rates_follow_the_workers_share_of_the_cores() -> None:
     cpu = device("cpu")
-    assert for_workers(cpu, 2, 4, cores=2).flops == pytest.approx(cpu.flops / 2)
+    four = for_workers(cpu, 2, 4, cores=2)
+    assert (four.flops, four.intra_node_bw) == pytest.approx((cpu.flops / 2, cpu.intra_node_bw / 2))
+    assert (four.latency, four.oversubscription) == pytest.approx((cpu.latency * 2, 2.0))
     assert for_workers(cpu, 4, 2, cores=2).flops == pytest.approx(cpu.flops * 2)
     assert for_workers(cpu, 1, 2, cores=2) == cpu  # one core each either way
     assert for_workers(device("h100"), 2, 64, cores=2) == device("h100")  # a device each
+
+
+def test_memory_is_fitted_as_an_offset_per_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tensors = plan_of_config(RUN, device("cpu")).memory.total
+    run = _run_dir(tmp_path, RUN, [1.0, 0.5], memory=[int(tensors) + 2**28, int(tensors)])
+    fit = calibrate(device("cpu"), [read_run(run)], cores=2)
+    assert fit.runtime_memory == pytest.approx(2**28, abs=1)  # the largest rank's
+    assert plan_of_config(RUN, fit.device(2, cores=2)).memory.total == pytest.approx(
+        tensors + 2**28
+    )
+    assert "MiB of tensors predicted, after the fit 257 MiB (+0.0% measured" in fit.lines[0]
+    # The offset reaches the plan's memory, as its own part, for every layout.
+    flags = [*FLAGS, "--gpus", "4", "--dp-shard", "4"]
+    assert main(flags) == 0
+    plain = json.loads(capsys.readouterr().out)[0]["memory"]
+    assert main([*flags, "--calibrate", str(run)]) == 0
+    calibrated = json.loads(capsys.readouterr().out)[0]["memory"]
+    assert calibrated["extra"]["runtime"] == pytest.approx(2**28, abs=1)
+    assert calibrated["total"] == pytest.approx(plain["total"] + 2**28, abs=1)
+    assert "runtime" not in plain["extra"]
 
 
 def test_what_cannot_be_fitted_is_refused_by_name(
@@ -137,11 +212,6 @@ def test_what_cannot_be_fitted_is_refused_by_name(
     assert "the run trained on cpu, the device calibrated is h100: use --device cpu" in (
         capsys.readouterr().err
     )
-    four = _run_dir(tmp_path, dataclasses.replace(RUN, nproc=4, dp_shard=4), [1.0, 2.0], "four")
-    assert main([*base, "--calibrate", str(run), "--calibrate", str(four)]) == 2
-    assert "runs of [2, 4] CPU workers" in capsys.readouterr().err
     empty = _run_dir(tmp_path, RUN, [], "empty")
     with pytest.raises(ValueError, match="holds no step_time"):
         read_run(empty)
-    with pytest.raises(ValueError, match="--calibrate"):
-        calibrate(device("cpu"), [read_run(four), read_run(run)])

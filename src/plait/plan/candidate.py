@@ -9,6 +9,7 @@ of a large search does not fit.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from plait.plan.spec import (
 from plait.plan.spec import recipe as recipe_of
 from plait.plan.timing import EFFICIENCY, Timing, predict_time
 
-__all__ = ["Candidate", "Pricing", "describe", "evaluate", "fastest"]
+__all__ = ["Candidate", "Pricing", "describe", "evaluate", "fastest", "with_runtime"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Pricing:
             pipeline = layout_shape(self.model, layout)
         except ValueError:
             return None
-        memory = peak_memory(self.model, layout, self.work, pipeline)
+        memory = with_runtime(peak_memory(self.model, layout, self.work, pipeline), self.device)
         if memory.total > self.budget:
             return memory.total, None
         timing = predict_time(
@@ -103,9 +104,17 @@ def evaluate(
     """Memory and time of one layout (no search). ValueError for a shape plait refuses.
     ``software``: the framework's kernels and overlaps (:class:`Software`; plait's)."""
     shape = layout_shape(model, layout)
-    memory = peak_memory(model, layout, work, shape)
+    memory = with_runtime(peak_memory(model, layout, work, shape), device)
     timing = predict_time(model, layout, work, device, shape, efficiency, software=software)
     return Candidate(layout, memory, timing, memory.total <= memory_fraction * device.memory)
+
+
+def with_runtime(memory: MemoryBreakdown, device: DeviceSpec) -> MemoryBreakdown:
+    """``memory`` with the process's own bytes beyond its tensors
+    (``device.runtime_memory``, fitted by ``--calibrate``) as the ``runtime`` part."""
+    if not device.runtime_memory:
+        return memory
+    return dataclasses.replace(memory, extra={**memory.extra, "runtime": device.runtime_memory})
 
 
 def fastest(c: Candidate) -> tuple[float, float]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from plait.layout import LAYOUT_FIELDS, flag
 from plait.plan.batch import BatchError, read_entries, run_batch
-from plait.plan.calibrate import calibrate, for_workers, read_run
+from plait.plan.calibrate import calibrate, read_run
 from plait.plan.devices import device, override
 from plait.plan.flags import add_flags
 from plait.plan.memory import first_rank_memory
@@ -29,7 +29,6 @@ from plait.plan.models import (
     expert_hidden_default,
     from_hf_config,
     gpt,
-    param_counts,
     preset,
 )
 from plait.plan.report import format_plan, size, to_json
@@ -141,16 +140,9 @@ def _measured_cpu(gpus: int, model: ModelSpec, work: Workload, dev: DeviceSpec) 
     batch of pure data parallelism."""
     if dev.name != "cpu":
         raise PlanError(f"--measure-cpu measures this CPU: use --device cpu, not {dev.name}")
-    from plait.plan.measure import Shapes, measure_cpu
+    from plait.plan.measure import measure_for
 
-    shapes = Shapes(
-        tokens=work.seq_len * max(1, work.global_batch // gpus),
-        d_model=model.d_model,
-        params=param_counts(model).total(model.layers) // gpus,
-        heads=model.heads,
-        seq_len=work.seq_len,
-    )
-    return measure_cpu(gpus, shapes)
+    return measure_for(gpus, model, work.seq_len, work.global_batch)
 
 
 def _evaluate(
@@ -162,10 +154,10 @@ def _evaluate(
     model = _model(args, seq_len)
     dev = _device(args)
     work = _workload(args, seq_len, dev)
-    if args.measure_cpu:
-        dev = _measured_cpu(args.gpus, model, work, dev)
-    if args.calibrate:
+    if args.calibrate:  # on a CPU, the calibration measures it (plait.plan.calibrate)
         dev = _calibrated(args.calibrate, dev, args.gpus)
+    elif args.measure_cpu:
+        dev = _measured_cpu(args.gpus, model, work, dev)
     return _plan(args, model, work, dev), model, work, dev
 
 
@@ -173,10 +165,10 @@ def _calibrated(run_dirs: list[str], dev: DeviceSpec, workers: int) -> DeviceSpe
     """``--calibrate``: ``dev`` fitted to the runs (:mod:`plait.plan.calibrate`), for
     ``workers`` devices (on a CPU: workers sharing this machine's cores); says the fit on
     stderr."""
-    fit = calibrate(dev, [read_run(d) for d in run_dirs])
+    fit = calibrate(dev, [read_run(d) for d in run_dirs], usable_cores(), (workers,))
     for line in fit.lines:
         print(f"plait plan: {line}", file=sys.stderr)
-    return for_workers(fit.device, fit.workers, workers, usable_cores())
+    return fit.device(workers, usable_cores())
 
 
 def _evaluate_json(args: argparse.Namespace) -> list[dict[str, Any]]:

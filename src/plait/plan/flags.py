@@ -135,8 +135,10 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
         Flag(
             "calibrate",
             "fit the device's figures to a finished plait train run (its config.json and "
-            "metrics.jsonl: measured step time against the prediction; repeat for several "
-            "runs) before predicting; --device the run's kind (cpu for a CPU run)",
+            "metrics.jsonl: measured step time and peak memory against the prediction; "
+            "repeat for several runs) before predicting; --device the run's kind (cpu for a "
+            "CPU run: this machine is then measured at the run's workers and --gpus, about "
+            "half a minute)",
             metavar="RUN_DIR",
             action="append",
         ),

@@ -32,6 +32,7 @@ compute share the same cores, so communication does not hide behind compute).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -46,10 +47,10 @@ import torch.distributed as dist
 
 from plait.plan.devices import device
 from plait.plan.models import attention_flops_per_token, gpt, param_counts
-from plait.plan.spec import DeviceSpec
+from plait.plan.spec import DeviceSpec, ModelSpec
 from plait.train.cores import threads_per_worker, usable_cores
 
-__all__ = ["Shapes", "measure_cpu"]
+__all__ = ["Shapes", "measure_counts", "measure_cpu", "measure_for"]
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,40 @@ def measure_cpu(
         overlap=False,
         oversubscription=oversubscription,
     )
+
+
+def measure_for(nproc: int, model: ModelSpec, seq_len: int, global_batch: int) -> DeviceSpec:
+    """:func:`measure_cpu` with ``nproc`` workers at ``model``'s shapes: a worker's share
+    of the global batch as data parallelism splits it, and of the parameters."""
+    shapes = Shapes(
+        tokens=seq_len * max(1, global_batch // nproc),
+        d_model=model.d_model,
+        params=param_counts(model).total(model.layers) // nproc,
+        heads=model.heads,
+        seq_len=seq_len,
+    )
+    return measure_cpu(nproc, shapes)
+
+
+def measure_counts(
+    counts: list[int], model: ModelSpec, seq_len: int, global_batch: int, rounds: int = 2
+) -> dict[int, DeviceSpec]:
+    """:func:`measure_for` at each worker count of ``counts``, interleaved over ``rounds``
+    rounds, each figure the median over the rounds: what else runs on the machine meanwhile
+    weighs on every count alike, so the figures of two counts compare."""
+    taken: dict[int, list[DeviceSpec]] = {n: [] for n in counts}
+    for _ in range(rounds):
+        for n in counts:
+            taken[n].append(measure_for(n, model, seq_len, global_batch))
+    out = {}
+    for n, specs in taken.items():
+        rates = {
+            name: statistics.median(getattr(spec, name) for spec in specs)
+            for name in ("flops", "flops_fp32", "intra_node_bw", "inter_node_bw", "latency",
+                         "update_rate", "unit_overhead")
+        }  # fmt: skip
+        out[n] = dataclasses.replace(specs[0], **rates)
+    return out
 
 
 if __name__ == "__main__":

@@ -174,7 +174,11 @@ class DeviceSpec:
       DTensor parameters, buffer copies), collective latency excluded; 0: not modelled;
     * ``oversubscription``: workers per core (at least 1). Rates are measured with every
       worker busy; above 1, a worker idle in a pipeline's bubble leaves its share of the
-      cores to the others, which then run up to this many times faster.
+      cores to the others, which then run up to this many times faster;
+    * ``runtime_memory``: bytes a process holds beyond the tensors the memory model counts
+      (a CPU process's interpreter and libraries, a GPU's workspaces and allocator slack),
+      added to every rank's peak; fitted by ``--calibrate`` (:mod:`plait.plan.calibrate`;
+      negative where the model over-counts), 0 for the presets.
     """
 
     name: str
@@ -190,6 +194,7 @@ class DeviceSpec:
     overlap: bool = True
     unit_overhead: float = 0.0
     oversubscription: float = 1.0
+    runtime_memory: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ loss curve, and draws the progress bar. With divergence checking on (``PLAIT_CHE
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,23 +23,21 @@ from plait import spmd
 from plait.experts import expert_load, update_expert_bias
 from plait.layout import DP_REPLICATE, DP_SHARD, PP
 from plait.mesh import collective_device, mesh_coordinate
+from plait.train.checkpointer import Checkpointer
 from plait.train.checkpointing import (
     CheckpointDamaged,
     checkpoint_group,
     list_checkpoints,
     load_checkpoint,
-    save_checkpoint,
 )
 from plait.train.compiled import CompileCounters
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.data import TokenData, load_data, record_fingerprint
 from plait.train.faults import FaultInjector
 from plait.train.float8 import after_step as float8_scales
-from plait.train.flops import flops_per_token, mfu, total_peak
+from plait.train.flops import flops_per_token
 from plait.train.hf import check_init_from, load_hf_checkpoint, parameter_shapes
 from plait.train.llama import Llama
-from plait.train.loggers import open_loggers
-from plait.train.metrics import gather_peak_memory
 from plait.train.model import GPT, GPTConfig
 from plait.train.optimizer import (
     build_optimizer,
@@ -58,17 +55,16 @@ from plait.train.parallelize import (
     is_tied,
     parallelize,
 )
-from plait.train.presets import RUN_FILE as MODEL_CONFIG_FILE
-from plait.train.progress import Progress
-from plait.train.report import imbalance, plot_loss_curve, summary_table
-from plait.train.resolve import gpt_config, llama_config, model_config_bytes
+from plait.train.report import imbalance
+from plait.train.reporter import CONFIG_FILE, Reporter
+from plait.train.resolve import gpt_config, llama_config
+from plait.train.restart import restart_count, restarted
 from plait.train.step import Stepper, make_stepper
 from plait.train.step_batch import StepBatch, global_loss, step_batch
 from plait.train.tied import TiedCopies
 
-__all__ = ["TrainResult", "Trainable", "model_settings", "train"]
+__all__ = ["CONFIG_FILE", "TrainResult", "Trainable", "model_settings", "train"]
 
-CONFIG_FILE = "config.json"
 #: The settings a checkpoint's weights depend on: a checkpoint loads only into a run with
 #: the same values (dropout changes no weight, so it may differ).
 MODEL_SETTINGS = (
@@ -244,6 +240,15 @@ class _Session:
         dp_shard = mesh_coordinate(self.mesh, DP_SHARD)
         self.dp_rank = mesh_coordinate(self.mesh, DP_REPLICATE) * cfg.dp_shard + dp_shard
         self.checkpoint_group = checkpoint_group(cfg.fault_timeout)
+        self.checkpointer = Checkpointer(
+            self.run_dir,
+            self.modules,
+            self.optimizer,
+            cfg.to_dict(),
+            cfg.keep,
+            self.checkpoint_group,
+            background=cfg.async_checkpoint,
+        )
         self.faults = FaultInjector(_rank())  # test-only: see plait.train.faults
         self.faults.arm(self.modules[0])
         # Dropout draws differ per data-parallel rank and pipeline stage, yet are
@@ -301,18 +306,6 @@ class _Session:
         means = global_loss(torch.stack(losses), self.parts.execution.layout)
         return sum(m * n for m, n in zip(means, counts, strict=True)) / sum(counts)
 
-    def save(self, step: int) -> Path:
-        cfg = self.cfg
-        return save_checkpoint(
-            self.run_dir,
-            step,
-            self.modules,
-            self.optimizer,
-            cfg.to_dict(),
-            cfg.keep,
-            self.checkpoint_group,
-        )
-
     def resume(self) -> int:
         """Load the newest intact checkpoint (warning about each damaged newer one); its
         step. Refuses a checkpoint of another model before loading anything."""
@@ -338,74 +331,6 @@ class _Session:
         raise ConfigError(f"--resume: {self.run_dir} holds no intact checkpoint{found}")
 
 
-class _Reporter:
-    """Rank 0's side of a session: the loggers (metrics.jsonl, TensorBoard, W&B), the progress
-    display, the summary; silent elsewhere. Each training record gains ``mfu``."""
-
-    def __init__(self, cfg: TrainConfig, start: int, enabled: bool) -> None:
-        self.cfg = cfg
-        self.enabled = enabled
-        self.session_steps: list[dict[str, Any]] = []
-        # Every rank takes part (on CPU the processes benchmark their shared cores together).
-        self.peak = total_peak(cfg.device, cfg.mp, cfg.peak_flops)
-        if not enabled:
-            return
-        run_dir = Path(cfg.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        if cfg.model_config:  # the config.json it trains (a preset's too): its model_hash
-            (run_dir / MODEL_CONFIG_FILE).write_bytes(model_config_bytes(cfg.model_config))
-        self.log = open_loggers(cfg, start if cfg.resume else None)
-        self.flops_per_token = model_flops_per_token(cfg)
-        self.progress = Progress(cfg.steps, start)
-        last = f"{cfg.stop_after} (--stop-after) of {cfg.steps}" if cfg.stop_after else cfg.steps
-        self.progress.note(f"training steps {start + 1}..{last}; run directory {run_dir}")
-        self.progress.note(
-            f"MFU: {self.flops_per_token:.3g} model FLOPs per token over a peak of "
-            f"{self.peak.flops:.3g} FLOP/s ({self.peak.source})"
-        )
-
-    def step(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            utilisation = mfu(record["tokens_per_s"], self.flops_per_token, self.peak.flops)
-            record = {**record, "mfu": utilisation}
-            self.session_steps.append(record)
-            self.log.log(record["step"], {k: v for k, v in record.items() if k != "step"})
-            step, loss, tokens_per_s = record["step"], record["loss"], record["tokens_per_s"]
-            self.progress.update(step, loss, tokens_per_s, utilisation)
-
-    def validation(self, step: int, loss: float) -> None:
-        if self.enabled:
-            self.log.log(step, {"val_loss": loss})
-            self.progress.note(f"step {step}: validation loss {loss:.4f}")
-
-    def checkpoint(self, step: int, path: Path) -> None:
-        if self.enabled:
-            self.progress.note(f"step {step}: checkpoint {path}")
-
-    def stopped(self, step: int) -> None:
-        if self.enabled:
-            self.progress.note(
-                f"stopped after step {step} of {self.cfg.steps} (--stop-after); continue with: "
-                f"plait train --run-dir {self.cfg.run_dir} --resume"
-            )
-
-    def finish(self) -> None:
-        memory = gather_peak_memory(self.cfg.device)  # collective: every rank takes part
-        if not self.enabled:
-            return
-        self.progress.close()
-        self.log.close()
-        run_dir = self.cfg.run_dir
-        mfu_of = (self.flops_per_token, self.peak)
-        table = summary_table(
-            self.cfg, self.log.records, self.session_steps, memory, run_dir, mfu_of=mfu_of
-        )
-        print(table)
-        print(plot_loss_curve(self.log.records, run_dir))
-        print(f"sample from it: plait sample --run-dir {run_dir}", flush=True)
-
-
 def _compile_record(before: CompileCounters) -> dict[str, int]:
     """What dynamo did since ``before``, for a step's metrics record."""
     done = CompileCounters.read().since(before)
@@ -415,14 +340,23 @@ def _compile_record(before: CompileCounters) -> dict[str, int]:
 def train(cfg: TrainConfig) -> TrainResult:
     """Train to step ``cfg.steps`` (from the latest intact checkpoint with ``cfg.resume``),
     or only to ``cfg.stop_after`` (then checkpoint and stop; the schedules still span
-    ``cfg.steps``, so resuming later continues as if never stopped)."""
+    ``cfg.steps``, so resuming later continues as if never stopped). A restarted worker
+    (:mod:`plait.train.restart`) resumes as with ``cfg.resume``, and records the restart."""
+    cfg = restarted(cfg)
+    restart = restart_count()
     session = _Session(cfg)
     start = session.resume() if cfg.resume else 0
     last = cfg.stop_after or cfg.steps
-    if cfg.stop_after and cfg.stop_after <= start:
+    if cfg.stop_after and cfg.stop_after <= start and not restart:
         raise ConfigError(f"--stop-after {cfg.stop_after}: the run is already at step {start}")
     result = TrainResult(session.run_dir, start)
-    report = _Reporter(cfg, start, enabled=_rank() == 0)
+    report = Reporter(
+        cfg,
+        start,
+        enabled=_rank() == 0,
+        restart=restart,
+        flops_per_token=model_flops_per_token(cfg),
+    )
 
     def validate(step: int) -> None:
         result.val_losses[step] = session.validate()
@@ -456,8 +390,10 @@ def train(cfg: TrainConfig) -> TrainResult:
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             validate(step)
         if step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-            report.checkpoint(step, session.save(step))
+            report.checkpoint(*session.checkpointer.save(step))
+    # Never end with a checkpoint still being written (--async-checkpoint).
+    report.written(max(start, last), session.checkpointer.close())
     if last < cfg.steps:
         report.stopped(last)
-    report.finish()
+    report.finish(session.checkpointer.staged_bytes)
     return result
