@@ -31,9 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.published_runs import (
+    AUTOMODEL,
+    FMS_FSDP,
     FOUNDRY,
+    LIT_GPT,
     LLAMA3,
+    MAXTEXT,
     MEGATRON,
+    MEGATRON_DEEPSPEED,
+    NEMO,
     RUNS,
     TORCHTITAN,
     PublishedRun,
@@ -73,7 +79,21 @@ def planner_device(run: PublishedRun) -> DeviceSpec:
 
 
 #: Each code base's activation recipe (``plait.plan.memory.RECIPE_KEEPS``).
-RECIPE_OF = {MEGATRON: "megatron", TORCHTITAN: "torchtitan", FOUNDRY: "foundry", LLAMA3: "llama3"}
+#: What each code base keeps for backward (``plait.plan.memory.RECIPE_KEEPS``): NeMo and
+#: Megatron-DeepSpeed are Megatron's; fms-fsdp, NeMo AutoModel, MaxText and lit-gpt keep what
+#: eager FSDP PyTorch keeps (torchtitan's).
+RECIPE_OF = {
+    MEGATRON: "megatron",
+    TORCHTITAN: "torchtitan",
+    FOUNDRY: "foundry",
+    LLAMA3: "llama3",
+    NEMO: "megatron",
+    MEGATRON_DEEPSPEED: "megatron",
+    FMS_FSDP: "torchtitan",
+    AUTOMODEL: "torchtitan",
+    MAXTEXT: "torchtitan",
+    LIT_GPT: "torchtitan",
+}
 
 
 def planner_layout(run: PublishedRun) -> Layout:

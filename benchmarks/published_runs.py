@@ -66,7 +66,26 @@ MEGATRON = "Megatron-LM"
 TORCHTITAN = "torchtitan"
 FOUNDRY = "llm-foundry"
 LLAMA3 = "Meta Llama 3"
-CODE_BASES = (MEGATRON, TORCHTITAN, FOUNDRY, LLAMA3)
+# Code bases of the held-out rows (benchmarks/published_holdout.py).
+NEMO = "NeMo"  # NeMo (Megatron-Core underneath), NVIDIA's DGX Cloud benchmarking recipes
+FMS_FSDP = "fms-fsdp"  # IBM's foundation-model-stack FSDP trainer
+AUTOMODEL = "NeMo AutoModel"  # NeMo's PyTorch (FSDP2) backend
+MAXTEXT = "MaxText"  # JAX / XLA
+# Code bases of the fresh held-out rows (benchmarks/published_fresh.py).
+MEGATRON_DEEPSPEED = "Megatron-DeepSpeed"  # DeepSpeed pipeline + ZeRO-1 with Megatron-LM's TP
+LIT_GPT = "lit-gpt"  # Lightning Fabric FSDP (TinyLlama's fork of lit-gpt)
+CODE_BASES = (
+    MEGATRON,
+    TORCHTITAN,
+    FOUNDRY,
+    LLAMA3,
+    NEMO,
+    FMS_FSDP,
+    AUTOMODEL,
+    MAXTEXT,
+    MEGATRON_DEEPSPEED,
+    LIT_GPT,
+)
 
 
 @dataclass(frozen=True)
