@@ -8,7 +8,15 @@ import dataclasses
 import pytest
 
 from plait.plan import Layout, Workload, device, preset, roofline, timing
-from plait.plan.calibration import CALIBRATION_RUNS, calibrate, calibrate_stacks
+from plait.plan.calibration import (
+    CALIBRATION_RUNS,
+    DEVICE_RUNS,
+    calibrate,
+    calibrate_devices,
+    calibrate_stacks,
+)
+from plait.plan.calibration import predicted as calibration_predicted
+from plait.plan.compute_time import DEVICE_SCALE
 from plait.plan.devices import memory_bandwidth
 from plait.plan.models import gpt
 from plait.plan.roofline import (
@@ -169,11 +177,26 @@ def test_stack_scales_are_fitted_one_run_per_stack() -> None:
         assert scale == pytest.approx(STACK_SCALE[name], rel=0.01), name
 
 
+def test_generation_scales_are_fitted_on_a_stack_fitted_on_the_a100() -> None:
+    fitted = calibrate_devices()
+    assert set(fitted) == set(DEVICE_SCALE)
+    for name, scale in fitted.items():
+        assert scale == pytest.approx(DEVICE_SCALE[name], rel=0.01), name
+    stacks = {r.software.kernels: r.device for r in CALIBRATION_RUNS}
+    for run in DEVICE_RUNS:  # its stack's own scale was fitted on the A100
+        assert stacks[run.software.kernels] == "a100" and run.device != "a100"
+    # A generation's scale moves its devices' compute only: the same run on the A100 is
+    # priced as before, on the H100 at that scale less throughput.
+    run = DEVICE_RUNS[0]
+    half = calibration_predicted(run, EFFICIENCY, generation=DEVICE_SCALE["hopper"] / 2)
+    assert half < calibration_predicted(run, EFFICIENCY)
+
+
 def test_calibration_runs_match_the_published_table() -> None:
     published = pytest.importorskip("benchmarks.published_runs")
     rows = {r.name: r for r in published.CALIBRATION}
-    assert set(rows) == {r.name for r in CALIBRATION_RUNS}
-    for run in CALIBRATION_RUNS:
+    assert set(rows) == {r.name for r in CALIBRATION_RUNS + DEVICE_RUNS}
+    for run in CALIBRATION_RUNS + DEVICE_RUNS:
         row = rows[run.name]
         assert (row.model, row.layout, row.work, row.device, row.software, row.zero) == (
             run.model,
@@ -410,5 +433,6 @@ def test_full_recompute_skips_the_tail_only_with_early_stop() -> None:
     assert step(lay, True) == early
     assert none < early < whole
     # the saving: every block's tail (one microbatch of 3 x 2048 tokens per rank)
-    saved = 48 * _mpt_kernels().tail / (EFFICIENCY * STACK_SCALE["llm-foundry"])
+    s = EFFICIENCY * STACK_SCALE["llm-foundry"] * DEVICE_SCALE["hopper"]
+    saved = 48 * _mpt_kernels().tail / s
     assert whole - early == pytest.approx(saved, rel=1e-3)

@@ -23,12 +23,18 @@ benchmarks (``tests/test_plan_cost.py`` checks both agree):
 * llm-foundry MPT-13B, 8 x A100 80 GB, FSDP 8, micro-batch 2 x 3 accumulations x 2,048:
   2,262 tokens/s per GPU (mosaicml/llm-foundry ``scripts/train/benchmarking/README.md``).
 
+and, for the H100 generation (:data:`DEVICE_RUNS`), the same code base's MPT-7B on 8 x H100,
+FSDP 8, micro-batch 6 x 2,048: 10,643 tokens/s per GPU (the same README, table "H100 80GB
+BF16"): the one code base published on both generations in one table, one node each.
+
 :func:`calibrate` finds the shared sustained fraction at which the geometric mean of
-predicted / published throughput over those runs is 1 (each at its stack's scale 1);
-:func:`calibrate_stacks` then each software stack's scale of it
-(:data:`plait.plan.compute_time.STACK_SCALE`), from that stack's one run. Each run carries its
-software as ``benchmarks/published_runs.py`` states it. Every other published row is a
-prediction.
+predicted / published throughput over the four stack runs is 1 (each at its stack's and
+generation's scale 1); :func:`calibrate_stacks` then each software stack's scale of it
+(:data:`plait.plan.compute_time.STACK_SCALE`), from that stack's one run at its generation's
+scale; :func:`calibrate_devices` each later generation's scale
+(:data:`plait.plan.compute_time.DEVICE_SCALE`) from its run of a stack fitted on the A100.
+Each run carries its software as ``benchmarks/published_runs.py`` states it. Every other
+published row is a prediction.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from plait.layout import LAYOUT_FIELDS
+from plait.plan.compute_time import GENERATIONS, device_scale
 from plait.plan.devices import device, override
 from plait.plan.models import gpt, preset
 from plait.plan.schedule import layout_shape
@@ -46,8 +53,10 @@ from plait.plan.timing import EFFICIENCY, STACK_SCALE, predict_time
 __all__ = [
     "CALIBRATION_RUN",
     "CALIBRATION_RUNS",
+    "DEVICE_RUNS",
     "PublishedRun",
     "calibrate",
+    "calibrate_devices",
     "calibrate_stacks",
     "predicted",
 ]
@@ -121,12 +130,32 @@ CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
         software=Software("llm-foundry"),
     ),
 )
-"""The runs ``benchmarks/published_runs.py`` marks ``"calibration"`` (module docstring)."""
+"""The runs ``benchmarks/published_runs.py`` marks ``"calibration"`` that fit the stacks, one
+per stack (module docstring)."""
+
+DEVICE_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        name="llm-foundry H100 80GB MPT-7B",
+        model=gpt(32, 32, 4096, 2048, vocab=50368, tied=True),
+        device="h100",
+        layout=Layout(dp_shard=8, ac="none"),
+        work=Workload(2048, 48),
+        tokens_per_s_per_device=10643.0,
+        software=Software("llm-foundry"),
+    ),
+)
+"""The calibration runs that fit a later generation's scale (module docstring)."""
 
 
-def predicted(run: PublishedRun, efficiency: float, scale: float | None = None) -> float:
+def predicted(
+    run: PublishedRun,
+    efficiency: float,
+    scale: float | None = None,
+    generation: float | None = None,
+) -> float:
     """Predicted tokens/s per device of ``run`` at sustained fraction ``efficiency`` (its
-    stack's ``scale`` on top: by default the calibrated one, 1 while fitting it)."""
+    stack's ``scale`` and its device generation's scale on top: by default the calibrated
+    ones, 1 while fitting them)."""
     dev = override(device(run.device), memory=run.memory_gib * _GIB)
     layout = run.layout
     if run.zero or run.recipe != "plait":
@@ -135,6 +164,8 @@ def predicted(run: PublishedRun, efficiency: float, scale: float | None = None) 
     shape = layout_shape(run.model, layout)
     if scale is not None:
         efficiency *= scale / STACK_SCALE.get(run.software.kernels, 1.0)
+    if generation is not None:
+        efficiency *= generation / device_scale(dev)
     got = predict_time(run.model, layout, run.work, dev, shape, efficiency, software=run.software)
     return got.tokens_per_s_per_device
 
@@ -145,7 +176,7 @@ def calibrate(runs: tuple[PublishedRun, ...] = CALIBRATION_RUNS) -> float:
     low, high = 0.05, 3.0
     for _ in range(50):
         mid = (low + high) / 2
-        error = sum(math.log(predicted(r, mid, 1.0) / r.tokens_per_s_per_device) for r in runs)
+        error = sum(math.log(predicted(r, mid, 1.0, 1.0) / r.tokens_per_s_per_device) for r in runs)
         if error < 0:
             low = mid
         else:
@@ -157,8 +188,8 @@ def calibrate_stacks(
     runs: tuple[PublishedRun, ...] = CALIBRATION_RUNS, efficiency: float = EFFICIENCY
 ) -> dict[str, float]:
     """Each stack's scale of the sustained fraction (:data:`STACK_SCALE`): the factor at
-    which its one calibration run's prediction matches, at the shared ``efficiency``
-    (bisection per stack)."""
+    which its one calibration run's prediction matches, at the shared ``efficiency`` and
+    its device generation's scale (bisection per stack)."""
     out = {}
     for run in runs:
         low, high = 0.1, 5.0
@@ -169,4 +200,23 @@ def calibrate_stacks(
             else:
                 high = mid
         out[run.software.kernels] = round((low + high) / 2, 4)
+    return out
+
+
+def calibrate_devices(
+    runs: tuple[PublishedRun, ...] = DEVICE_RUNS, efficiency: float = EFFICIENCY
+) -> dict[str, float]:
+    """Each later generation's scale of the sustained fraction
+    (:data:`plait.plan.compute_time.DEVICE_SCALE`): the factor at which its run's prediction
+    matches, at the shared ``efficiency`` and the run's stack scale (bisection)."""
+    out = {}
+    for run in runs:
+        low, high = 0.1, 5.0
+        for _ in range(50):
+            mid = (low + high) / 2
+            if predicted(run, efficiency, generation=mid) < run.tokens_per_s_per_device:
+                low = mid
+            else:
+                high = mid
+        out[GENERATIONS[run.device]] = round((low + high) / 2, 4)
     return out

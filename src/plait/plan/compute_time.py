@@ -22,9 +22,10 @@ rank, so a rank runs ``1 / tp`` of the routed experts' rows (whole experts: tp s
 not their matrices; without ``fully_shard`` every tp rank runs all of them:
 :func:`~plait.plan.shards.routed_tp`).
 
-**Calibration.** ``EFFICIENCY`` (the shared sustained fraction) and ``STACK_SCALE`` (one
-factor per software stack) are the fitted constants, on the four runs
-``benchmarks/published_runs.py`` marks ``"calibration"``, one per stack
+**Calibration.** ``EFFICIENCY`` (the shared sustained fraction), ``STACK_SCALE`` (one
+factor per software stack) and ``DEVICE_SCALE`` (one per device generation beyond the
+A100's) are the fitted constants, on the five runs ``benchmarks/published_runs.py`` marks
+``"calibration"``: one per stack, and a second generation of one stack
 (:mod:`plait.plan.calibration`, which recomputes them); the roofline's other figures are
 cited (:mod:`plait.plan.roofline`). Every other published row is a prediction.
 """
@@ -40,22 +41,50 @@ from plait.plan.schedule import RankLoad
 from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params, routed_tp
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Software, Workload
 
-__all__ = ["EFFICIENCY", "FLAT_EFFICIENCY", "STACK_SCALE", "KernelTimes", "kernel_times"]
+__all__ = [
+    "DEVICE_SCALE",
+    "EFFICIENCY",
+    "FLAT_EFFICIENCY",
+    "STACK_SCALE",
+    "KernelTimes",
+    "device_scale",
+    "kernel_times",
+]
 
 EFFICIENCY = 0.8113
 """The sustained fraction: every roofline kernel time is divided by it (fitted by
 :mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
 
 STACK_SCALE: dict[str, float] = {
-    "torchtitan": 0.8857,
+    "torchtitan": 0.9446,
     "megatron-2021": 1.1071,
-    "megatron-core": 1.1131,
+    "megatron-core": 1.1872,
     "llm-foundry": 0.9589,
 }
 """Per software stack (:data:`plait.plan.roofline.STACKS`), the factor its sustained
 fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
 list cost or save), fitted on that stack's one calibration run by
 :func:`plait.plan.calibration.calibrate_stacks`; 1 for a stack without one (``plait``)."""
+
+DEVICE_SCALE: dict[str, float] = {"hopper": 0.9376}
+"""Per device generation (:func:`device_scale`), the factor its sustained fraction is of the
+A100's, at the same software stack: what a generation's kernels hold of the roofline's
+figures under a whole training step, which the kernel benchmarks behind
+:data:`plait.plan.roofline.PROFILES` do not show (the H100 SXM's clocks under its 700 W cap
+through a step of GEMMs, attention and collectives together; launch gaps that a faster
+device spends more of its time in). Fitted by :func:`plait.plan.calibration.calibrate_devices`
+on the one code base published on both generations in one table (llm-foundry: MPT-13B on 8
+A100s fits its stack, MPT-7B on 8 H100s the Hopper scale); 1 for a generation without such a
+pair (the B200)."""
+
+#: The generation of each device preset with a roofline profile.
+GENERATIONS = {"h100": "hopper", "h200": "hopper", "a100": "ampere", "a100-40gb": "ampere"}
+
+
+def device_scale(device: DeviceSpec) -> float:
+    """:data:`DEVICE_SCALE` of ``device``'s generation (1 for the A100 and unknown ones)."""
+    return DEVICE_SCALE.get(GENERATIONS.get(device.name, ""), 1.0)
+
 
 FLAT_EFFICIENCY = 0.3641
 """Devices without a roofline profile (the ``cpu`` preset, unknown names): the fraction
@@ -150,7 +179,7 @@ def kernel_times(
     if load.embedding:  # the lookup's rows, and backward's scatter into the gradient
         rows = elementwise_seconds(n * model.d_model * e, prof)
         head_f, head_b = head_f + rows, head_b + 2 * rows
-    s = efficiency * STACK_SCALE.get(software.kernels, 1.0)
+    s = efficiency * STACK_SCALE.get(software.kernels, 1.0) * device_scale(device)
     return KernelTimes(
         fwd / s + gap,
         bwd / s + 2 * gap,
