@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import re
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -421,6 +422,16 @@ def test_use_reentrant_message_contains_torchs_sentence() -> None:
     """Code (and torch's own test) matching torch's message still matches plait's."""
     torch_words = "use_reentrant=True is not supported in composable checkpoint"
     with pytest.raises(NotImplementedError, match=torch_words):
+        checkpoint(nn.Linear(2, 2), use_reentrant=True)
+
+
+def test_use_reentrant_message_contains_torchs_whole_refusal() -> None:
+    """torch's ``test_checkpoint_kwargs`` matches both of torch's sentences (issue 40)."""
+    torch_refusal = (
+        "use_reentrant=True is not supported in composable checkpoint. "
+        "Please use torch.utils.checkpoint.checkpoint instead."
+    )
+    with pytest.raises(NotImplementedError, match=re.escape(torch_refusal)):
         checkpoint(nn.Linear(2, 2), use_reentrant=True)
 
 

@@ -135,10 +135,20 @@ def parse_junit(path: Path) -> dict[str, Result]:
     return results
 
 
-def run_file(impl: str, copy: Path, file: str, timeout: float) -> dict[str, Result]:
-    """Every test of ``file`` with a result of its own (see the module docstring)."""
-    env = env_for(copy)
-    logs = WORK / impl / "logs"
+def run_file(
+    impl: str,
+    copy: Path,
+    file: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    logs: Path | None = None,
+) -> dict[str, Result]:
+    """Every test of ``file`` with a result of its own (see the module docstring).
+
+    ``env`` and ``logs`` default to this client's (``env_for(copy)``, ``.work/<impl>/logs``);
+    the fully_shard client (``clients/torch_fsdp``) passes its own."""
+    env = env if env is not None else env_for(copy)
+    logs = logs if logs is not None else WORK / impl / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     ids, why = collect(copy, file, env, logs)
     if not ids:

@@ -82,10 +82,12 @@ def _parse_options(
 ) -> _Options:
     if extra.pop("use_reentrant", False):
         raise NotImplementedError(
-            # torch's own sentence first: code written for torch matches on it.
+            # torch's whole refusal first, word for word: code written for torch (and
+            # torch's own tests) match on it. plait's explanation follows.
             "use_reentrant=True is not supported in composable checkpoint. "
+            "Please use torch.utils.checkpoint.checkpoint instead. "
             "plait.checkpoint is non-reentrant only: drop the argument to use the (default) "
-            "non-reentrant checkpoint, or torch.utils.checkpoint.checkpoint for reentrant."
+            "non-reentrant checkpoint."
         )
     if extra:
         raise ValueError(f"checkpoint() got unexpected keyword arguments: {', '.join(extra)}")

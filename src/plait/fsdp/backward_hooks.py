@@ -64,3 +64,9 @@ class PostBackward(torch.autograd.Function):
             leaves[i] = tensor
         new_args, new_kwargs = tree_unflatten(leaves, spec)
         return tuple(new_args), dict(new_kwargs)
+
+
+#: torch's (private) name for :class:`PostBackward`: torch's test helper
+#: ``patch_register_post_backward_hook_backward`` patches ``backward`` under this name to
+#: count the post-backwards that run through autograd.
+RegisterPostBackwardFunction = PostBackward

@@ -36,6 +36,8 @@ from plait.mesh import data_parallel_submesh, mesh_device, subgroup
 __all__ = [
     "FSDPArgumentError",
     "FSDPUnsupportedError",
+    "_get_managed_modules",
+    "_get_managed_states",
     "check_arguments",
     "check_policies",
     "check_tp_param",
@@ -76,11 +78,14 @@ def check_arguments(
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     if isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise FSDPArgumentError(
+            # torch's sentence first (code written for torch matches on it), then plait's.
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified. "
             "fully_shard: a 2-D mesh (HSDP) needs mesh_dim_names, e.g. init_device_mesh("
             '..., mesh_dim_names=("dp_replicate", "dp_shard")): dim 0 replicates, dim 1 shards'
         )
     if isinstance(mesh, DeviceMesh) and mesh.ndim not in (1, 2):
         raise ValueError(
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}. "
             f"fully_shard: mesh must be 1-D (sharding) or 2-D (replicate, shard) for HSDP, got "
             f"a {mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}: slice it, e.g. "
             'mesh["dp_shard"] or mesh["dp_replicate", "dp_shard"]'
@@ -225,6 +230,64 @@ def collect_params(
     return param_locations(modules, keep)
 
 
+def _get_managed_modules(
+    root_modules: tuple[nn.Module, ...], ignored_params: set[nn.Parameter] | None = None
+) -> list[nn.Module]:
+    """The modules a ``fully_shard(root_modules)`` call would manage, each once, children
+    before their parent (torch's private helper of the same name and contract).
+
+    The walk stops at a module ``replicate`` manages and at a nested ``fully_shard`` unit
+    (one not among ``root_modules``): they manage their own subtrees. A module whose
+    direct parameters are all in ``ignored_params`` is left out. Code written against
+    torch's helper counts plait's units through this one.
+    """
+    roots = {id(m) for m in root_modules}
+    seen: set[int] = set()
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        applied = set(get_registry(module) or ())  # the composable APIs on this module
+        if "replicate" in applied or (id(module) not in roots and "fully_shard" in applied):
+            return
+        seen.add(id(module))
+        for child in module.children():
+            if id(child) not in seen:
+                visit(child)
+        found.append(module)
+
+    for root in root_modules:
+        visit(root)
+    if not ignored_params:
+        return found
+
+    def all_ignored(module: nn.Module) -> bool:
+        own = list(module.parameters(recurse=False))
+        return bool(own) and all(p in ignored_params for p in own)
+
+    return [m for m in found if not all_ignored(m)]
+
+
+def _get_managed_states(
+    modules: list[nn.Module], ignored_params: set[nn.Parameter] | None = None
+) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """The parameters and buffers registered directly on ``modules`` (from
+    :func:`_get_managed_modules`), each once, ignored parameters left out; a 0-dim
+    parameter is refused as ``fully_shard`` refuses it (torch's private helper)."""
+    ignored = ignored_params or set()
+    params: dict[int, nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for name, param in module.named_parameters(recurse=False):
+            if param in ignored or id(param) in params:
+                continue
+            if param.dim() == 0:
+                _check_shardable(name, param, None)  # raises, torch's sentence included
+            params[id(param)] = param
+        for buffer in module.buffers(recurse=False):
+            buffers.setdefault(id(buffer), buffer)
+    return list(params.values()), list(buffers.values())
+
+
 def param_locations(
     modules: list[nn.Module], keep: Callable[[nn.Module, str, nn.Parameter], bool]
 ) -> dict[nn.Parameter, list[Location]]:
@@ -259,6 +322,8 @@ def _check_shardable(fqn: str, param: torch.Tensor, mesh: DeviceMesh | None) -> 
         )
     if param.dim() == 0:
         raise ValueError(
+            "fully_shard doesn't support scalar parameters. "
+            f"Change {fqn} to a 1D tensor with numel equal to 1. "
             f"fully_shard: parameter {fqn!r} is 0-dim and cannot be sharded on dim 0: "
             "store it with shape (1,), or pass it in ignored_params"
         )
@@ -266,6 +331,8 @@ def _check_shardable(fqn: str, param: torch.Tensor, mesh: DeviceMesh | None) -> 
         check_tp_param(fqn, param, mesh)
     if not param.is_contiguous():
         raise FSDPUnsupportedError(
+            "FSDP does not support non-contiguous parameters yet: "
+            f"param.shape={param.shape} param.stride()={param.stride()}. "
             f"fully_shard: parameter {fqn!r} is not contiguous (strides {param.stride()}): "
             "make it contiguous before fully_shard (param.data = param.data.contiguous())"
         )

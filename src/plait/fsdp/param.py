@@ -409,10 +409,21 @@ class FSDPParam:
         local = reduced[: self.local_numel].view(self.local_shape)  # a piece of the output
         # ``reduced`` is on the compute device: only offloaded shards live elsewhere.
         if self.policy.offload or local.dtype != self.dtype:
-            local = local.to(self.padded.device, self.dtype, non_blocking=True)
+            # A post-accumulate-grad hook (an optimizer stepped in backward) reads the
+            # gradient right after this: the copy must have finished by then.
+            hooked = bool(getattr(self.sharded, "_post_accumulate_grad_hooks", None))
+            local = local.to(self.padded.device, self.dtype, non_blocking=not hooked)
         if self.sharded.grad is None:
             self.sharded.grad = make_dtensor(local, self.spec)
         else:
             grad = self.sharded.grad
             assert isinstance(grad, DTensor)
             grad._local_tensor.add_(local)
+        # Autograd accumulated into the unsharded parameter, never into this one, so it
+        # runs none of the hooks registered on it with register_post_accumulate_grad_hook:
+        # run them here, once per reduction, as torch's fully_shard does. Without this an
+        # optimizer stepped inside backward (one per parameter, stepped by the hook) would
+        # never step. (replicate's parameters are the ones autograd accumulates into.)
+        hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
+        for hook in list((hooks or {}).values()):
+            hook(self.sharded)

@@ -201,7 +201,7 @@ class FSDPState(APIState):
             if state.settings.reshard_after_forward is None:  # resolved here, once
                 state.settings.reshard_after_forward = state is not self
             if state.unit is not None:
-                state.check_params_materialised()
+                state.check_params_materialised(names.get(id(state.modules[0]), ""))
                 unit_names = [names.get(id(m), "") or "<root>" for m in state.modules]
                 state.unit.owner = f"{state.settings.api_name} unit {', '.join(unit_names)!r}"
         for state in states_in_tree:
@@ -212,15 +212,21 @@ class FSDPState(APIState):
         root_pass.max_reductions_in_flight = max(limits)
         root_pass.recording_order = True
 
-    def check_params_materialised(self) -> None:
+    def check_params_materialised(self, prefix: str = "") -> None:
         """Lazy init: take in the parameters replaced since ``fully_shard`` and refuse
-        any still on the meta device."""
+        any still on the meta device, named by their FQN from the root (``prefix``: the
+        unit's module's)."""
         assert self.unit is not None
         if any(p.padded.is_meta for p in self.unit.params):
             self.unit.adopt_materialised()
-        meta = [p.fqn for p in self.unit.params if p.padded.is_meta]
+        meta = [
+            f"{prefix}.{p.fqn}" if prefix else p.fqn for p in self.unit.params if p.padded.is_meta
+        ]
         if meta:
             raise RuntimeError(
+                # torch's sentence first (code written for torch matches on it), then plait's.
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {meta}\n"
                 f"fully_shard: parameters of {self.name} are still on the meta device at the "
                 f"first forward: {meta}. Call module.to_empty(device=...) and initialise them "
                 "(e.g. reset_parameters()) after fully_shard and before the first forward."

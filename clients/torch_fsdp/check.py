@@ -1,0 +1,187 @@
+"""Run torch's upstream fully_shard (and composable checkpoint) tests on torch and on plait.
+
+    check.py UPSTREAM_DIR [--only FILE ...] [--impl torch|plait ...] [--timeout S] [--list]
+
+UPSTREAM_DIR is torch's ``test/distributed/_composable`` (v2.13.0). Each test file runs
+under pytest twice, in two copies made under ``.work/`` (:mod:`redirect_fsdp`): unchanged
+(torch) and with its fsdp / composable imports pointed at plait. Both on CPU with gloo (or
+torch's threaded process group for ``FSDPTestMultiThread``), with the CPU shims of
+``cpu_shims/sitecustomize.py`` and a per-test timeout (pytest-timeout). The collection,
+the runs and their parsing are the pipelining client's (``clients/torch_pipelining/
+check.py``, imported). Prints the table, then every test torch passes and plait does not,
+with its classification where it is a known, deliberate one (``CLASSIFIED``). Exits
+non-zero when such a test is not classified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PIPELINING = HERE.parent / "torch_pipelining"
+sys.path.insert(0, str(PIPELINING))
+_spec = importlib.util.spec_from_file_location("pipelining_check", PIPELINING / "check.py")
+assert _spec is not None and _spec.loader is not None
+pipelining_check = importlib.util.module_from_spec(_spec)
+sys.modules["pipelining_check"] = pipelining_check  # dataclasses look their module up
+_spec.loader.exec_module(pipelining_check)
+sys.path.insert(0, str(HERE))
+
+import redirect_fsdp  # noqa: E402
+
+Result = pipelining_check.Result
+WORK = HERE / ".work"
+FILES = (
+    "fsdp/test_fully_shard_init.py",
+    "fsdp/test_fully_shard_frozen.py",
+    "fsdp/test_fully_shard_autograd.py",
+    "fsdp/test_fully_shard_training.py",
+    "test_checkpoint.py",
+)
+IMPLS = ("torch", "plait")
+
+# Tests torch passes on CPU that plait does not, on purpose: (kind, reason).
+TORCH_PRIVATE = "torch-private"
+DIFFERENT = "deliberately different"
+_INIT = "fsdp/test_fully_shard_init.py::"
+CLASSIFIED: dict[str, tuple[str, str]] = {
+    _INIT + "TestFullyShardLazyInit::test_fully_shard_is_root": (
+        TORCH_PRIVATE,
+        "reads FSDPState._lazy_init(), ._is_root and ._state_ctx.all_states",
+    ),
+    _INIT + "TestFullyShardLazyInit::test_fully_shard_module_and_param_fqns": (
+        TORCH_PRIVATE,
+        "reads FSDPState._lazy_init() and ._fsdp_param_group._module_fqn / .fsdp_params",
+    ),
+    _INIT + "TestFullyShardLazyInit::test_fully_shard_double_lazy_init": (
+        TORCH_PRIVATE,
+        "calls FSDPState._lazy_init() on a non-root state and expects its error",
+    ),
+    _INIT + "TestFullyShardLazyInit::test_fully_shard_multi_module_root": (
+        TORCH_PRIVATE,
+        "calls FSDPState._lazy_init() and expects its error",
+    ),
+    _INIT + "TestFullyShardShardPlacementFn::test_init_1d_uneven_shard_largest_dim": (
+        DIFFERENT,
+        "expects NotImplementedError for an uneven shard on dim 1; plait shards it "
+        "(docs/torch_api.md)",
+    ),
+}
+
+
+def env_for(copy: Path, impl: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join(
+            [str(HERE / "cpu_shims"), str(HERE), str(PIPELINING), str(copy)]
+        ),
+        TORCH_FSDP_CPU_SHIMS="1",
+        TORCH_FSDP_IMPL=impl,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return env
+
+
+def redirect_table(upstream: Path, files: list[str]) -> list[tuple[str, str]]:
+    """``(torch name, what the plait copy gets)`` for every name it imports redirected."""
+    os.environ["TORCH_FSDP_IMPL"] = "plait"
+    from redirected_fsdp._resolve import resolve
+
+    seen: dict[str, str] = {}
+    for file in files:
+        path = upstream / file
+        if redirect_fsdp.redirects(path):
+            for module, name in redirect_fsdp.imported_names(path.read_text()):
+                seen.setdefault(f"{module}.{name}", resolve(module, name)[1])
+    return sorted(seen.items())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("upstream", type=Path, help="torch's test/distributed/_composable")
+    parser.add_argument("--only", nargs="*", default=None, help="test files to run")
+    parser.add_argument("--impl", nargs="*", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    files = args.only or list(FILES)
+    if args.list:
+        print("\n".join(files))
+        return 0
+    upstream = args.upstream.resolve()
+    missing = [f for f in files if not (upstream / f).exists()]
+    if missing:
+        parser.error(f"{upstream} lacks {', '.join(missing)} (see README.md)")
+    results: dict[str, dict[str, Result]] = {impl: {} for impl in IMPLS}
+    for impl in args.impl:
+        copy = WORK / impl / "_composable"
+        counts = redirect_fsdp.make_copy(upstream, copy, files, on_plait=impl == "plait")
+        logs = WORK / impl / "logs"
+        shutil.rmtree(logs, ignore_errors=True)
+        (copy / "pytest.ini").write_text("[pytest]\n")
+        if counts:
+            print(f"{impl}: import lines rewritten: {counts}; the names resolve to:")
+            for torch_name, plait_name in redirect_table(upstream, files):
+                print(f"  {torch_name} -> {plait_name}", flush=True)
+        for file in files:
+            (logs / file).parent.mkdir(parents=True, exist_ok=True)  # logs/fsdp/...
+            got = pipelining_check.run_file(
+                impl, copy, file, args.timeout, env=env_for(copy, impl), logs=logs
+            )
+            results[impl].update(got)
+    return report(files, results, both="torch" in args.impl and "plait" in args.impl)
+
+
+def report(files: list[str], results: dict[str, dict[str, Result]], both: bool) -> int:
+    """Print the per-file counts, the table and the closing note; the exit status."""
+    short = pipelining_check.short
+    ids = list(dict.fromkeys([*results["torch"], *results["plait"]]))
+    print("\n| file | tests | torch passes | plait passes | plait passes of torch's |")
+    print("| --- | --- | --- | --- | --- |")
+    for file in files:
+        mine = [i for i in ids if i.startswith(f"{file}::")]
+        t = {i for i in mine if results["torch"].get(i, Result("-")).outcome == "passed"}
+        p = {i for i in mine if results["plait"].get(i, Result("-")).outcome == "passed"}
+        print(f"| {file} | {len(mine)} | {len(t)} | {len(p)} | {len(t & p)} of {len(t)} |")
+    print("\n| test | torch | plait | reason (plait's; torch's when only torch fails) |")
+    print("| --- | --- | --- | --- |")
+    unexplained: list[str] = []
+    classified: list[str] = []
+    for test_id in ids:
+        t, p = results["torch"].get(test_id), results["plait"].get(test_id)
+        reason = ""
+        if p is not None and p.outcome != "passed":
+            reason = p.reason
+        elif t is not None and t.outcome != "passed":
+            reason = "torch: " + t.reason
+        print(f"| {test_id} | {short(t)} | {short(p)} | {reason.replace('|', '/')} |")
+        if t is not None and t.outcome == "passed" and (p is None or p.outcome != "passed"):
+            (classified if test_id in CLASSIFIED else unexplained).append(test_id)
+    if both:
+        print(f"\n{len(classified) + len(unexplained)} tests pass on torch and not on plait.")
+        print(f"Classified ({len(classified)}):")
+        for test_id in classified:
+            kind, why = CLASSIFIED[test_id]
+            print(f"- {test_id}: {kind}: {why}")
+        print(f"Not classified ({len(unexplained)}):")
+        for test_id in unexplained:
+            got = results["plait"].get(test_id)
+            print(f"- {test_id}: {got.reason if got else 'not run'}")
+    summary = {impl: {k: asdict(v) for k, v in results[impl].items()} for impl in IMPLS}
+    WORK.mkdir(exist_ok=True)
+    (WORK / "summary.json").write_text(json.dumps(summary, indent=1))
+    return 1 if unexplained else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
