@@ -5,7 +5,13 @@ measures what the planner's CPU predictions need, the way ``plait train`` runs i
 ``nproc`` local processes at once, each with the thread count ``plait train`` gives a
 worker (the machine's cores divided by the local workers, at least one), joined by gloo.
 Every figure is the median over ``repeats`` timings (then over the ranks), so one noisy
-timing does not decide it:
+timing does not decide it. The rates are timed in CPU seconds (the process's, every thread
+counted) and turned into wall-clock rates by the share of the cores a worker gets,
+``threads / oversubscription``: other programs running on the machine meanwhile slow the
+wall clock, not the CPU seconds a FLOP or a copied byte costs, so the figures of two
+measurements taken minutes apart, or beside other work, compare (wall-clock figures moved by
+up to 2x between measurements while tests ran beside them). The collectives' latency, which
+is waiting rather than work, stays wall time:
 
 * ``flops_fp32`` / ``flops``: achieved FLOP/s of one worker running one block of ``plait
   train``'s GPT forward and backward at the benchmark's shapes (``tokens`` of one
@@ -138,7 +144,7 @@ def _update_seconds(shapes: Shapes, repeats: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _median_seconds(step, repeats)
+    return _median_seconds(step, repeats, time.process_time)
 
 
 def _unit_overhead(world: int, repeats: int) -> float:
@@ -193,11 +199,12 @@ def _comm_rates(shapes: Shapes, world: int, repeats: int) -> tuple[float, float]
     gathered = torch.empty(block)
     share = (world - 1) / world
     rates = []
-    seconds = _median_seconds(lambda: dist.all_gather_single(gathered, shard), repeats)
+    cpu = time.process_time  # gloo's threads' copies and socket calls (module docstring)
+    seconds = _median_seconds(lambda: dist.all_gather_single(gathered, shard), repeats, cpu)
     rates.append(block * 4 * share / seconds)
-    seconds = _median_seconds(lambda: dist.reduce_scatter_single(shard, full), repeats)
+    seconds = _median_seconds(lambda: dist.reduce_scatter_single(shard, full), repeats, cpu)
     rates.append(block * 4 * share / seconds)
-    seconds = _median_seconds(lambda: dist.all_reduce(full), repeats)
+    seconds = _median_seconds(lambda: dist.all_reduce(full), repeats, cpu)
     rates.append(block * 4 * 2 * share / seconds)
     one = torch.zeros(1)
     latency = _median_seconds(lambda: dist.all_reduce(one), 5 * repeats)
@@ -216,7 +223,7 @@ def _worker(rank: int, world: int, port: int, shapes: Shapes, repeats: int, out:
             ("flops", torch.bfloat16, shapes.bf16_tokens or shapes.tokens, min(repeats, 3)),
         ):
             run, flops = _block_pass(shapes, tokens, dtype)
-            figures[name] = flops / _median_seconds(run, runs)
+            figures[name] = flops / _median_seconds(run, runs, time.process_time)
         figures["update_rate"] = shapes.params / _update_seconds(shapes, repeats)
         if world > 1:
             figures["bandwidth"], figures["latency"] = _comm_rates(shapes, world, repeats)
@@ -275,20 +282,22 @@ def measure_cpu(
         values = [r[key] for r in ranks if key in r]
         return statistics.median(values) if values else default
 
-    oversubscription = max(1.0, nproc * threads_per_worker(nproc) / usable_cores())
+    threads = threads_per_worker(nproc)
+    oversubscription = max(1.0, nproc * threads / usable_cores())
+    share = threads / oversubscription  # CPU seconds a worker gets per wall second
     preset = device("cpu")
-    bandwidth = median("bandwidth", preset.intra_node_bw)
+    bandwidth = median("bandwidth", preset.intra_node_bw / share) * share
     return DeviceSpec(
         measured=True,
         name=f"cpu (measured, {nproc} workers x {threads_per_worker(nproc)} threads)",
         memory=preset.memory,
-        flops=median("flops", preset.flops),
+        flops=median("flops", preset.flops / share) * share,
         intra_node_bw=bandwidth,
         inter_node_bw=bandwidth,
         gpus_per_node=max(nproc, 1),
-        flops_fp32=median("flops_fp32", preset.flops_fp32),
+        flops_fp32=median("flops_fp32", preset.flops_fp32 / share) * share,
         latency=median("latency", 0.0),
-        update_rate=median("update_rate", 0.0),
+        update_rate=median("update_rate", 0.0) * share,
         # CPU seconds; with more workers than cores each gets 1 / oversubscription of one
         unit_overhead=median("unit_overhead", 0.0) * oversubscription,
         overlap=False,
