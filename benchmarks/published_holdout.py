@@ -107,6 +107,7 @@ def _nemo(
     tp_overlap: bool = True,
     notes: tuple[str, ...] = (),
     excluded: str = "",
+    optimizer_states: str = "fp32",
 ) -> PublishedRun:
     dp = gpus // (tp * pp * cp)
     if dp * ga * (batch // (dp * ga)) != batch:
@@ -147,6 +148,7 @@ def _nemo(
             "async" if tp_overlap and tp > 1 else "none",
             param_gather_overlap=True,
             grad_reduce_fp32=False,
+            optimizer_states=optimizer_states,
         ),
     )
 
@@ -157,6 +159,15 @@ _L31_NOTES = (
     "no activation recomputation, sequence parallelism, TP communication overlap "
     "(NVIDIA/NeMo-Framework-Launcher conf/training/llama/llama3_1_70b.yaml: "
     "activations_checkpoint_* null, ub_tp_comm_overlap true); the 8B's the same assumed",
+)
+_DFA_REMAINDERS = (
+    "optimizer states (memory): the recipe's yaml (optim: distributed_fused_adam, no dtype, "
+    "grad_sync_dtype bf16, contiguous_grad_buffer true; megatron_amp_O2 true) makes NeMo 2.0 "
+    "(nemo/collections/nlp/models/language_modeling/megatron_base_model.py, "
+    "setup_optimization at v2.0.0 and v2.1.0: an fp32 optimizer over a bf16 model) run apex's "
+    "DistributedFusedAdam with store_params False and store_param_remainders True: fp32 "
+    "moments and 16-bit remainders of the master weights, sharded over DP x CP; the bf16 "
+    "contiguous grad buffer whole (optimizer_states 'remainders', grads in bf16)"
 )
 _405B_PROXY = dataclasses.replace(preset("llama3-405b"), name="llama3-405b-gpt2-vocab", vocab=51200)
 _NEMOTRON_15B = ModelSpec("nemotron4-15b", 32, 6144, 48, 8, 24576, 256000, gated=False, tied=False)
@@ -186,7 +197,8 @@ NEMO_RUNS = (
         32,
         81222,
         0.5937,
-        notes=_L31_NOTES,
+        optimizer_states="remainders",
+        notes=(*_L31_NOTES, _DFA_REMAINDERS),
     ),
     _nemo(
         "Llama 3.1 8B, 128 GPUs",
@@ -203,7 +215,8 @@ NEMO_RUNS = (
         32,
         1280704,
         0.5851,
-        notes=_L31_NOTES,
+        optimizer_states="remainders",
+        notes=(*_L31_NOTES, _DFA_REMAINDERS),
     ),
     _nemo(
         "Llama 3.1 70B, 64 GPUs",
@@ -220,7 +233,8 @@ NEMO_RUNS = (
         64,
         71235,
         0.5410,
-        notes=_L31_NOTES,
+        optimizer_states="remainders",
+        notes=(*_L31_NOTES, _DFA_REMAINDERS),
     ),
     _nemo(
         "Llama 3.1 70B, 1,024 GPUs",
@@ -237,7 +251,8 @@ NEMO_RUNS = (
         64,
         1124478,
         0.5338,
-        notes=_L31_NOTES,
+        optimizer_states="remainders",
+        notes=(*_L31_NOTES, _DFA_REMAINDERS),
     ),
     _nemo(
         "Llama 3.1 405B, 576 GPUs",
@@ -254,7 +269,8 @@ NEMO_RUNS = (
         63,
         120022,
         0.5578,
-        notes=_L31_NOTES
+        optimizer_states="remainders",
+        notes=(*_L31_NOTES, _DFA_REMAINDERS)
         + (
             "the recipe trains on synthetic data with the GPT2BPETokenizer as a proxy "
             "(README): vocabulary 50,257 padded to 51,200 (128 x TP 8) assumed",
@@ -275,7 +291,8 @@ NEMO_RUNS = (
         63,
         468646,
         0.5445,
-        notes=_L31_NOTES
+        optimizer_states="remainders",
+        notes=(*_L31_NOTES, _DFA_REMAINDERS)
         + (
             "the recipe trains on synthetic data with the GPT2BPETokenizer as a proxy "
             "(README): vocabulary 50,257 padded to 51,200 (128 x TP 8) assumed",
@@ -296,9 +313,11 @@ NEMO_RUNS = (
         4,
         92630,
         0.6210,
+        optimizer_states="remainders",
         notes=(
             *_NEMOTRON_NOTES,
             "no recomputation, sequence parallelism, ub_tp_comm_overlap true (yaml)",
+            _DFA_REMAINDERS,
         ),
     ),
     _nemo(
@@ -316,9 +335,11 @@ NEMO_RUNS = (
         4,
         11335957,
         0.5937,
+        optimizer_states="remainders",
         notes=(
             *_NEMOTRON_NOTES,
             "no recomputation, sequence parallelism, ub_tp_comm_overlap true (yaml)",
+            _DFA_REMAINDERS,
         ),
     ),
     _nemo(
@@ -338,10 +359,17 @@ NEMO_RUNS = (
         0.5538,
         ac="selective",
         tp_overlap=False,
+        optimizer_states="bf16",
         notes=(
             *_NEMOTRON_NOTES,
             "activations_checkpoint_granularity: selective (Megatron's: core attention "
             "recomputed), ub_tp_comm_overlap False (yaml)",
+            "optimizer states (memory): the yaml's optim (distributed_fused_adam, dtype bf16, "
+            "grad_sync_dtype bf16, contiguous_grad_buffer True; megatron_amp_O2 true) makes "
+            "NeMo (megatron_base_model.py setup_optimization at v2.0.0 and v2.1.0: optimizer "
+            "dtype equal to the model's) run apex's DistributedFusedAdam with bf16 moments "
+            "and store_params False: no master weights (optimizer_states 'bf16', grads in "
+            "bf16)",
         ),
     ),
     _nemo(
@@ -365,7 +393,9 @@ NEMO_RUNS = (
             "defaults, not in the yaml); GPT2BPE vocabulary padded to 50,688 (128 x TP 4)",
             "no recomputation, sequence parallelism, ub_tp_comm_overlap true, "
             "grad_sync_dtype bf16 (yaml)",
+            _DFA_REMAINDERS,
         ),
+        optimizer_states="remainders",
     ),
     _nemo(
         "Grok-1 314B (MoE), 512 GPUs",
@@ -443,8 +473,15 @@ AUTOMODEL_RUNS = (
             "the block (SwiGLU, rope, residuals) is eager PyTorch, which that stack "
             "prices fused",
             "reductions in fp32 assumed (FSDP2 defaults; not stated)",
+            "memory: weights in bf16 (components/models/qwen3_moe/model.py at 01926a5c builds "
+            "and initializes the model in config.torch_dtype, bfloat16, and apply_fsdp's "
+            "MixedPrecisionPolicy casts nothing up), so FSDP2's shards, their gradients and "
+            "torch.optim.Adam's moments (the config's optimizer; torch keeps them in the "
+            "parameter's dtype) are bf16, no fp32 master (optimizer_states 'bf16'); the loss "
+            "is MaskedCrossEntropy with fp32_upcast: false (config; components/loss/"
+            "masked_ce.py: cross_entropy on the bf16 logits; loss_upcast False)",
         ),
-        software=Software("megatron-core"),
+        software=Software("megatron-core", optimizer_states="bf16", loss_upcast=False),
     ),
 )
 

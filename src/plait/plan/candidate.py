@@ -63,7 +63,8 @@ class Pricing:
             pipeline = layout_shape(self.model, layout)
         except ValueError:
             return None
-        memory = with_runtime(peak_memory(self.model, layout, self.work, pipeline), self.device)
+        memory = peak_memory(self.model, layout, self.work, pipeline, software=self.software)
+        memory = with_runtime(memory, self.device)
         if memory.total > self.budget:
             return memory.total, None
         timing = predict_time(
@@ -104,7 +105,7 @@ def evaluate(
     """Memory and time of one layout (no search). ValueError for a shape plait refuses.
     ``software``: the framework's kernels and overlaps (:class:`Software`; plait's)."""
     shape = layout_shape(model, layout)
-    memory = with_runtime(peak_memory(model, layout, work, shape), device)
+    memory = with_runtime(peak_memory(model, layout, work, shape, software=software), device)
     timing = predict_time(model, layout, work, device, shape, efficiency, software=software)
     return Candidate(layout, memory, timing, memory.total <= memory_fraction * device.memory)
 

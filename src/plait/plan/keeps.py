@@ -12,7 +12,12 @@ input and output only (``3 f / tp``), the residual stream is in the compute dtyp
 with flash attention the ``5 a s / (h t)`` term (scores, softmax, dropout) is not saved,
 so ``selective`` (core attention recomputed) saves what ``none`` does. Per token, in
 bf16: ``(12 d + 4 k + 6 f) / tp`` bytes for a SwiGLU block, 32 of the paper's 34 for
-GPT-3's (no dropout masks).
+GPT-3's (no dropout masks). Under ``fully_shard`` (``dp_shard`` > 1: Megatron-FSDP,
+parameters, gradients and optimizer state sharded, ``optim_grads_params``) Megatron
+reduce-scatters every microbatch's gradients into the sharded main-grad buffer
+(``megatron/core/distributed/custom_fsdp/fully_sharded_data_parallel.py``:
+``grad_reduce_every_bprop`` for ``optim_grads`` and ``optim_grads_params``): no
+unsharded gradients are held across microbatches (``sharded_accumulation``).
 
 Other frameworks' recipes: ``"torchtitan"`` (plait's counts; ``selective`` is
 torchtitan's per-op policy, which saves every other matmul's output: wq, wv, w1, w2, the
@@ -51,10 +56,12 @@ class Keeps:
       copy) or ``"fused_ce"`` (a fused cross-entropy kernel: the compute-dtype logits of
       each microbatch in flight and, in backward, their gradient; no fp32 full-vocabulary
       tensor);
-    * ``moments``: fp32 optimizer moments per parameter (AdamW 2, Lion 1);
+    * ``moments``: optimizer moments per parameter (AdamW 2, Lion 1; fp32 unless
+      :attr:`plait.plan.spec.Software.optimizer_states` says bf16);
     * ``sharded_accumulation``: gradient accumulation (microbatches, pipelines)
-      reduce-scatters every microbatch's gradients into the fp32 shard (FSDP1 without
-      ``no_sync``, ZeRO-2) instead of keeping unsharded fp32 gradients until the last;
+      reduce-scatters every microbatch's gradients into the sharded buffer (FSDP1 without
+      ``no_sync``, ZeRO-2, Megatron-FSDP) instead of keeping unsharded gradients until
+      the last;
     * ``stage_output``: a pipeline stage keeps its output tensor until its backward (False:
       freed once sent, Megatron's ``deallocate_output_tensor``, Llama 3 section 3.3.2);
     * ``end_stage_fewer``: blocks fewer on the first and last pipeline stages (Llama 3
@@ -93,7 +100,7 @@ class Keeps:
 #: this table (:func:`plait.plan.spec.recipe`).
 RECIPE_KEEPS: dict[str, Keeps] = {
     "plait": Keeps(resharded_at_loss=True),
-    "megatron": Keeps(activations="megatron"),
+    "megatron": Keeps(activations="megatron", sharded_accumulation=True),
     "torchtitan": Keeps(activations="torchtitan"),
     "foundry": Keeps(loss="fused_ce", sharded_accumulation=True),
     "llama3": Keeps(

@@ -7,7 +7,8 @@ Per rank, with ``P`` the elements it holds after tensor parallelism
 seq_len / cp``: context parallelism's ranks share a batch and split its sequences):
 
 * **params, grads**: fp32 shards, ``4 P / ds`` each (``--mp bf16`` keeps fp32 shards and
-  fp32 gradient reductions); **optimizer**: AdamW's two fp32 moments, ``8 P / ds``.
+  fp32 gradient reductions); **optimizer**: AdamW's two fp32 moments, ``8 P / ds``
+  (other frameworks' dtypes: below).
   ``fully_shard`` pads each parameter's dim 0 to a multiple of ``ds`` (rank 0 holds
   ``ceil(dim0 / ds)`` rows): the shards, the gathered units and the fp32 reduce-scatter
   inputs are of each unit's padded elements (:func:`~plait.plan.shards.padded_params`,
@@ -43,6 +44,16 @@ params ``e P`` (replicated in the compute dtype); optimizer ``(8 + 4) P / z`` in
 the fp32 gradient buffer, which lives across steps) or ``4 P / z`` (ZeRO-2, plus one
 block's fp32 bucket in ``buffers``). Megatron-LM's distributed optimizer table: ``6 +
 12 / d`` bytes per parameter for bf16 with fp32 gradients.
+
+Other frameworks' dtypes (``software``, :class:`~plait.plan.spec.Software`; the default
+is plait's, the figures above): every gradient buffer is in the reduction's dtype
+(``grad_reduce_fp32``; ``e`` bytes for bf16 reductions: ZeRO's gradients, Megatron-Core's
+``main_grad`` and apex's contiguous grad buffer, ``fully_shard``'s accumulated gradients
+and reduce-scatter input); ``optimizer_states`` ``"remainders"`` keeps a 2-byte master
+(apex ``store_param_remainders``: ZeRO's optimizer ``(8 + 2) P / z``), ``"bf16"`` none and
+bf16 moments (ZeRO's ``4 P / z``; under ``fully_shard`` bf16 shards and gradients, ``2 P /
+ds`` each, and ``4 P / ds`` of moments); ``loss_upcast`` False keeps the loss's
+log-probabilities and gradients in the compute dtype.
 
 Memory per rank under expert parallelism (``ep`` ranks of ``dp_shard x cp``, experts
 sharded over ``efsdp = dp_shard x cp / ep``): parameters, gradients and optimizer states
@@ -83,7 +94,15 @@ from plait.plan.keeps import RECIPE_KEEPS, Keeps, recipe_keeps
 from plait.plan.memory_rank import MemoryRank, memory_rank
 from plait.plan.schedule import PipelineShape, RankLoad, layout_shape, pipeline_shape
 from plait.plan.shards import moe_rows, routed_tp
-from plait.plan.spec import DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload, zero_ranks
+from plait.plan.spec import (
+    DeviceSpec,
+    Layout,
+    MemoryBreakdown,
+    ModelSpec,
+    Software,
+    Workload,
+    zero_ranks,
+)
 
 __all__ = [
     "RECIPE_KEEPS",
@@ -118,20 +137,22 @@ def _states(r: MemoryRank) -> _States:
     if r.zero:
         return _zero_states(r)
     sharded = r.padded.total / r.ds
-    # The block's unsharded gradients (autograd's, unpadded) and its fp32 reduce-scatter
-    # input (padded).
-    buffers = r.params.block * r.e + r.padded.block * 4 if r.ds > 1 else 0.0
-    return _States(4 * sharded, 4 * sharded, 4 * r.keeps.moments * sharded, buffers)
+    # The block's unsharded gradients (autograd's, unpadded) and its reduce-scatter input
+    # in the reduction's dtype (padded).
+    buffers = r.params.block * r.e + r.padded.block * r.grad_bytes if r.ds > 1 else 0.0
+    w = r.weight_bytes  # the shards are the master weights (their remainders apart)
+    remainders = r.master_bytes if w < 4 else 0
+    optimizer = (r.moment_bytes * r.keeps.moments + remainders) * sharded
+    return _States(w * sharded, w * sharded, optimizer, buffers)
 
 
 def _zero_states(r: MemoryRank) -> _States:
     """ZeRO's (module docstring): parameters replicated in the compute dtype, the
     optimizer state (and ZeRO-2's gradients) sharded over its ranks."""
-    p, e, z = r.params, r.e, zero_ranks(r.layout)
-    master = 4 if e < 4 else 0  # the moments and an fp32 master copy
-    optimizer = (4 * r.keeps.moments + master) * p.total / z
-    grads = 4 * p.total / (z if r.zero == 2 else 1)
-    buffers = p.block * 4 if r.zero == 2 else 0.0  # one block's bucket, then scattered
+    p, e, z, g = r.params, r.e, zero_ranks(r.layout), r.grad_bytes
+    optimizer = (r.moment_bytes * r.keeps.moments + r.master_bytes) * p.total / z
+    grads = g * p.total / (z if r.zero == 2 else 1)  # in the reduction's dtype
+    buffers = p.block * g if r.zero == 2 else 0.0  # one block's bucket, then scattered
     return _States(e * p.total, grads, optimizer, buffers)
 
 
@@ -211,13 +232,18 @@ def _logits(r: MemoryRank) -> float:
     if r.keeps.loss == "fused_ce":  # the logits of each microbatch in flight, one gradient
         logits = n * v * e * (in_flight + 1)
     else:
-        # The backward's two fp32 gradients beside the held logits, or (forward) the
+        # The log-probabilities and the backward's gradients: fp32 when the loss runs on
+        # an fp32 copy of the logits (Software.loss_upcast), else in the compute dtype.
+        upcast = r.software.loss_upcast
+        lp = 4 if upcast else e
+        grads = 2 * lp if tp == 1 else lp  # (loss_parallel's backward: one gradient)
+        # The backward's two gradients beside the held logits, or (forward) the
         # compute-dtype logits and their fp32 copy (also tp's loss_parallel backward's).
-        if r.keeps.logits_held:  # backward: two fp32 gradients beside the logits
-            at_loss = e + 8 if tp == 1 else e + 4  # (loss_parallel's: one)
+        if r.keeps.logits_held:  # backward: the gradients beside the logits
+            at_loss = e + grads
         else:  # the forward's logits and fp32 copy (none of fp32 logits), or backward's
-            at_loss = max(e + (4 if e < 4 else 0), 8 if tp == 1 else 4)
-        logits = n * v * (4 * in_flight + at_loss)
+            at_loss = max(e + (4 if upcast and e < 4 else 0), grads)
+        logits = n * v * (lp * in_flight + at_loss)
     return logits + n * r.model.d_model * (r.e_res / r.seq_split + e)  # ln_f, head in
 
 
@@ -242,7 +268,8 @@ def _extra(r: MemoryRank, saved: _Saved) -> dict[str, float]:
     if attention:
         extra["cp_attention"] = attention
     if r.ds > 1 and r.accumulating and not r.keeps.sharded_accumulation:
-        extra["accumulated_grads"] = r.params.gathered * 4  # of the rank's ep shard of experts
+        # Of the rank's ep shard of experts, in the reduction's dtype.
+        extra["accumulated_grads"] = r.params.gathered * r.grad_bytes
     return extra
 
 
@@ -290,8 +317,8 @@ def _block_backward(r: MemoryRank, saved: _Saved, extra: dict[str, float], held:
         - one_block
         + extra.get("recompute", one_block)
         + held
-        + (0.0 if reducing else r.padded.block * 4)
-        + (r.params.block * 4 if r.zero == 2 else 0.0)
+        + (0.0 if reducing else r.padded.block * r.grad_bytes)
+        + (r.params.block * r.grad_bytes if r.zero == 2 else 0.0)
     )
     attention = extra.get("cp_attention", 0.0)
     return below + max(_gradient_flow(r, saved), _in_attention(r, attention))
@@ -330,11 +357,13 @@ def rank_memory(
     work: Workload,
     load: RankLoad,
     keeps: Keeps | None = None,
+    software: Software | None = None,
 ) -> MemoryBreakdown:
     """The memory of pipeline rank ``load`` (module docstring), under ``keeps`` (default:
-    the layout's recipe, :func:`recipe_keeps`): its states, gathered units, saved
-    activations and the extra parts, less what is not alive at the peak."""
-    r = memory_rank(model, layout, work, load, keeps or recipe_keeps(layout))
+    the layout's recipe, :func:`recipe_keeps`) and ``software`` (the framework's dtypes,
+    :class:`~plait.plan.spec.Software`; default: plait's): its states, gathered units,
+    saved activations and the extra parts, less what is not alive at the peak."""
+    r = memory_rank(model, layout, work, load, keeps or recipe_keeps(layout), software)
     states = _states(r)
     unsharded, resharded = _gathered(r)
     saved = _saved(r)
@@ -362,12 +391,16 @@ def peak_memory(
     work: Workload,
     shape: PipelineShape,
     keeps: Keeps | None = None,
+    software: Software | None = None,
 ) -> MemoryBreakdown:
     """The memory of the pipeline rank of ``shape`` that needs the most."""
-    return max((rank_memory(model, layout, work, r, keeps) for r in shape.ranks), key=_total)
+    ranks = (rank_memory(model, layout, work, r, keeps, software) for r in shape.ranks)
+    return max(ranks, key=_total)
 
 
-def first_rank_memory(model: ModelSpec, layout: Layout, work: Workload) -> MemoryBreakdown:
+def first_rank_memory(
+    model: ModelSpec, layout: Layout, work: Workload, software: Software | None = None
+) -> MemoryBreakdown:
     """The memory of pipeline rank 0 (the one a pipelined dry run measures:
     :func:`plait.plan.dryrun.pipeline_step`), whether or not it needs the most.
     ValueError for a layout plait's schedules refuse, or where another rank's load
@@ -378,7 +411,7 @@ def first_rank_memory(model: ModelSpec, layout: Layout, work: Workload) -> Memor
     loads = [r for r in shape.ranks if r.rank == 0]
     if not loads:
         raise ValueError("pipeline rank 0 holds less than another rank: not reported")
-    return rank_memory(model, layout, work, loads[0])
+    return rank_memory(model, layout, work, loads[0], software=software)
 
 
 def _total(m: MemoryBreakdown) -> float:
@@ -392,12 +425,16 @@ def predict_memory(
     device: DeviceSpec | None = None,
     *,
     keeps: Keeps | None = None,
+    software: Software | None = None,
 ) -> MemoryBreakdown:
     """Peak bytes of the rank that needs the most under ``layout`` (module docstring).
 
     ``device`` is accepted for symmetry with the other predictions and not used: memory
     does not depend on the device. ``keeps``: what the recipe keeps (default: the
-    layout's, :func:`recipe_keeps`). ValueError for a layout plait's schedules refuse.
+    layout's, :func:`recipe_keeps`); ``software``: the framework's dtypes (gradient
+    buffers, optimizer states, the loss's upcast: :class:`~plait.plan.spec.Software`;
+    default: plait's). ValueError for a layout plait's schedules refuse.
     """
     del device
-    return peak_memory(model, layout, work, layout_shape(model, layout), keeps)
+    shape = layout_shape(model, layout)
+    return peak_memory(model, layout, work, shape, keeps, software)

@@ -1,5 +1,6 @@
 """One pipeline rank as the memory model reads it (:mod:`plait.plan.memory`): its load
-(less the blocks its recipe takes off an end stage), its recipe, its elements after tensor
+(less the blocks its recipe takes off an end stage), its recipe and software (the
+framework's dtypes: :class:`~plait.plan.spec.Software`), its elements after tensor
 parallelism and ``fully_shard``'s padded units, and the figures every part of its memory
 derives from them (the dtypes' bytes, the sharding ranks, the microbatch's tokens).
 """
@@ -19,7 +20,7 @@ from plait.plan.shards import (
     padded_params,
     rank_params,
 )
-from plait.plan.spec import Layout, ModelSpec, Workload, zero_stage
+from plait.plan.spec import Layout, ModelSpec, Software, Workload, zero_stage
 
 __all__ = ["MemoryRank", "memory_rank"]
 
@@ -37,6 +38,7 @@ class MemoryRank:
     work: Workload
     load: RankLoad
     keeps: Keeps
+    software: Software
     blocks_scale: float
     params: RankParams
     padded: RankParams
@@ -49,13 +51,30 @@ class MemoryRank:
     autocast: bool  # --mp bf16 without fully_shard or ZeRO: plait runs it under autocast
     pipelined: bool
     accumulating: bool  # gradients accumulate over the step's microbatches (or stages)
+    grad_bytes: int  # bytes of a gradient buffer element: the reduction's dtype
+    weight_bytes: int  # bytes of a stored (master) weight and of a fully_shard gradient shard
+    moment_bytes: int  # bytes of one optimizer moment
+    master_bytes: int  # bytes ZeRO's optimizer keeps per parameter for the master weights
 
 
 def memory_rank(
-    model: ModelSpec, layout: Layout, work: Workload, load: RankLoad, keeps: Keeps
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    load: RankLoad,
+    keeps: Keeps,
+    software: Software | None = None,
 ) -> MemoryRank:
     """The rank of ``load``, less the blocks ``keeps.end_stage_fewer`` takes off an end
-    stage of a pipeline."""
+    stage of a pipeline, under ``software`` (default: plait's).
+
+    The dtypes (:class:`~plait.plan.spec.Software`): gradient buffers in the reduction's
+    dtype (``grad_reduce_fp32``); ``optimizer_states`` ``"fp32"`` stores fp32 weights
+    (``fully_shard``'s shards; ZeRO's master partition beside the compute-dtype weights)
+    and fp32 moments, ``"remainders"`` fp32 moments and compute-dtype weights with their
+    16-bit remainders as the master (none in fp32 compute), ``"bf16"`` bf16 moments and
+    compute-dtype weights, no master."""
+    software = software or Software()
     blocks_scale = 1.0
     if keeps.end_stage_fewer and layout.pp > 1 and (load.embedding or load.head):
         fewer = min(keeps.end_stage_fewer, load.layers - 1)
@@ -74,6 +93,7 @@ def memory_rank(
         work=work,
         load=load,
         keeps=keeps,
+        software=software,
         blocks_scale=blocks_scale,
         params=params,
         padded=padded,
@@ -86,4 +106,17 @@ def memory_rank(
         autocast=autocast,
         pipelined=pipelined,
         accumulating=pipelined or layout.microbatches > 1,
+        grad_bytes=4 if software.grad_reduce_fp32 else e,
+        weight_bytes=4 if software.optimizer_states == "fp32" else e,
+        moment_bytes=2 if software.optimizer_states == "bf16" else 4,
+        master_bytes=_master_bytes(software.optimizer_states, e),
     )
+
+
+def _master_bytes(states: str, e: int) -> int:
+    """Bytes per parameter of the master weights a ZeRO optimizer keeps beside the
+    compute-dtype weights: none in fp32 compute (the weights are the master) or without
+    one (``"bf16"``), the 16-bit remainders (``"remainders"``), else an fp32 copy."""
+    if e >= 4 or states == "bf16":
+        return 0
+    return 2 if states == "remainders" else 4

@@ -129,6 +129,28 @@ class Software:
       checkpoint function, which reruns the whole block); False for torch before 2.1
       (non-reentrant checkpoint reran the whole function) or reentrant checkpointing.
 
+    Memory (:mod:`plait.plan.memory`) reads ``grad_reduce_fp32`` too: the gradient
+    buffers a reduction reads (ZeRO's, Megatron-Core's ``main_grad`` and apex's
+    contiguous grad buffer, DeepSpeed's fp16 ``param.grad``; ``fully_shard``'s accumulated
+    gradients and reduce-scatter input) are in the reduction's dtype. And:
+
+    * ``optimizer_states``: what the optimizer keeps per parameter beside the
+      compute-dtype weights. ``"fp32"``: fp32 moments and fp32 master weights
+      (``fully_shard``'s fp32 shards, ZeRO's fp32 partition; plait's, torchtitan's,
+      Megatron's distributed optimizer, DeepSpeed). ``"remainders"``: fp32 moments, the
+      master weights stored as the bf16 weights and their 16-bit remainders (2 bytes, not
+      4: apex ``DistributedFusedAdam(store_param_remainders=True)``, which NeMo picks for a
+      bf16 model under an fp32 optimizer; Transformer Engine's ``FusedAdam``).
+      ``"bf16"``: no fp32 copy at all: the weights (and under ``fully_shard`` their shards
+      and gradients) stay in bf16 and AdamW's moments are bf16 (torch's optimizers keep
+      them in the parameter's dtype; NeMo's ``distributed_fused_adam`` with ``dtype:
+      bf16``);
+    * ``loss_upcast``: the cross-entropy runs on an fp32 copy of the logits
+      (``logits.float()``: plait's ``lm_loss``, torchtitan's), so its saved
+      log-probabilities and its backward's gradients are fp32; False: on the
+      compute-dtype logits as they are (NeMo AutoModel's ``MaskedCrossEntropy(fp32_upcast=
+      False)``).
+
     The default is what ``plait train`` runs.
     """
 
@@ -137,10 +159,17 @@ class Software:
     param_gather_overlap: bool = False
     grad_reduce_fp32: bool = True
     ac_early_stop: bool | None = None
+    optimizer_states: str = "fp32"
+    loss_upcast: bool = True
 
     def __post_init__(self) -> None:
         if self.tp_overlap not in TP_OVERLAPS:
             raise ValueError(f"tp_overlap must be one of {TP_OVERLAPS}, got {self.tp_overlap!r}")
+        states = ("fp32", "remainders", "bf16")
+        if self.optimizer_states not in states:
+            raise ValueError(
+                f"optimizer_states must be one of {states}, got {self.optimizer_states!r}"
+            )
 
 
 @dataclass(frozen=True)
