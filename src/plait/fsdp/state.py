@@ -219,12 +219,9 @@ class FSDPState(APIState):
         assert self.unit is not None
         if any(p.padded.is_meta for p in self.unit.params):
             self.unit.adopt_materialised()
-        meta = [
-            f"{prefix}.{p.fqn}" if prefix else p.fqn for p in self.unit.params if p.padded.is_meta
-        ]
-        if meta:
+        meta = [f"{prefix}.{p.fqn}".lstrip(".") for p in self.unit.params if p.padded.is_meta]
+        if meta:  # torch's sentence first (code written for torch matches on it), then plait's
             raise RuntimeError(
-                # torch's sentence first (code written for torch matches on it), then plait's.
                 "FSDP parameters should be materialized from meta device before training, "
                 f"but the following were still on meta device: {meta}\n"
                 f"fully_shard: parameters of {self.name} are still on the meta device at the "
@@ -448,11 +445,9 @@ class FSDPState(APIState):
     def end_backward(self, finish_reductions: bool) -> None:
         """End of backward, then: back to ``IDLE``; wait for the reductions (unless the
         root leaves them in flight) and reshard unless a later backward still needs it.
-
         Units this backward did not reach (``IDLE``) keep their owed backwards: their
         forward's backward may still come (a chunked loss runs the head's backward per
-        chunk before the model's).
-        """
+        chunk before the model's)."""
         self.training_state = TrainingState.IDLE
         self.modules_to_run.clear()
         if self.unit is None:

@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from plait import spmd
 from plait.train.config import DEFAULTS, ConfigError, flag
+from plait.train.faults import strike_in_checkpoint
 from plait.train.manifest import CheckpointDamaged, verify_manifest, write_manifest
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "TensorsOnlyPlanner",
     "check_settings",
     "checkpoint_group",
+    "checkpoint_state",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -82,6 +84,7 @@ __all__ = [
     "save_as",
     "save_checkpoint",
     "verify_checkpoint",
+    "write_checkpoint",
 ]
 
 _NAME = re.compile(r"^step_(\d+)$")
@@ -268,14 +271,31 @@ def _single_process_is_fine() -> Iterator[None]:
         yield
 
 
-def _barrier(group: dist.ProcessGroup | None, what: str) -> None:
-    if group is not None:
-        spmd.wait(dist.barrier(group=group, async_op=True), f"barrier at {what}")
+def _barrier(group: dist.ProcessGroup | None, what: str, background: bool = False) -> None:
+    if group is None:
+        return
+    work = dist.barrier(group=group, async_op=True)
+    if background:  # spmd's one waiter thread serves the training thread's collectives
+        work.wait()
+    else:
+        spmd.wait(work, f"barrier at {what}")
 
 
 # ----------------------------------------------------------------------------------------
 # Save
 # ----------------------------------------------------------------------------------------
+
+
+def checkpoint_state(
+    modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, device: str
+) -> dict[str, Any]:
+    """What a checkpoint of this rank holds (module docstring): its parameters and
+    optimizer state (the live tensors, not copies) and its RNG states."""
+    return {
+        "model": _model_state(modules),
+        "optim": _optim_state(modules, optimizer, create=False),
+        "rng": _rng_state(device),
+    }
 
 
 def save_checkpoint(
@@ -289,6 +309,25 @@ def save_checkpoint(
 ) -> Path:
     """Save step ``step`` atomically (module docstring); collective over ``group`` (every
     rank: see :func:`checkpoint_group`) when there is a process group."""
+    state = checkpoint_state(modules, optimizer, config["device"])
+    return write_checkpoint(run_dir, step, state, config, keep, group)
+
+
+def write_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    state: dict[str, Any],
+    config: dict[str, Any],
+    keep: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    background: bool = False,
+) -> Path:
+    """Write ``state`` (:func:`checkpoint_state`, or a staged copy of it) as the checkpoint
+    of step ``step``: into ``.tmp-step_N``, the manifest last, then renamed into place and
+    the checkpoints beyond the newest ``keep`` deleted. Collective over ``group``.
+    ``background``: called off the training thread (``--async-checkpoint``), whose
+    divergence checker it must not share, so its barriers wait plainly."""
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-{final.name}"
@@ -297,20 +336,16 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
         info = {"step": step, "world_size": _world_size(), "config": config}
         _write_json(tmp / _INFO, info)
-    _barrier(group, f"the start of checkpoint {final.name}")
-    state = {
-        "model": _model_state(modules),
-        "optim": _optim_state(modules, optimizer, create=False),
-        "rng": _rng_state(config["device"]),
-    }
+    _barrier(group, f"the start of checkpoint {final.name}", background)
     with _single_process_is_fine():  # returns on every rank once all files are written
         dcp_save(state, checkpoint_id=str(tmp), process_group=group)
+    strike_in_checkpoint(step)  # test-only (plait.train.faults): a kill mid-write
     write_manifest(tmp, group)  # the last file: it describes all the others
     if _is_rank0():
         _publish(tmp, final)
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
-    _barrier(group, f"the end of checkpoint {final.name}")
+    _barrier(group, f"the end of checkpoint {final.name}", background)
     return final
 
 

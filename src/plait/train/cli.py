@@ -45,6 +45,7 @@ from plait.train.loop import CONFIG_FILE, model_settings
 from plait.train.metrics import FILENAME as METRICS_FILENAME
 from plait.train.presets import preset_names
 from plait.train.resolve import resolve
+from plait.train.restart import check_torchrun_restarts, restarted
 from plait.train.sample import sample_command
 from plait.train.tokenizer_command import tokenizer_command
 from plait.train.worker import default_run_dir
@@ -84,6 +85,7 @@ examples:
   plait train --experts 4 --top-k 2 --ep 2 --dp-shard 2
   plait train --run-dir runs/a --steps 600 --stop-after 200
   plait train --run-dir runs/a --resume
+  plait train --run-dir runs/a --max-restarts 3 --async-checkpoint --ckpt-every 50
   plait tokenizer train --data texts/ --vocab 8192 --out tok/tokenizer.json
   plait train --data texts/ --tokenizer tok/tokenizer.json
   plait train --init-from path/to/hf-model --tokenizer path/to/hf-model/tokenizer.json
@@ -192,6 +194,11 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         ("eval_batches", "validation batches per evaluation"),
         ("ckpt_every", "checkpoint every N steps (0: last only)"),
         ("keep", "checkpoints kept (the newest)"),
+        (
+            "async_checkpoint",
+            "write checkpoints in the background from a host copy staged between two steps "
+            "(at most one write in flight; published only once complete)",
+        ),
         ("resume", "continue the run in --run-dir from its latest intact checkpoint"),
         (
             "stop_after",
@@ -201,6 +208,11 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
     ],
     "faults": [
         ("fault_timeout", "seconds a worker waits for a peer before the run fails"),
+        (
+            "max_restarts",
+            "when a worker fails, restart every worker from the latest intact checkpoint, up "
+            "to this many times (under torchrun: give torchrun --max-restarts instead)",
+        ),
     ],
     "logging (metrics.jsonl is always written)": [
         ("tensorboard", "also write TensorBoard event files to <run-dir>/tensorboard"),
@@ -346,7 +358,9 @@ def _train(
     cfg = with_default_model_config(build_config(flags))  # --init-from alone: its config
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
     cfg = resolve(cfg, world)
-    if not under_torchrun() and not cfg.run_dir:
+    if under_torchrun():  # torchrun's --max-restarts; a restarted worker resumes
+        cfg = restarted(check_torchrun_restarts(cfg))
+    elif not cfg.run_dir:
         cfg = cfg.replace(run_dir=default_run_dir())
     _check_paths(cfg)
     check_logging(cfg)

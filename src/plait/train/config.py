@@ -154,14 +154,17 @@ class ExecutionConfig(_Group):
 @dataclass(frozen=True)
 class RunConfig(_Group):
     """The run directory and what a session leaves in it: validation, checkpoints (how
-    often, how many kept), resuming, and where this session stops."""
+    often, how many kept, written in the background or not), resuming, restarting after a
+    failed worker, and where this session stops."""
 
     run_dir: str
     eval_every: int
     eval_batches: int
     ckpt_every: int
     keep: int
+    async_checkpoint: bool
     resume: bool
+    max_restarts: int
     stop_after: int
 
 
@@ -275,7 +278,12 @@ class TrainConfig:
     eval_batches: int = 4
     ckpt_every: int = 100  # 0: only after the last step
     keep: int = 2
+    # write checkpoints from a staged copy in a background thread (plait.train.checkpointer)
+    async_checkpoint: bool = False
     resume: bool = False
+    # a failed worker restarts every worker from the latest intact checkpoint, this many
+    # times at most (plait.train.restart); under torchrun, torchrun's --max-restarts
+    max_restarts: int = 0
     stop_after: int = 0  # stop (with a checkpoint) after this step; 0: run to --steps
     # faults
     fault_timeout: float = 30.0  # seconds a collective may wait for a peer before failing

@@ -18,8 +18,11 @@ process, so no CUDA state can be inherited through a fork.
 
 When a worker fails (an exception, a signal such as SIGKILL, or a peer's
 ``--fault-timeout`` running out while it hangs), the launcher stops the others and
-:class:`WorkerFailed` names the first failed worker's rank, with its traceback. The
-workers die with the launcher, even when it is SIGKILLed (Linux), so none is orphaned.
+:class:`WorkerFailed` names the first failed worker's rank, with its traceback. With
+``--max-restarts N`` the launcher first restarts every worker, up to ``N`` times, and they
+continue from the latest intact checkpoint (:mod:`plait.train.restart`); one process
+alone is launched too then (there is no restart without a launcher). The workers die with
+the launcher, even when it is SIGKILLed (Linux), so none is orphaned.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from plait.train.config import ConfigError, TrainConfig
+from plait.train.restart import UNSHARED_STORE
 from plait.train.worker import LAUNCHER_PID, worker_main
 
 __all__ = ["WorkerFailed", "launch", "under_torchrun"]
@@ -56,7 +60,7 @@ def under_torchrun() -> bool:
 def launch(cfg: TrainConfig) -> None:
     """Run training with ``cfg`` (resolved) as the module docstring describes. Takes the
     whole configuration: each worker trains all of it."""
-    if under_torchrun() or cfg.nproc == 1:
+    if under_torchrun() or (cfg.nproc == 1 and not cfg.max_restarts):
         worker_main(cfg)
         return
     config = LaunchConfig(
@@ -66,7 +70,7 @@ def launch(cfg: TrainConfig) -> None:
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
-        max_restarts=0,
+        max_restarts=cfg.max_restarts,
         monitor_interval=0.1,
         start_method=_start_method(cfg.device),
     )
@@ -75,14 +79,26 @@ def launch(cfg: TrainConfig) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # The workers' parent (this process, or the fork server it started): they die with it.
     os.environ[LAUNCHER_PID] = str(_workers_parent(config.start_method))
+    # Each attempt's workers get a store of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE):
+    # restarted ones handed the agent's store would read the failed ones' addresses, left
+    # in it, and fail to connect (pytorch/pytorch#135712). Read by the agent, in-process.
+    unshared = {UNSHARED_STORE: "1"} if cfg.max_restarts else {}
+    saved = {name: os.environ.get(name) for name in unshared}
+    os.environ.update(unshared)
     try:
         elastic_launch(config, worker_main)(cfg)
     except ChildFailedError as err:
-        raise WorkerFailed(_first_failure(err)) from None
+        restarts = f" (after {cfg.max_restarts} restarts)" if cfg.max_restarts else ""
+        raise WorkerFailed(_first_failure(err, restarts)) from None
     except SignalException as err:  # Ctrl-C or a kill: the agent has stopped the workers
         raise KeyboardInterrupt(str(err)) from None
     finally:
         del os.environ[LAUNCHER_PID]
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _start_method(device: str) -> str:
@@ -105,8 +121,9 @@ def _workers_parent(start_method: str) -> int:
     return pid if isinstance(pid, int) else os.getpid()
 
 
-def _first_failure(err: ChildFailedError) -> str:
-    """The first failure's error and, unless it is a configuration error, its traceback."""
+def _first_failure(err: ChildFailedError, restarts: str = "") -> str:
+    """The first failure's error and, unless it is a configuration error, its traceback;
+    ``restarts`` says after how many restarts it failed for good."""
     rank, failure = err.get_first_failure()
     message: Any = failure.message
     stack = ""
@@ -117,7 +134,7 @@ def _first_failure(err: ChildFailedError) -> str:
         stack = ""
     if failure.exitcode < 0:  # killed by a signal: no traceback, say which signal
         message = f"killed by {_signal_name(-failure.exitcode)} (pid {failure.pid})"
-    head = f"worker {rank} failed (exit code {failure.exitcode}): {message}"
+    head = f"worker {rank} failed{restarts} (exit code {failure.exitcode}): {message}"
     return f"{head}\n{stack}" if stack else head
 
 

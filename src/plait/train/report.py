@@ -10,6 +10,7 @@ from plait.layout import Layout
 from plait.train.config import TrainConfig
 from plait.train.flops import Peak, mfu
 from plait.train.progress import format_mfu
+from plait.train.restart import restart_summary
 
 __all__ = ["expert_rows", "imbalance", "plot_loss_curve", "summary_table"]
 
@@ -66,12 +67,14 @@ def summary_table(
     run_dir: str | Path,
     *,
     mfu_of: tuple[float, Peak] | None = None,
+    staged_bytes: list[int] | None = None,
 ) -> str:
     """The end-of-run table. ``cfg``: the whole configuration (the table reports the steps
     and batch, the sequence length, the processes, device and layout); ``records``: the
     whole run's metrics (a resumed run's too); ``session_steps``: the training records of
     this session, timed here; ``mfu_of``: the model's training FLOPs per token and the
-    peak (:mod:`plait.train.flops`), for the MFU of the steady tokens/s."""
+    peak (:mod:`plait.train.flops`), for the MFU of the steady tokens/s; ``staged_bytes``:
+    each rank's staging copy of an asynchronous checkpoint."""
     times = [r["step_time"] for r in session_steps]
     steady = times[1:] or times  # the first step also pays for warm-up (allocations, plans)
     tokens = cfg.batch_size * cfg.seq_len * len(steady)
@@ -101,6 +104,10 @@ def summary_table(
                 f"{last['val_loss']:.4f} (step {last['step']})",
             )
         )
+    rows += _checkpoint_rows(records, staged_bytes or [])
+    restarts = restart_summary(records)
+    if restarts:
+        rows.append(("restarts", restarts))
     loads = [r for r in session_steps if "expert_load" in r]
     if loads:  # tokens per expert in the last step
         rows += expert_rows(loads[-1]["expert_load"])
@@ -110,6 +117,25 @@ def summary_table(
     rule = "-" * (width + 2 + max(len(value) for _, value in rows))
     lines = [rule] + [f"{name:<{width}}  {value}" for name, value in rows] + [rule]
     return "\n".join(lines)
+
+
+def _checkpoint_rows(records: list[dict[str, Any]], staged: list[int]) -> list[tuple[str, str]]:
+    """What the run's checkpoints cost training: how many, how long training waited for
+    each (median), and for asynchronous ones the background writes and the staging copy."""
+    saves = [r for r in records if r.get("event") == "checkpoint"]
+    if not saves:
+        return []
+    blocked = statistics.median(r["blocked_s"] for r in saves) * 1000
+    how = "async" if saves[-1]["async"] else "sync"
+    rows = [("checkpoints", f"{len(saves)} {how}, training waited {blocked:,.1f} ms each (median)")]
+    writes = [r["write_s"] for r in records if r.get("event") == "checkpoint_written"]
+    if writes:
+        write = f"{statistics.median(writes) * 1000:,.1f} ms each (median), in the background"
+        rows.append(("checkpoint writes", write))
+    if staged:
+        most = max(staged) / 2**20
+        rows.append(("checkpoint staging", f"{most:,.2f} MiB of host memory per rank (most)"))
+    return rows
 
 
 def plot_loss_curve(records: list[dict[str, Any]], run_dir: str | Path) -> str:

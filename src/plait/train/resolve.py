@@ -261,6 +261,7 @@ _AT_LEAST_ZERO = (  # 0: auto, or off (see TrainConfig)
     "ckpt_every",
     "eval_every",
     "stop_after",
+    "max_restarts",
     "experts",
     "shared_experts",
     "expert_hidden",

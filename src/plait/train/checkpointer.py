@@ -1,0 +1,220 @@
+"""Writing a session's checkpoints: synchronously, or (``--async-checkpoint``) from a staged
+copy on a background thread while training goes on.
+
+Synchronous (the default): :meth:`Checkpointer.save` writes the checkpoint
+(:func:`~plait.train.checkpointing.save_checkpoint`) and returns once it is published;
+training waits for the whole write.
+
+Asynchronous: :meth:`Checkpointer.save`, on the training thread, between two steps,
+
+1. waits for the previous checkpoint's write, if it is still running (at most one write
+   in flight, so at most one staged copy exists);
+2. stages: copies every tensor of this rank's checkpoint (parameters, optimizer state,
+   RNG states; its DTensor shards only) into host buffers, pinned on CUDA, allocated at
+   the first checkpoint and reused by the next ones (:class:`Stager`). The copy is taken
+   exactly where a synchronous save reads the live tensors, so the two checkpoints hold
+   the same values;
+3. hands the staged copy to a background thread, which writes it exactly as a synchronous
+   save does (:func:`~plait.train.checkpointing.write_checkpoint`: a ``.tmp-`` directory,
+   the manifest last, then the rename), its collectives on the checkpoint process group,
+   which training never uses.
+
+So the guarantees are the synchronous save's: a checkpoint becomes visible (renamed into
+``step_N``) only once complete, and a kill at any moment of the write leaves the previous
+checkpoint intact (``--resume`` and ``--max-restarts`` continue from it). The training
+thread's cost is the staging copy (and any wait for the previous write); the staging
+memory, one copy of this rank's checkpoint, is counted (:attr:`Checkpointer.staged_bytes`)
+and reported. A failed write raises on the training thread at the next checkpoint or at
+:meth:`Checkpointer.close`, which the session calls before it ends, so a run never exits
+with a checkpoint still being written.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from plait.train.checkpointing import (
+    checkpoint_state,
+    checkpoints_dir,
+    save_checkpoint,
+    write_checkpoint,
+)
+
+__all__ = ["Checkpointer", "SaveReport", "Stager", "WriteReport"]
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """One checkpoint, as the training thread saw it. ``blocked_s``: how long training
+    waited (the whole write when synchronous; the wait for the previous write plus the
+    staging copy when asynchronous); ``staged_bytes``: the staging copy's size (0 when
+    synchronous)."""
+
+    step: int
+    path: Path
+    background: bool
+    blocked_s: float
+    staged_bytes: int
+
+    def record(self) -> dict[str, Any]:
+        """Its metrics.jsonl row (:mod:`plait.train.metrics`)."""
+        return {
+            "step": self.step,
+            "event": "checkpoint",
+            "checkpoint": self.path.name,
+            "async": self.background,
+            "blocked_s": self.blocked_s,
+            "staged_bytes": self.staged_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """An asynchronous checkpoint's write, finished: how long the background thread took."""
+
+    step: int
+    path: Path
+    write_s: float
+
+
+class Stager:
+    """Host copies of a checkpoint's tensors, reused from one checkpoint to the next.
+
+    :meth:`stage` returns a state of the same structure whose tensors are copies (a
+    DTensor's copy is a DTensor of the same mesh and placements around a copy of its
+    local shard). A buffer is reused while its tensor keeps its shape and dtype."""
+
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the staging buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state`` (nested dicts of tensors) in the staging buffers."""
+        staged = self._copy(state, ())
+        if self._pin:  # the copies were queued non-blocking: done before the thread reads
+            torch.cuda.current_stream().synchronize()
+        return staged
+
+    def _copy(self, value: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(value, dict):
+            return {key: self._copy(item, (*path, key)) for key, item in value.items()}
+        if isinstance(value, DTensor):
+            local = self._buffer(path, value.to_local())
+            # Around the host buffer with the original's spec (mesh, placements, global
+            # shape): DTensor.from_local would move the buffer back to a CUDA mesh's device.
+            return DTensor(local, value._spec, requires_grad=False)
+        if isinstance(value, torch.Tensor):
+            return self._buffer(path, value)
+        raise TypeError(f"cannot stage checkpoint entry {'.'.join(path)}: {type(value).__name__}")
+
+    def _buffer(self, path: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            pin = self._pin and tensor.device.type == "cuda"
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            self._buffers[path] = buffer
+        return buffer.copy_(tensor, non_blocking=self._pin)
+
+
+class Checkpointer:
+    """Saves this rank's checkpoints of ``modules`` and ``optimizer`` into ``run_dir``
+    (module docstring); ``background``: asynchronously. Collective: every rank saves at
+    the same steps. Call :meth:`close` (on every rank) before the session ends."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        modules: Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        config: dict[str, Any],
+        keep: int,
+        group: dist.ProcessGroup | None,
+        *,
+        background: bool,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.modules, self.optimizer = modules, optimizer
+        self.config, self.keep, self.group = config, keep, group
+        self.background = background
+        self.stager = Stager(pin=config["device"] == "cuda")
+        self._pending: _Background | None = None
+
+    @property
+    def staged_bytes(self) -> int:
+        """The staging copy's size on this rank (0 when synchronous)."""
+        return self.stager.nbytes
+
+    def save(self, step: int) -> tuple[SaveReport, list[WriteReport]]:
+        """Checkpoint step ``step``; returns its report, and the previous asynchronous
+        write if this save had to wait for it (re-raising its error if it failed)."""
+        began = time.perf_counter()
+        if not self.background:
+            path = save_checkpoint(
+                self.run_dir, step, self.modules, self.optimizer, self.config, self.keep, self.group
+            )
+            return SaveReport(step, path, False, time.perf_counter() - began, 0), []
+        finished = self.wait()
+        state = checkpoint_state(self.modules, self.optimizer, self.config["device"])
+        staged = self.stager.stage(state)
+        self._pending = _Background(lambda: self._write(step, staged))
+        blocked = time.perf_counter() - began
+        path = checkpoints_dir(self.run_dir) / f"step_{step:06d}"  # once written
+        return SaveReport(step, path, True, blocked, self.staged_bytes), finished
+
+    def _write(self, step: int, staged: dict[str, Any]) -> WriteReport:
+        began = time.perf_counter()
+        path = write_checkpoint(
+            self.run_dir, step, staged, self.config, self.keep, self.group, background=True
+        )
+        return WriteReport(step, path, time.perf_counter() - began)
+
+    def wait(self) -> list[WriteReport]:
+        """Wait for the write in flight, if any; its report (its error, if it failed)."""
+        pending, self._pending = self._pending, None
+        return [] if pending is None else [pending.result()]
+
+    def close(self) -> list[WriteReport]:
+        """Wait for the last write (the session's end: nothing is left being written)."""
+        return self.wait()
+
+
+class _Background:
+    """``work`` run on a daemon thread: a session that fails (an exception on the training
+    thread) exits without waiting for a write whose peers may be gone, which would
+    otherwise hold the process for the checkpoint group's whole timeout."""
+
+    def __init__(self, work: Callable[[], WriteReport]) -> None:
+        self._work = work
+        self._result: WriteReport | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="plait-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._work()
+        except BaseException as error:  # re-raised on the training thread by result()
+            self._error = error
+
+    def result(self) -> WriteReport:
+        """Wait for ``work``; its result, or its exception raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return cast(WriteReport, self._result)  # set: the work returned

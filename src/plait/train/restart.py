@@ -1,0 +1,134 @@
+"""Automatic restarts (``--max-restarts N``): a failed worker restarts every worker, and the
+run continues from its latest intact checkpoint.
+
+The restarting is torch's elastic agent's: ``plait train`` gives it ``N`` (its local
+launcher's ``LaunchConfig.max_restarts``; under torchrun, torchrun's own ``--max-restarts``,
+which plait reads back from ``TORCHELASTIC_MAX_RESTARTS``; torchrun needs
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in its environment, which plait's launcher sets
+for itself, so that each attempt's workers rendezvous in a store of their own rather than
+the failed attempt's: pytorch/pytorch#135712). When a worker fails (raises,
+is killed, or its peers' ``--fault-timeout`` runs out), the agent stops the others and
+starts them all again, up to ``N`` times, with ``TORCHELASTIC_RESTART_COUNT`` set to the
+restart's number. A restarted worker (:func:`restart_count` > 0) continues the run as
+``--resume`` would (:func:`restarted`): from the newest intact checkpoint of the same run
+directory (the step 0 of a fresh start if none was written yet), with the same data
+positions, RNG states and learning-rate schedule, so the run ends with the weights and
+losses of an uninterrupted one. Only after the ``N``-th restart fails does the run fail.
+
+Metrics, TensorBoard and W&B continue as after a ``--resume``: the records the failed
+attempt wrote past the checkpoint are dropped (they are written again as the steps are
+redone), and one ``restart`` row at the step the attempt resumes from says what was redone
+(:func:`restart_record`)::
+
+    {"step": 40, "event": "restart", "restart": 1, "redone": [41, 47], "redone_steps": 7,
+     "lost_step_time": 3.2}
+
+``redone``: the first and last step the failed attempt had completed past the checkpoint
+(``[]``: none); ``lost_step_time``: their step times, in seconds. The summary adds them up
+(:func:`restart_summary`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from plait.train.checkpointing import latest_checkpoint
+from plait.train.config import ConfigError, TrainConfig
+from plait.train.metrics import read_metrics
+
+__all__ = [
+    "RESTART_EVENT",
+    "UNSHARED_STORE",
+    "check_torchrun_restarts",
+    "redone_steps",
+    "restart_count",
+    "restart_record",
+    "restart_summary",
+    "restarted",
+]
+
+RESTART_EVENT = "restart"
+_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by the elastic agent for its workers
+_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the workers share the agent's store
+#: Set for the elastic agent, each attempt's workers get a store of their own.
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def restart_count() -> int:
+    """How many times the elastic agent has restarted this worker's group (0: the first
+    attempt, or no agent)."""
+    return int(os.environ.get(_RESTART_COUNT, "0") or 0)
+
+
+def restarted(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` for this attempt: a restarted worker resumes from the run's latest
+    checkpoint (if there is one yet); the first attempt runs ``cfg`` as given."""
+    if restart_count() == 0:
+        return cfg
+    return cfg.replace(resume=latest_checkpoint(cfg.run_dir) is not None)
+
+
+def check_torchrun_restarts(cfg: TrainConfig) -> TrainConfig:
+    """Under torchrun: ``cfg`` with torchrun's ``--max-restarts``, or ConfigError when
+    ``--max-restarts`` asks for other restarts than torchrun makes, or when restarts have
+    no ``--run-dir`` to continue in (each attempt would pick a new default)."""
+    given = int(os.environ.get(_MAX_RESTARTS, "0") or 0)
+    if cfg.max_restarts not in (0, given):
+        raise ConfigError(
+            f"--max-restarts {cfg.max_restarts} under torchrun, which restarts the workers "
+            f"{given} time(s) (its own --max-restarts): give the number to torchrun, "
+            f"torchrun --max-restarts {cfg.max_restarts} ..., and drop plait's flag"
+        )
+    if given and os.environ.get(_AGENT_STORE) == "True":
+        raise ConfigError(
+            f"torchrun --max-restarts {given} needs {UNSHARED_STORE}=1 in torchrun's "
+            "environment: without it torch's elastic agent hands restarted workers the store "
+            "of the failed ones, whose stale addresses make the process group's start fail "
+            f"(pytorch/pytorch#135712): run {UNSHARED_STORE}=1 torchrun --max-restarts "
+            f"{given} ..."
+        )
+    if given and not cfg.run_dir:
+        raise ConfigError(
+            f"torchrun --max-restarts {given}: a restarted worker continues the run in its "
+            "run directory, so give one: --run-dir DIR (on a file system every node shares)"
+        )
+    return cfg.replace(max_restarts=given)
+
+
+def restart_record(run_dir: str | Path, start: int, restart: int) -> dict[str, Any]:
+    """The ``restart`` row of restart number ``restart``, resuming at step ``start``: read
+    from the failed attempt's metrics.jsonl, before it is rewritten (rank 0 only)."""
+    lost = [r for r in read_metrics(run_dir) if "loss" in r and r["step"] > start]
+    steps = [r["step"] for r in lost]
+    return {
+        "step": start,
+        "event": RESTART_EVENT,
+        "restart": restart,
+        "redone": [min(steps), max(steps)] if steps else [],
+        "redone_steps": len(steps),
+        "lost_step_time": sum((float(r.get("step_time", 0.0)) for r in lost), 0.0),
+    }
+
+
+def redone_steps(redone: list[int]) -> str:
+    """A restart row's ``redone`` in words: ``"steps 41-47"``, ``"step 41"``, ``""``."""
+    if not redone:
+        return ""
+    first, last = redone
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def restart_summary(records: list[dict[str, Any]]) -> str | None:
+    """The summary's line about the run's restarts (None if there were none), e.g.
+    ``2: steps 41-47, step 81 redone (8 in all, 3.4 s of step time)``."""
+    rows = [r for r in records if r.get("event") == RESTART_EVENT]
+    if not rows:
+        return None
+    spans = [redone_steps(r["redone"]) for r in rows if r["redone"]]
+    steps = sum(int(r["redone_steps"]) for r in rows)
+    seconds = sum((float(r["lost_step_time"]) for r in rows), 0.0)
+    which = f"{', '.join(spans)} redone" if spans else "no completed step redone"
+    return f"{len(rows)}: {which} ({steps} in all, {seconds:.1f} s of step time)"
