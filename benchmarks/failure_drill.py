@@ -16,7 +16,16 @@ fault variables of :mod:`plait.train.faults`, so every mode meets the same kills
 * ``restart``: ``--max-restarts K``, synchronous checkpoints;
 * ``restart + async``: the same with ``--async-checkpoint``;
 * ``manual --resume``: no restarts: each kill fails the run, and the drill starts it again
-  at once with ``--resume`` (what a person, or a job scheduler, does by hand).
+  at once with ``--resume`` (what a person, or a job scheduler, does by hand);
+* ``replica groups``: ``--replica-groups 2`` of 2 workers each (torchft, the ``ft``
+  extra): every kill strikes group 1 (its rank of the same index, in the step; a kill
+  drawn in a checkpoint strikes in that step instead), whose life ``i`` meets kill ``i``;
+  group 0 trains on, redoing only the step each kill interrupted, and the launcher
+  restarts group 1, which heals from group 0 (group 0 waits two steps after the last kill
+  for it to rejoin, so that it does not finish first). Its losses are not the uninterrupted run's
+  (the steps without group 1 average fewer samples), so "equal" says instead whether the
+  two groups end with bitwise the same weights; "steps redone" counts group 0's
+  uncommitted steps, and the time lost is against an uninterrupted replica-groups run.
 
 For each: the kills that struck, the steps redone (completed past the checkpoint a
 restart continued from), the wall-clock time lost against the same mode's uninterrupted
@@ -187,6 +196,28 @@ def manual_drill(root: Path, flags: list[str], kills: list[Kill]) -> Run:
     return run
 
 
+REPLICA_FLAGS = ["--replica-groups", "2", "--dp-shard", str(WORKERS)]
+
+
+def replica_drill(root: Path, flags: list[str], kills: list[Kill]) -> Run:
+    """Group 1 meets every kill, kill ``i`` in its life ``i``; group 0 trains on."""
+    run = Run(root)
+    kill_at = ",".join(f"{WORKERS + k.rank}:{k.step}:{i}" for i, k in enumerate(kills))
+    env = {"PLAIT_TEST_KILL_RANK_AT_STEP": kill_at}
+    # Group 0 waits before this step for the last restart to rejoin: else it could finish
+    # first, and the restarted group 1 would go on alone from its own checkpoint.
+    env["PLAIT_TEST_REPLICAS_REJOIN_AT_STEP"] = str(kills[-1].step + 2) if kills else "0"
+    train(run, [*flags, *REPLICA_FLAGS, "--max-restarts", str(len(kills))], env)
+    run.redone = run.stderr[-1].count("not committed")
+    return run
+
+
+def groups_equal(run_dir: Path, model: TrainConfig) -> bool:
+    """Whether both replica groups end with bitwise the same weights."""
+    first, second = (final_weights(run_dir / f"group{g}", model) for g in (0, 1))
+    return all(torch.equal(first[k], second[k]) for k in first)
+
+
 def drill(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     model = TrainConfig(seq_len=args.seq_len, n_layer=2, n_head=2, d_model=args.d_model)
     model = model.replace(vocab_size=256)
@@ -201,6 +232,10 @@ def drill(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         ("restart + async", async_flags, True, reference_async),
         ("manual --resume", flags, False, reference),
     ]
+    reference_replicas = Run(work / "uninterrupted-replicas")
+    if args.replicas:
+        train(reference_replicas, [*flags, *REPLICA_FLAGS], {})
+        modes.append(("replica groups", flags, False, reference_replicas))
     rows = []
     for trial in range(args.trials):
         rng = random.Random(args.seed + trial)
@@ -208,7 +243,12 @@ def drill(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         print(f"trial {trial}: kills {'; '.join(k.describe() for k in kills)}", file=sys.stderr)
         for name, mode_flags, restarting, baseline in modes:
             run_dir = work / f"{trial}-{name.replace(' ', '').replace('+', '-')}"
-            drilled = (restart_drill if restarting else manual_drill)(run_dir, mode_flags, kills)
+            if baseline is reference_replicas:
+                drilled = replica_drill(run_dir, mode_flags, kills)
+            else:
+                drilled = (restart_drill if restarting else manual_drill)(
+                    run_dir, mode_flags, kills
+                )
             rows.append(
                 {
                     "mode": name,
@@ -218,7 +258,9 @@ def drill(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                     "steps redone": drilled.redone,
                     "time lost": drilled.wall_s - baseline.wall_s,
                     "uninterrupted": baseline.wall_s,
-                    "equal": same_run(run_dir, reference.run_dir, model),
+                    "equal": groups_equal(run_dir, model)
+                    if baseline is reference_replicas
+                    else same_run(run_dir, reference.run_dir, model),
                 }
             )
             print(f"  {name}: {rows[-1]}", file=sys.stderr)
@@ -299,6 +341,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cost-layers", type=int, default=4)
     parser.add_argument("--skip-cost", action="store_true", help="the drill only")
     parser.add_argument("--skip-drill", action="store_true", help="the checkpoint cost only")
+    parser.add_argument(
+        "--replicas",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also drill --replica-groups 2 (needs torchft, the ft extra)",
+    )
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="plait-failure-drill-"))
     try:

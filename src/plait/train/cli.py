@@ -44,6 +44,7 @@ from plait.train.loggers import check_logging
 from plait.train.loop import CONFIG_FILE, model_settings
 from plait.train.metrics import FILENAME as METRICS_FILENAME
 from plait.train.presets import preset_names
+from plait.train.replicas import group_run_dir
 from plait.train.resolve import resolve
 from plait.train.restart import check_torchrun_restarts, restarted
 from plait.train.sample import sample_command
@@ -211,7 +212,14 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         (
             "max_restarts",
             "when a worker fails, restart every worker from the latest intact checkpoint, up "
-            "to this many times (under torchrun: give torchrun --max-restarts instead)",
+            "to this many times (under torchrun: give torchrun --max-restarts instead); with "
+            "--replica-groups: restarts per group",
+        ),
+        (
+            "replica_groups",
+            "train this many fault-tolerant replica groups of --nproc workers each over "
+            "torchft (the ft extra): a group that dies drops out, the others go on, and it "
+            "heals from a live one when it comes back",
         ),
     ],
     "logging (metrics.jsonl is always written)": [
@@ -334,6 +342,8 @@ def _check_paths(cfg: TrainConfig) -> None:
     if not cfg.run_dir:
         return
     latest = latest_checkpoint(cfg.run_dir)
+    for group in range(cfg.replica_groups if cfg.replica_groups > 1 else 0):
+        latest = latest or latest_checkpoint(group_run_dir(cfg.run_dir, group))
     if cfg.resume and latest is None:
         raise ConfigError(f"--resume: {cfg.run_dir} holds no complete checkpoint to continue from")
     if not cfg.resume and latest is not None:
@@ -395,6 +405,8 @@ def _session_step_times(metrics: Path, offset: int) -> list[float]:
 def _resume_hint(run: RunConfig) -> str:
     """How to continue the failed run ``run`` from its last checkpoint ("" if none)."""
     latest = latest_checkpoint(run.run_dir)
+    for group in range(run.replica_groups if run.replica_groups > 1 else 0):
+        latest = latest or latest_checkpoint(group_run_dir(run.run_dir, group))
     if latest is None:
         return ""
     return (

@@ -166,6 +166,7 @@ class RunConfig(_Group):
     resume: bool
     max_restarts: int
     stop_after: int
+    replica_groups: int
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,8 @@ class TrainConfig:
     # times at most (plait.train.restart); under torchrun, torchrun's --max-restarts
     max_restarts: int = 0
     stop_after: int = 0  # stop (with a checkpoint) after this step; 0: run to --steps
+    # fault-tolerant replica groups over torchft (plait.train.replicas); 0 or 1: none
+    replica_groups: int = 0
     # faults
     fault_timeout: float = 30.0  # seconds a collective may wait for a peer before failing
     # logging (rank 0; metrics.jsonl is always written)

@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from plait.train.config import ConfigError, TrainConfig
+from plait.train.replicas import ReplicasFailed, launch_replicas
 from plait.train.restart import UNSHARED_STORE
 from plait.train.worker import LAUNCHER_PID, worker_main
 
@@ -59,7 +60,14 @@ def under_torchrun() -> bool:
 
 def launch(cfg: TrainConfig) -> None:
     """Run training with ``cfg`` (resolved) as the module docstring describes. Takes the
-    whole configuration: each worker trains all of it."""
+    whole configuration: each worker trains all of it. ``--replica-groups``: see
+    :mod:`plait.train.replicas`."""
+    if cfg.replica_groups > 1 and not under_torchrun():
+        try:
+            launch_replicas(cfg)
+        except ReplicasFailed as err:
+            raise WorkerFailed(str(err)) from None
+        return
     if under_torchrun() or (cfg.nproc == 1 and not cfg.max_restarts):
         worker_main(cfg)
         return

@@ -217,8 +217,11 @@ class Trainable:
 class _Session:
     """The pieces one training session works with, built in the recipe's order."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, replica: tuple[int, int] = (0, 1)) -> None:
+        """``replica``: (this rank's replica group, the number of groups): each group reads
+        its share of every global batch (:mod:`plait.train.replicas`)."""
         self.cfg = cfg
+        group, self.groups = replica
         self.run_dir = Path(cfg.run_dir)
         self.data: TokenData = load_data(cfg.corpus)
         if _rank() == 0 and (note := record_fingerprint(self.run_dir, self.data, cfg.resume)):
@@ -239,6 +242,7 @@ class _Session:
         self.optimizer, self.stepper = self.parts.optimizer, self.parts.stepper
         dp_shard = mesh_coordinate(self.mesh, DP_SHARD)
         self.dp_rank = mesh_coordinate(self.mesh, DP_REPLICATE) * cfg.dp_shard + dp_shard
+        self.dp_rank += group * cfg.dp
         self.checkpoint_group = checkpoint_group(cfg.fault_timeout)
         self.checkpointer = Checkpointer(
             self.run_dir,
@@ -249,7 +253,9 @@ class _Session:
             self.checkpoint_group,
             background=cfg.async_checkpoint,
         )
-        self.faults = FaultInjector(_rank())  # test-only: see plait.train.faults
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # Test-only (plait.train.faults): ranks counted over every replica group.
+        self.faults = FaultInjector(_rank() + group * world)
         self.faults.arm(self.modules[0])
         # Dropout draws differ per data-parallel rank and pipeline stage, yet are
         # reproducible. The tp ranks of one (neighbours: tp is the innermost mesh dimension)
@@ -263,8 +269,9 @@ class _Session:
         batch's count of loss tokens (:func:`~plait.train.step.step_batch`: collective
         unless the data knows the count: no masked targets)."""
         cfg = self.cfg
-        rows = self.data.batch(split, index, cfg.batch_size, self.dp_rank, cfg.dp)
-        known = self.data.loss_tokens(split, cfg.batch_size)
+        parts = cfg.dp * self.groups
+        rows = self.data.batch(split, index, cfg.batch_size, self.dp_rank, parts)
+        known = self.data.loss_tokens(split, cfg.batch_size // self.groups)
         execution = self.parts.execution
         return step_batch(rows.inputs, rows.targets, rows.documents, execution, self.mesh, known)
 

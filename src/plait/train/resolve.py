@@ -25,6 +25,7 @@ from plait.train.llama import LlamaConfig, LlamaConfigError
 from plait.train.model import GPTConfig
 from plait.train.model_spec import ModelSpec
 from plait.train.presets import config_bytes, config_object, preset_names
+from plait.train.replicas import check_replica_groups
 from plait.train.tokenizer import load_tokenizer
 
 __all__ = [
@@ -185,6 +186,7 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     )
     _check_features(cfg)
     float8.check(cfg, shape.d_model)
+    check_replica_groups(cfg)
     return cfg
 
 
@@ -262,6 +264,7 @@ _AT_LEAST_ZERO = (  # 0: auto, or off (see TrainConfig)
     "eval_every",
     "stop_after",
     "max_restarts",
+    "replica_groups",
     "experts",
     "shared_experts",
     "expert_hidden",

@@ -15,11 +15,13 @@ timeout (:func:`plait.train.checkpointing.checkpoint_group`).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import spmd
 from plait.mesh import collective_device
-from plait.train.config import ExecutionConfig, RunConfig, TrainConfig
+from plait.train.config import ExecutionConfig, RunConfig, TrainConfig, from_mapping
 from plait.train.cores import threads_per_worker, usable_cores
 from plait.train.loop import TrainResult, train
 
@@ -93,7 +95,23 @@ def worker_main(cfg: TrainConfig) -> TrainResult:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _join_process_group(cfg.execution)
     try:
-        return train(cfg.replace(run_dir=_agree_on_run_dir(cfg.run)))
+        cfg = cfg.replace(run_dir=_agree_on_run_dir(cfg.run))
+        if cfg.replica_groups > 1:  # torchft's fault-tolerant groups (the ft extra)
+            from plait.train.replica_worker import train_replica
+
+            return train_replica(cfg)
+        return train(cfg)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def main() -> None:
+    """``python -m plait.train.worker CONFIG.json``: one worker of the configuration in the
+    JSON file (``TrainConfig.to_dict()``, resolved), its environment set by the launcher
+    (the replica groups' launcher, :mod:`plait.train.replicas`)."""
+    worker_main(from_mapping(json.loads(Path(sys.argv[1]).read_text())))
+
+
+if __name__ == "__main__":
+    main()
