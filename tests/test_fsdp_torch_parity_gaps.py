@@ -13,7 +13,9 @@ Each test here failed before issue 40 and states one behaviour that torch's upst
   process;
 * ``test_fully_shard_init.py``: torch's ``_get_managed_modules`` / ``_get_managed_states``
   (which modules and parameters a ``fully_shard`` call manages) count plait's units; and
-  plait's refusals carry torch's sentence, which code written for torch matches on.
+  plait's refusals carry torch's sentence, which code written for torch matches on;
+* ``test_checkpoint.py``: composable ``checkpoint`` refuses an unknown keyword with torch's
+  sentence (``Unexpected keyword arguments: foo``) before plait's list of what it takes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from plait.checkpoint import checkpoint
 from plait.fsdp import fully_shard
 from plait.fsdp.backward_hooks import RegisterPostBackwardFunction
 from plait.fsdp.init import _get_managed_modules, _get_managed_states
@@ -282,3 +285,12 @@ def test_refusals_carry_torchs_sentence_and_plaits(key: str) -> None:
         assert want_type in classes, (classes, message)  # code catching torch's type still does
         assert re.search(pattern, message), message
         assert PLAIT_WORDS[key] in message, message
+
+
+def test_checkpoint_unknown_keyword_carries_torchs_sentence() -> None:
+    """torch's ``test_checkpoint_kwargs`` matches ``Unexpected keyword arguments: foo``."""
+    module = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: foo") as caught:
+        checkpoint(module, foo="bar")
+    assert "context_fn" in str(caught.value)  # plait's list of what it does take follows
+    assert checkpoint.state(module) is None  # the module is left as it was

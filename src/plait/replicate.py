@@ -74,7 +74,11 @@ Contract:
   ``offload_policy`` and ``ignored_params`` (the FSDP-based version); ``device_mesh`` (the
   DDP-based version's name for ``mesh``), ``ignored_modules``, ``device_id`` (``int`` or
   ``torch.device``, else ``RuntimeError`` as in torch: the module must be on it, and tensor
-  inputs are moved to it before each forward, as DDP does), and three DDP switches that
+  inputs are moved to it before each forward, as DDP does); the DDP keywords the DDP-based
+  version passes on: ``process_group`` (the data-parallel group, in place of a mesh),
+  ``device_ids`` (``None`` or empty, as for a CPU module; ``[d]`` is ``device_id=d``) and
+  ``output_device`` (``None`` or that same device), refused as DDP refuses them
+  (``ValueError``: more than one device, or any for a CPU module); and three DDP switches that
   change nothing here because plait already behaves as their best setting:
   ``gradient_as_bucket_view`` (gradients are views of the reduced bucket when dtypes
   agree), ``find_unused_parameters`` (unused parameters are always detected, at no extra
@@ -88,7 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -108,7 +112,13 @@ from plait.fsdp.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadP
 from plait.fsdp.replica import ReplicaGroup, ReplicaParam
 from plait.fsdp.replica_state import ReplicateState
 from plait.fsdp.settings import UnitSettings
-from plait.mesh import check_mesh_device, default_mesh, mesh_device, one_dim_group
+from plait.mesh import (
+    check_mesh_device,
+    default_mesh,
+    mesh_device,
+    module_device_type,
+    one_dim_group,
+)
 
 __all__ = ["ReplicateModule", "ReplicateState", "replicate"]
 
@@ -220,6 +230,60 @@ def _resolve_device_id(
     return device
 
 
+def _from_device_ids(
+    device_ids: Sequence[int | torch.device] | None,
+    output_device: int | torch.device | None,
+    device_id: int | torch.device | None,
+    module: nn.Module,
+) -> int | torch.device | None:
+    """DDP's ``device_ids`` / ``output_device`` as ``device_id``, refused where DDP refuses
+    them (torch's sentences first: code written for torch matches on them)."""
+    ids = list(device_ids) if device_ids is not None else []
+    if len(ids) > 1:
+        raise ValueError(
+            "device_ids can only be None or contain a single element. replicate runs one "
+            f"device per process: pass the one device this rank uses, got {ids}"
+        )
+    devices = {p.device for p in module.parameters() if p.device.type != "meta"}
+    if (ids or output_device is not None) and (
+        not ids or len(devices) > 1 or any(d.type == "cpu" for d in devices)
+    ):
+        raise ValueError(
+            "device_ids and output_device arguments only work with single-device GPU "
+            f"modules, but got device_ids {device_ids}, output_device {output_device}, and "
+            f"module parameters {devices} ({type(module).__name__}): for a CPU module pass "
+            "device_ids=None and output_device=None"
+        )
+    if output_device is not None and output_device != ids[0]:
+        raise ValueError(
+            f"replicate: output_device {output_device} differs from device_ids {ids}: outputs "
+            "stay on the module's device; pass output_device=None"
+        )
+    if ids and device_id is not None and device_id != ids[0]:
+        raise ValueError(
+            f"replicate: device_id={device_id} and device_ids={ids} disagree: give one of them"
+        )
+    return ids[0] if ids else device_id
+
+
+def _mesh_of_group(group: object, mesh: DeviceMesh | None, module: nn.Module) -> DeviceMesh:
+    """A 1-D mesh over DDP's ``process_group`` (on the module's device type)."""
+    if mesh is not None:
+        raise ValueError(
+            "replicate: pass the data-parallel group as one of process_group= and "
+            "mesh= / device_mesh=, not both"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "replicate: process_group must be a torch.distributed.ProcessGroup, got "
+            f"{type(group).__name__}"
+        )
+    device_type = module_device_type(module)
+    if device_type == "meta":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return DeviceMesh.from_group(group, device_type)
+
+
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Make every rank's ``tensors`` equal to rank 0's, one broadcast per dtype and device."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -292,6 +356,9 @@ def replicate(
     ignored_params: Iterable[nn.Parameter] | None = None,
     device_mesh: DeviceMesh | None = None,
     device_id: int | torch.device | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    device_ids: Sequence[int | torch.device] | None = None,
+    output_device: int | torch.device | None = None,
     bucket_cap_mb: float = 25,
     reduce_dtype: torch.dtype | None = None,
     gradient_as_bucket_view: bool = True,
@@ -312,6 +379,9 @@ def replicate(
         ignored_params: parameters neither broadcast nor reduced.
         device_mesh: torch's DDP-based ``replicate`` name for ``mesh`` (give one of them).
         device_id: the device the module is on; non-CPU tensor inputs are moved to it.
+        process_group: DDP's name for the data-parallel group (instead of a mesh).
+        device_ids, output_device: DDP's spelling of ``device_id``: ``None`` for a CPU
+            module, else the one device the module is on.
         bucket_cap_mb: the size cap of one all-reduce bucket, in MiB.
         reduce_dtype: ``mp_policy.reduce_dtype``'s older spelling (the all-reduce's dtype).
         gradient_as_bucket_view, find_unused_parameters, static_graph, broadcast_buffers:
@@ -331,9 +401,12 @@ def replicate(
         },
     )
     mp_policy = _with_reduce_dtype(mp_policy, reduce_dtype)
+    device_id = _from_device_ids(device_ids, output_device, device_id, module)
     if mesh is not None and device_mesh is not None and mesh is not device_mesh:
         raise ValueError("replicate: pass the mesh as mesh= or device_mesh=, not both")
     mesh = mesh if mesh is not None else device_mesh
+    if process_group is not None:
+        mesh = _mesh_of_group(process_group, mesh, module)
     mesh = mesh if mesh is not None else default_mesh(module, "replicate")
     group = one_dim_group(mesh, "replicate")
     offload = isinstance(offload_policy, CPUOffloadPolicy)

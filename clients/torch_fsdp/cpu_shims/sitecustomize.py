@@ -19,7 +19,19 @@ changes no test file. First it loads the pipelining client's shims
   torch.accelerator.current_accelerator().type`` on import and overwrites it on the next
   line); everyone else still sees ``None``.
 
-In the plait run only (``TORCH_FSDP_IMPL=plait``), ``common_fsdp``'s own imports of the
+* ``replicate(module, device_ids=[rank], ...)`` of a module on the CPU drops
+  ``device_ids`` (``None``, DDP's value for a CPU module): a stored test file builds its
+  reference model that way (written for GPUs), which DDP refuses for a CPU module; newer
+  test files pass ``_get_device_ids(rank)``, ``None`` on CPU, themselves. Applied to the
+  ``replicate`` the test module imports, torch's (``torch.distributed._composable``) in the
+  torch run and plait's (through :mod:`redirected_fsdp`) in the plait run.
+
+In the plait run only (``TORCH_FSDP_IMPL=plait``), torch's ``torch.distributed.fsdp``
+module's own ``fully_shard`` attribute is plait's too, right after that module loads:
+``common_fsdp.compiled_fsdp_test`` re-binds the test module's global ``fully_shard`` to
+``torch.distributed.fsdp.fully_shard`` for its eager run, and a test body compares the two
+to tell a compiled run; without this the decorated tests would run torch's ``fully_shard``.
+And ``common_fsdp``'s own imports of the
 redirected names (``fully_shard``, ``checkpoint``, ``RegisterPostBackwardFunction``) are
 pointed at the objects the rewritten test files get (:mod:`redirected_fsdp._resolve`):
 its helpers (``MLPStack.parallelize``, ``patch_register_post_backward_hook_backward``) act
@@ -30,6 +42,7 @@ Active only while ``TORCH_FSDP_CPU_SHIMS=1``.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -45,6 +58,8 @@ PIPELINING_SHIMS = (
     Path(__file__).resolve().parents[2] / "torch_pipelining" / "cpu_shims" / "sitecustomize.py"
 )
 COMMON_FSDP = "torch.testing._internal.common_fsdp"
+COMPOSABLE = "torch.distributed._composable"  # where the tests import replicate from
+FSDP = "torch.distributed.fsdp"
 REDIRECTED_IN_COMMON_FSDP = {
     "fully_shard": "torch.distributed.fsdp",
     "checkpoint": "torch.distributed._composable",
@@ -107,6 +122,23 @@ def _patch_common_fsdp(module: types.ModuleType) -> None:
             setattr(module, name, resolve(torch_module, name)[0])
 
 
+def _cpu_device_ids(replicate: Any) -> Any:
+    """``replicate`` that passes ``device_ids=None`` for a module on the CPU."""
+
+    @functools.wraps(replicate)  # keeps replicate.state, which contract attaches
+    def replicate_on_cpu(module: Any, *args: Any, **kwargs: Any) -> Any:
+        on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+        if kwargs.get("device_ids") and on_cpu:
+            kwargs["device_ids"] = None
+        return replicate(module, *args, **kwargs)
+
+    return replicate_on_cpu
+
+
+def _patch_composable(module: types.ModuleType) -> None:
+    module.replicate = _cpu_device_ids(module.replicate)  # type: ignore[attr-defined]
+
+
 def _patch_current_accelerator() -> None:
     import torch
 
@@ -123,8 +155,37 @@ def _patch_current_accelerator() -> None:
     torch.accelerator.current_accelerator = current_accelerator
 
 
+def _patch_common_fsdp_and_accelerator(module: types.ModuleType, exec_module: Any) -> None:
+    _patch_current_accelerator()
+    exec_module(module)
+    _patch_common_fsdp(module)
+
+
+def _patch_composable_after(module: types.ModuleType, exec_module: Any) -> None:
+    exec_module(module)
+    _patch_composable(module)
+
+
+def _plait_fully_shard_after(module: types.ModuleType, exec_module: Any) -> None:
+    exec_module(module)
+    if os.environ.get("TORCH_FSDP_IMPL") == "plait":
+        from redirected_fsdp._resolve import resolve
+
+        module.fully_shard = resolve(FSDP, "fully_shard")[0]  # type: ignore[attr-defined]
+
+
+# The module names patched, each with what runs its loading: torch's composable package in
+# the torch run, its redirected counterpart in the plait run.
+PATCHES = {
+    COMMON_FSDP: _patch_common_fsdp_and_accelerator,
+    COMPOSABLE: _patch_composable_after,
+    "redirected_fsdp." + COMPOSABLE: _patch_composable_after,
+    FSDP: _plait_fully_shard_after,
+}
+
+
 class _PatchAfterLoad(importlib.abc.MetaPathFinder):
-    """Finds ``common_fsdp`` as usual, then patches it right after it executes."""
+    """Finds the modules of ``PATCHES`` as usual, then patches each as it executes."""
 
     def find_spec(
         self,
@@ -132,17 +193,21 @@ class _PatchAfterLoad(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != COMMON_FSDP:
+        patch = PATCHES.get(fullname)
+        if patch is None:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = None
+        for finder in sys.meta_path:  # the finder that would have found it without us
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_patch(module: types.ModuleType) -> None:
-            _patch_current_accelerator()
-            exec_module(module)
-            _patch_common_fsdp(module)
+            patch(module, exec_module)
 
         spec.loader.exec_module = exec_then_patch  # type: ignore[method-assign]
         return spec

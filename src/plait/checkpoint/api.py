@@ -90,7 +90,12 @@ def _parse_options(
             "non-reentrant checkpoint."
         )
     if extra:
-        raise ValueError(f"checkpoint() got unexpected keyword arguments: {', '.join(extra)}")
+        # torch's sentence first (code written for torch matches on it), then plait's list.
+        raise ValueError(
+            f"Unexpected keyword arguments: {', '.join(extra)}. checkpoint() takes "
+            "preserve_rng_state, context_fn, determinism_check, debug, early_stop, policy, "
+            "offload (and use_reentrant=False)"
+        )
     if determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(
             f"determinism_check must be one of {_DETERMINISM_CHECKS}, got {determinism_check!r}"
