@@ -15,7 +15,6 @@ non-zero when such a test is not classified.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -147,21 +146,10 @@ def redirect_table(upstream: Path, files: list[str]) -> list[tuple[str, str]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("upstream", type=Path, help="torch's test/distributed/_composable")
-    parser.add_argument("--only", nargs="*", default=None, help="test files to run")
-    parser.add_argument("--impl", nargs="*", default=list(IMPLS), choices=IMPLS)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test")
-    parser.add_argument("--list", action="store_true")
-    args = parser.parse_args()
-    files = args.only or list(FILES)
-    if args.list:
-        print("\n".join(files))
+    parsed = pipelining_check.command_line("torch's test/distributed/_composable", list(FILES))
+    if parsed is None:
         return 0
-    upstream = args.upstream.resolve()
-    missing = [f for f in files if not (upstream / f).exists()]
-    if missing:
-        parser.error(f"{upstream} lacks {', '.join(missing)} (see README.md)")
+    args, files, upstream = parsed
     results: dict[str, dict[str, Result]] = {impl: {} for impl in IMPLS}
     for impl in args.impl:
         copy = WORK / impl / "_composable"

@@ -208,22 +208,35 @@ def short(result: Result | None) -> str:
     )
 
 
-def main() -> int:
+def command_line(
+    upstream_help: str, default_files: list[str]
+) -> tuple[argparse.Namespace, list[str], Path] | None:
+    """The runner's command line (this client's and ``clients/torch_fsdp``'s): the parsed
+    arguments, the test files to run and the upstream directory; None after ``--list``
+    printed the files. Exits with a usage error when a file is missing upstream."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("upstream", type=Path, help="torch's test/distributed/pipelining")
+    parser.add_argument("upstream", type=Path, help=upstream_help)
     parser.add_argument("--only", nargs="*", default=None, help="test files to run")
     parser.add_argument("--impl", nargs="*", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args()
-    files = args.only or list(FILES)
+    files = args.only or default_files
     if args.list:
         print("\n".join(files))
-        return 0
+        return None
     upstream = args.upstream.resolve()
     missing = [f for f in files if not (upstream / f).exists()]
     if missing:
         parser.error(f"{upstream} lacks {', '.join(missing)} (see README.md)")
+    return args, files, upstream
+
+
+def main() -> int:
+    parsed = command_line("torch's test/distributed/pipelining", list(FILES))
+    if parsed is None:
+        return 0
+    args, files, upstream = parsed
     results: dict[str, dict[str, Result]] = {impl: {} for impl in IMPLS}
     for impl in args.impl:
         copy = WORK / impl / "pipelining"

@@ -286,6 +286,29 @@ class _Session:
         # Read back only now, the step queued: one wait for the device per step.
         return global_loss(local, self.parts.execution.layout)[0], float(norm)
 
+    def step_record(self, step: int, loss: float, norm: float, seconds: float) -> dict[str, Any]:
+        """Training step ``step``'s metrics record (module docstring of
+        :mod:`plait.train.metrics`); its tokens are this session's share of every global
+        batch (a replica group's share under ``--replica-groups``)."""
+        tokens = self.cfg.batch_size // self.groups * self.cfg.seq_len
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": lr_at(step - 1, self.parts.optim),
+            "grad_norm": norm,
+            "step_time": seconds,
+            "tokens_per_s": tokens / seconds,
+            "tokens": tokens * step,
+            **self.expert_record(),
+        }
+
+    def due(self, step: int, last: int) -> tuple[bool, bool]:
+        """Whether step ``step`` (of this session's ``last``) is followed by a validation and
+        by a checkpoint."""
+        cfg = self.cfg
+        validate = step == cfg.steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
+        return validate, step == last or bool(cfg.ckpt_every and step % cfg.ckpt_every == 0)
+
     def expert_record(self) -> dict[str, Any]:
         """The last step's expert load for its metrics record ({} for a dense model):
         tokens per expert per block, and the worst block's max / mean."""
@@ -371,7 +394,6 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     if start == 0:
         validate(0)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     for step in range(start + 1, last + 1):
         compiled = CompileCounters.read() if cfg.compile else None
         began = time.perf_counter()
@@ -381,22 +403,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         # breaks; after the first step both stay 0 (tests/test_train_compile.py).
         compile_record = {} if compiled is None else _compile_record(compiled)
         result.losses.append(loss)
-        report.step(
-            {
-                "step": step,
-                "loss": loss,
-                "lr": lr_at(step - 1, session.parts.optim),
-                "grad_norm": norm,
-                "step_time": elapsed,
-                "tokens_per_s": tokens_per_step / elapsed,
-                "tokens": tokens_per_step * step,
-                **session.expert_record(),
-                **compile_record,
-            }
-        )
-        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+        report.step({**session.step_record(step, loss, norm, elapsed), **compile_record})
+        validating, checkpointing = session.due(step, last)
+        if validating:
             validate(step)
-        if step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+        if checkpointing:
             report.checkpoint(*session.checkpointer.save(step))
     # Never end with a checkpoint still being written (--async-checkpoint).
     report.written(max(start, last), session.checkpointer.close())

@@ -197,7 +197,6 @@ def _train(
     report = Reporter(
         cfg, start, enabled=rank0, restart=life, flops_per_token=model_flops_per_token(cfg)
     )
-    tokens_per_step = cfg.batch_size // groups * cfg.seq_len  # this group's share
 
     def validate(step: int) -> None:
         result.val_losses[step] = session.validate()
@@ -241,21 +240,12 @@ def _train(
         failed = 0
         elapsed = time.perf_counter() - began
         result.losses.append(loss)
-        report.step(
-            {
-                "step": step,
-                "loss": loss,
-                "lr": lr_at(step - 1, session.parts.optim),
-                "grad_norm": norm,
-                "step_time": elapsed,
-                "tokens_per_s": tokens_per_step / elapsed,
-                "tokens": tokens_per_step * step,
-                "groups_in_step": manager.num_participants(),
-            }
-        )
-        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+        record = session.step_record(step, loss, norm, elapsed)
+        report.step({**record, "groups_in_step": manager.num_participants()})
+        validating, checkpointing = session.due(step, last)
+        if validating:
             validate(step)
-        if step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+        if checkpointing:
             report.checkpoint(*session.checkpointer.save(step))
     report.written(max(start, last), session.checkpointer.close())
     if last < cfg.steps:
