@@ -82,18 +82,19 @@ class Kill:
 
 
 def plan_kills(rng: random.Random, kills: int, steps: int, ckpt_every: int) -> list[Kill]:
-    """``kills`` moments at increasing steps, so each strikes in its own attempt (the one
-    after the previous kill resumes before it)."""
+    """``kills`` moments at steps at least three apart, so each strikes in its own attempt
+    (the one after the previous kill resumes before it; a restarted replica group rejoins
+    two steps after the kill, see ``replica_drill``)."""
     planned: list[Kill] = []
     for step in sorted(rng.sample(range(2, steps), kills)):
         rank = rng.randrange(WORKERS)
         if rng.random() < 1 / 3 and ckpt_every:
             checkpoint = -(-step // ckpt_every) * ckpt_every  # the next checkpoint
             previous = planned[-1].step if planned else 0
-            if previous < checkpoint < steps:
+            if previous + 2 < checkpoint < steps:
                 planned.append(Kill(rank, checkpoint, True))
                 continue
-        if not planned or step > planned[-1].step:
+        if not planned or step > planned[-1].step + 2:
             planned.append(Kill(rank, step, False))
     return planned
 
@@ -204,9 +205,11 @@ def replica_drill(root: Path, flags: list[str], kills: list[Kill]) -> Run:
     run = Run(root)
     kill_at = ",".join(f"{WORKERS + k.rank}:{k.step}:{i}" for i, k in enumerate(kills))
     env = {"PLAIT_TEST_KILL_RANK_AT_STEP": kill_at}
-    # Group 0 waits before this step for the last restart to rejoin: else it could finish
-    # first, and the restarted group 1 would go on alone from its own checkpoint.
-    env["PLAIT_TEST_REPLICAS_REJOIN_AT_STEP"] = str(kills[-1].step + 2) if kills else "0"
+    # Group 0 waits two steps after each kill for group 1's next life to rejoin: a restart
+    # takes seconds (imports, model, checkpoint) while a step takes milliseconds, so else the
+    # restarted group would heal past its next planned kills, and after the last one it
+    # could find group 0 finished and go on alone from its own checkpoint.
+    env["PLAIT_TEST_REPLICAS_REJOIN_AT_STEP"] = ",".join(str(k.step + 2) for k in kills)
     train(run, [*flags, *REPLICA_FLAGS, "--max-restarts", str(len(kills))], env)
     run.redone = run.stderr[-1].count("not committed")
     return run

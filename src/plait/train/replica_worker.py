@@ -64,8 +64,9 @@ from plait.train.step_batch import global_loss
 
 __all__ = ["HOLD_VARIABLE", "train_replica"]
 
-#: Test-only: ``STEP``: before that step's quorum, the groups wait until another group
-#: (one coming back) asks the lighthouse for a quorum, so that it rejoins at that step.
+#: Test-only: ``STEP`` or ``STEP,STEP,...``: before each such step's quorum, the groups in
+#: their first life wait until another group (one coming back) asks the lighthouse for a
+#: quorum, so that it rejoins at that step.
 HOLD_VARIABLE = "PLAIT_TEST_REPLICAS_REJOIN_AT_STEP"
 _MAX_FAILED_STEPS = 5  # uncommitted steps in a row before the group gives up
 
@@ -206,10 +207,10 @@ def _train(
         validate(0)
     if os.environ.get(START_VARIABLE):  # the first quorum waits for every group
         _wait_for_groups(url, int(os.environ[START_VARIABLE]), cfg.fault_timeout, "start")
-    hold = int(os.environ.get(HOLD_VARIABLE, "0") or 0)
+    holds = {int(part) for part in os.environ.get(HOLD_VARIABLE, "").split(",") if part.strip()}
     failed = 0
     while manager.current_step() < last:
-        if manager.current_step() + 1 == hold and life == 0:
+        if manager.current_step() + 1 in holds and life == 0:
             # (test-only) a restart takes a while: imports, the model, its checkpoint
             _wait_for_groups(url, groups, max(120.0, 3 * cfg.fault_timeout), "rejoin")
         manager.start_quorum()  # heals this group if it is behind
