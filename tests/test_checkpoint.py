@@ -705,6 +705,35 @@ def test_inplace_change_of_input_is_detected() -> None:
         out.sum().backward()
 
 
+class ReluOnRecompute(nn.Module):
+    """Modifies its input in place only when backward re-runs it (torch's
+    test_checkpoint_kwargs model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            x.relu_()
+        return self.lin(x + 1.0)
+
+
+@pytest.mark.parametrize(("check", "error"), [("default", CheckpointError), ("none", RuntimeError)])
+def test_recompute_that_modifies_an_input_in_place(check: str, error: type[Exception]) -> None:
+    """Under the determinism check a CheckpointError, as torch's (whose check trips on the
+    tensors the change shifts); without it a RuntimeError, as torch's autograd raises. Both
+    name the module and the fix."""
+    ckpt = checkpoint(ReluOnRecompute(), determinism_check=check)
+    out = ckpt(torch.randn(1, 2, requires_grad=True).clone())
+    with pytest.raises(error, match="recomputing ReluOnRecompute modified one of its inputs") as e:
+        out.sum().backward()
+    assert isinstance(e.value, CheckpointError) == (check == "default")
+    assert "clone the input first" in str(e.value)
+
+
 # --- determinism check ----------------------------------------------------------------------
 
 

@@ -105,13 +105,6 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
         "reads checkpoint.state(m)._ac_generator; plait's state has no such field (its "
         "own test_checkpoint.py::test_clears_state_on_error_in_forward checks the same)",
     ),
-    _CHECKPOINT + "test_checkpoint_kwargs": (
-        DIFFERENT,
-        "expects torch.utils.checkpoint.CheckpointError for an in-place op on an input "
-        "during the recompute; plait recomputes on fresh leaf copies (autograd's leaf "
-        "RuntimeError) and its CheckpointError is its own RuntimeError, not torch's "
-        "subclass (DESIGN.md: no torch.utils.checkpoint import) (docs/torch_api.md)",
-    ),
 }
 
 

@@ -6,6 +6,7 @@ every test file (``test_*.py``, ``fsdp/`` included) gets every import line of th
 
     from torch.distributed.fsdp[.<module>] import ...
     from torch.distributed._composable[.<module>] import ...
+    from torch.utils.checkpoint import ...   (the error composable checkpoint raises)
 
 (indented ones inside test functions too) rewritten to import the same names from
 ``redirected_fsdp.torch.distributed...`` (:mod:`redirected_fsdp`, put on ``PYTHONPATH``),
@@ -26,11 +27,12 @@ import shutil
 from pathlib import Path
 
 SHIM_PACKAGE = "redirected_fsdp"
-REDIRECTED = re.compile(r"torch\.distributed\.(?:fsdp|_composable)(?:\.\w+)*")
+# torch.utils.checkpoint for the error composable checkpoint raises (CheckpointError): its
+# other names (the functional checkpoint) stay torch's, see redirected_fsdp._resolve.
+_MODULES = r"torch\.(?:distributed\.(?:fsdp|_composable)(?:\.\w+)*|utils\.checkpoint)"
+REDIRECTED = re.compile(_MODULES)
 IMPORT_LINE = re.compile(
-    r"^(?P<indent>[ \t]*)from (?P<module>torch\.distributed\.(?:fsdp|_composable)(?:\.\w+)*)"
-    r"(?P<rest> import\b)",
-    re.MULTILINE,
+    rf"^(?P<indent>[ \t]*)from (?P<module>{_MODULES})(?P<rest> import\b)", re.MULTILINE
 )
 
 

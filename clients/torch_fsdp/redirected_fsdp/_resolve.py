@@ -33,6 +33,13 @@ PUBLIC_HOMES: dict[str, tuple[str, ...]] = {
     "torch.distributed._composable.checkpoint_activation": ("plait.checkpoint",),
     "torch.distributed._composable.contract": ("plait.contract",),
 }
+#: Single names of other torch modules that plait's API raises or returns: the
+#: composable checkpoint's error is torch.utils.checkpoint's CheckpointError in torch and
+#: plait.checkpoint's in plait (code that catches it moves over by this import); the
+#: module's other names (its functional checkpoint) stay torch's.
+NAME_HOMES: dict[tuple[str, str], str] = {
+    ("torch.utils.checkpoint", "CheckpointError"): "plait.checkpoint",
+}
 PRIVATE_HOMES: dict[str, tuple[str, ...]] = {
     "torch.distributed.fsdp._fully_shard._fsdp_init": ("plait.fsdp.init",),
     "torch.distributed.fsdp._fully_shard._fsdp_param_group": ("plait.fsdp.backward_hooks",),
@@ -41,6 +48,9 @@ PRIVATE_HOMES: dict[str, tuple[str, ...]] = {
 
 def resolve(torch_module: str, name: str) -> tuple[Any, str]:
     """``(object, where)``: what the plait copy of a test gets for ``torch_module.name``."""
+    if (torch_module, name) in NAME_HOMES:
+        home = NAME_HOMES[torch_module, name]
+        return getattr(importlib.import_module(home), name), f"{home}.{name}"
     public = torch_module in PUBLIC_HOMES
     for home in PUBLIC_HOMES.get(torch_module, ()) + PRIVATE_HOMES.get(torch_module, ()):
         module = importlib.import_module(home)

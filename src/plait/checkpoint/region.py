@@ -346,16 +346,42 @@ class Region:
             except _StopRecompute as stop:
                 if stop.replay is not replay:
                     raise
+            except RuntimeError as error:
+                if _LEAF_IN_PLACE not in str(error):
+                    raise
+                raise self._modified_input(error) from error
         self._recomputed_for.add(backward_id)
         replay.check_complete()
 
     # -- error messages ------------------------------------------------------------------
+
+    def _modified_input(self, error: RuntimeError) -> RuntimeError:
+        """The error for a recompute that modified one of its inputs in place.
+
+        The recompute runs on the saved inputs as leaves of a new graph, where autograd
+        refuses an in-place change; the forward ran without that change (or with it on the
+        caller's tensor), so the recompute could not have reproduced it. A
+        :class:`CheckpointError` under the determinism check (as torch's check fails on what
+        the change shifts), a plain ``RuntimeError`` without it."""
+        message = (
+            f"plait.checkpoint: recomputing {self.name} modified one of its inputs in place "
+            f"({error.args[0].splitlines()[0]}). A checkpointed module's forward runs again in "
+            "backward from the inputs it was called with, so it must not modify them in place "
+            "(e.g. x.relu_(), nn.ReLU(inplace=True) as its first layer): use the out-of-place "
+            "op, or clone the input first."
+        )
+        return CheckpointError(message) if self.options.check_metadata else RuntimeError(message)
 
     def describe(self, index: int, label: str | None) -> str:
         if self._labeler is None:
             return f"tensor #{index}"
         saved_by = self.labels[index] if index < len(self.labels) else "<nothing>"
         return f"tensor #{index} (saved by {saved_by!r} in the forward, by {label!r} on recompute)"
+
+
+# autograd's refusal (torch/csrc/autograd) of an in-place op on a leaf that requires grad,
+# or on a view of one: what a recompute's restored inputs are.
+_LEAF_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
