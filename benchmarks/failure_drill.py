@@ -21,11 +21,15 @@ fault variables of :mod:`plait.train.faults`, so every mode meets the same kills
   extra): every kill strikes group 1 (its rank of the same index, in the step; a kill
   drawn in a checkpoint strikes in that step instead), whose life ``i`` meets kill ``i``;
   group 0 trains on, redoing only the step each kill interrupted, and the launcher
-  restarts group 1, which heals from group 0 (group 0 waits two steps after the last kill
-  for it to rejoin, so that it does not finish first). Its losses are not the uninterrupted run's
-  (the steps without group 1 average fewer samples), so "equal" says instead whether the
-  two groups end with bitwise the same weights; "steps redone" counts group 0's
-  uncommitted steps, and the time lost is against an uninterrupted replica-groups run.
+  restarts group 1, which heals from group 0 (group 0 waits two steps after each kill for
+  the next life to rejoin, so that the steps each group misses are the same in every run).
+  Its losses are not the uninterrupted run's (the steps without group 1 average fewer
+  samples), so "equal" says instead whether every step's loss and number of groups of
+  both groups equal those of torch's ``fully_shard`` under torchft with the same failures
+  (``tests/replica_reference.py``: the same model, data and optimizer, the same kills and
+  holds), and the two groups end with bitwise the same weights; no gradient clipping in
+  this mode (the reference has none). "steps redone" counts group 0's uncommitted steps,
+  and the time lost is against an uninterrupted replica-groups run.
 
 For each: the kills that struck, the steps redone (completed past the checkpoint a
 restart continued from), the wall-clock time lost against the same mode's uninterrupted
@@ -46,6 +50,7 @@ repeats, the final one excluded.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import shutil
@@ -86,12 +91,13 @@ def plan_kills(rng: random.Random, kills: int, steps: int, ckpt_every: int) -> l
     (the one after the previous kill resumes before it; a restarted replica group rejoins
     two steps after the kill, see ``replica_drill``)."""
     planned: list[Kill] = []
-    for step in sorted(rng.sample(range(2, steps), kills)):
+    # up to steps - 2: a restarted replica group rejoins two steps after its kill
+    for step in sorted(rng.sample(range(2, steps - 1), kills)):
         rank = rng.randrange(WORKERS)
         if rng.random() < 1 / 3 and ckpt_every:
             checkpoint = -(-step // ckpt_every) * ckpt_every  # the next checkpoint
             previous = planned[-1].step if planned else 0
-            if previous + 2 < checkpoint < steps:
+            if previous + 2 < checkpoint < steps - 1:
                 planned.append(Kill(rank, checkpoint, True))
                 continue
         if not planned or step > planned[-1].step + 2:
@@ -197,7 +203,8 @@ def manual_drill(root: Path, flags: list[str], kills: list[Kill]) -> Run:
     return run
 
 
-REPLICA_FLAGS = ["--replica-groups", "2", "--dp-shard", str(WORKERS)]
+REPLICA_FLAGS = ["--replica-groups", "2", "--dp-shard", str(WORKERS), "--grad-clip", "0"]
+REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "replica_reference.py"
 
 
 def replica_drill(root: Path, flags: list[str], kills: list[Kill]) -> Run:
@@ -215,8 +222,40 @@ def replica_drill(root: Path, flags: list[str], kills: list[Kill]) -> Run:
     return run
 
 
-def groups_equal(run_dir: Path, model: TrainConfig) -> bool:
-    """Whether both replica groups end with bitwise the same weights."""
+def groups_equal(run_dir: Path, model: TrainConfig, kills: list[Kill]) -> bool:
+    """Whether every step's loss and groups of both replica groups equal torch's
+    ``fully_shard`` under torchft with the same kills, and both groups end with bitwise the
+    same weights."""
+    spec = importlib.util.spec_from_file_location("replica_reference", REFERENCE)
+    assert spec is not None and spec.loader is not None
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    scratch = run_dir / "torch-reference"
+    scratch.mkdir()
+    config = run_dir / "replicas" / "config.json"
+    torch_runs = reference.run_groups(config, scratch, [(k.rank, k.step) for k in kills], DEADLINE)
+    for group, life in torch_runs:
+        records = read_metrics(run_dir / f"group{group}")
+        theirs = torch_runs[group, life]
+        # group 1's earlier lives: the reference's died unwritten; plait's kept the steps up
+        # to the checkpoint a life resumed from. Its last life's steps are compared.
+        first = min(theirs) if life else 1
+        plait_run = {
+            r["step"]: (r["loss"], r["groups_in_step"])
+            for r in records
+            if "loss" in r and r["step"] >= first
+        }
+        if plait_run != theirs:
+            differ = sorted(
+                k for k in plait_run.keys() | theirs.keys() if plait_run.get(k) != theirs.get(k)
+            )
+            mine = [plait_run.get(k) for k in differ[:2]]
+            print(
+                f"  group {group}: steps {differ[:5]} differ from torch's ({mine} vs "
+                f"{[theirs.get(k) for k in differ[:2]]})",
+                file=sys.stderr,
+            )
+            return False
     first, second = (final_weights(run_dir / f"group{g}", model) for g in (0, 1))
     return all(torch.equal(first[k], second[k]) for k in first)
 
@@ -261,7 +300,7 @@ def drill(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                     "steps redone": drilled.redone,
                     "time lost": drilled.wall_s - baseline.wall_s,
                     "uninterrupted": baseline.wall_s,
-                    "equal": groups_equal(run_dir, model)
+                    "equal": groups_equal(run_dir, model, kills)
                     if baseline is reference_replicas
                     else same_run(run_dir, reference.run_dir, model),
                 }

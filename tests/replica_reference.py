@@ -2,7 +2,8 @@
 torch's ``fully_shard`` under torchft, as a torchft user writes it (torchtitan's wiring).
 
     replica_reference.py CONFIG.json OUT.json --group G --life L [--die-at STEP]
-                         [--hold STEP] [--start-groups R]
+                         [--die-rank R] [--hold STEP[,STEP...]] [--start-groups R]
+                         [--deadline SECONDS]
 
 Run with ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` of the group and
 ``TORCHFT_LIGHTHOUSE``. The same model, data, loss, optimizer and learning rate as
@@ -11,8 +12,10 @@ sharded by ``torch.distributed.fsdp.fully_shard`` per block and the root over th
 ranks; a torchft ``Manager`` per group (gloo, synchronous quorum, min_replica_size=1), an
 all-reduce hook on every FSDPModule averaging over ``ManagedProcessGroup``, the optimizer
 stepped when ``should_commit()``, the state for healing snapshotted at step boundaries.
-``--die-at S``: rank 0 SIGKILLs itself after the forward of step S. Writes every
-committed step's loss and participants.
+``--die-at S``: rank ``--die-rank`` (0) SIGKILLs itself after the forward of step S;
+``--hold``: before each such step, wait until a returning group asks for a quorum. Writes
+every committed step's loss and participants. :func:`run_groups` runs two groups of two
+such processes with a failure pattern (the test's and the failure drill's).
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import faulthandler
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,7 +46,7 @@ from plait.train.data import load_data
 from plait.train.loop import build_model
 from plait.train.model import token_loss
 from plait.train.optimizer import build_optimizer, lr_at, set_lr
-from plait.train.replicas import lighthouse_status
+from plait.train.replicas import _kill, _start_lighthouse, lighthouse_status
 from plait.train.step_batch import step_batch
 
 
@@ -63,10 +70,13 @@ def main() -> None:
     parser.add_argument("--group", type=int, required=True)
     parser.add_argument("--life", type=int, required=True)
     parser.add_argument("--die-at", type=int, default=0)
-    parser.add_argument("--hold", type=int, default=0)
+    parser.add_argument("--die-rank", type=int, default=0)
+    parser.add_argument("--hold", default="")
     parser.add_argument("--start-groups", type=int, default=0)
+    parser.add_argument("--deadline", type=float, default=240.0)
     args = parser.parse_args()
-    faulthandler.dump_traceback_later(240, exit=True)
+    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    holds = {int(step) for step in args.hold.split(",") if step}
     cfg = from_mapping(json.loads(args.config.read_text()))
     groups, timeout = cfg.replica_groups, timedelta(seconds=cfg.fault_timeout)
     torch.set_num_threads(1)
@@ -118,7 +128,7 @@ def main() -> None:
     parts = groups * world
     tokens = cfg.batch_size // groups * cfg.seq_len
     while manager.current_step() < cfg.steps:
-        if manager.current_step() + 1 == args.hold:
+        if manager.current_step() + 1 in holds:
             wait_lighthouse(groups, rejoin=True)
         manager.start_quorum()
         step = manager.current_step() + 1
@@ -126,7 +136,7 @@ def main() -> None:
         rows = data.batch("train", step - 1, cfg.batch_size, args.group * world + rank, parts)
         batch = step_batch(rows.inputs, rows.targets, rows.documents, cfg, None, tokens)
         loss = token_loss(model(batch.inputs, **batch.model_kwargs()), batch.targets) / tokens
-        if step == args.die_at and rank == 0:
+        if step == args.die_at and rank == args.die_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         (loss * world).backward()
         committed = manager.should_commit()
@@ -144,6 +154,65 @@ def main() -> None:
         args.out.write_text(json.dumps(records))
     manager.shutdown(wait=False)
     dist.destroy_process_group()
+
+
+Records = dict[int, tuple[float, int]]  # step -> (loss, groups in the step)
+
+
+def run_groups(
+    config: Path, out: Path, kills: Sequence[tuple[int, int]], deadline: float
+) -> dict[tuple[int, int], Records]:
+    """Two groups of two ranks trained by this script, ``plait train``'s failure pattern:
+    in life ``i`` of group 1 its rank ``kills[i][0]`` SIGKILLs itself in step
+    ``kills[i][1]``, and life ``i + 1`` starts once it died; group 0 holds two steps after
+    each kill for the next life to rejoin (``PLAIT_TEST_REPLICAS_REJOIN_AT_STEP``). Returns
+    ``(group, life) -> records`` of rank 0, for group 0 and group 1's last life."""
+    lighthouse, url = _start_lighthouse(out / "lighthouse.log")
+    procs: dict[tuple[int, int], list[subprocess.Popen[bytes]]] = {}
+    ends = time.monotonic() + deadline
+
+    def start(group: int, life: int, *flags: str) -> None:
+        port = str(9000 + (os.getpid() % 20000) + 10 * group + life)
+        procs[group, life] = []
+        for rank in range(2):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank))
+            env.update(WORLD_SIZE="2", TORCHFT_LIGHTHOUSE=url, GLOO_SOCKET_IFNAME="lo")
+            env.update(RUST_LOG="warn", OMP_NUM_THREADS="1")
+            command = [sys.executable, __file__, str(config), str(out / f"g{group}-l{life}.json")]
+            command += ["--group", str(group), "--life", str(life), "--deadline", str(deadline)]
+            procs[group, life].append(
+                subprocess.Popen([*command, *flags], env=env, start_new_session=True)
+            )
+
+    def dying(life: int) -> list[str]:
+        if life == len(kills):
+            return []
+        rank, step = kills[life]
+        return ["--die-at", str(step), "--die-rank", str(rank)]
+
+    holds = ",".join(str(step + 2) for _, step in kills)
+    try:
+        start(0, 0, "--start-groups", "2", "--hold", holds)
+        start(1, 0, "--start-groups", "2", *dying(0))
+        for life in range(len(kills)):
+            while all(p.poll() is None for p in procs[1, life]):
+                if time.monotonic() > ends:
+                    raise TimeoutError(f"the reference's group 1 never died in life {life}")
+                time.sleep(0.05)
+            _kill(procs[1, life])  # its other rank waits in the group's collectives
+            start(1, life + 1, *dying(life + 1))
+        for key in [(0, 0), (1, len(kills))]:
+            for proc in procs[key]:
+                code = proc.wait(timeout=max(ends - time.monotonic(), 1))
+                if code:
+                    raise RuntimeError(f"the reference's group {key[0]} (life {key[1]}) failed")
+    finally:
+        _kill([p for ps in procs.values() for p in ps] + [lighthouse])
+    found = {}
+    for key in [(0, 0), (1, len(kills))]:
+        records = json.loads((out / f"g{key[0]}-l{key[1]}.json").read_text())
+        found[key] = {r["step"]: (r["loss"], r["groups"]) for r in records}
+    return found
 
 
 if __name__ == "__main__":

@@ -13,11 +13,9 @@ configuration are tested without processes. Every process has a deadline.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,15 +23,16 @@ import torch
 
 pytest.importorskip("torchft")
 
+from replica_reference import run_groups  # tests/, beside this file
+
 from plait.train.checkpointing import latest_checkpoint, load_weights
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.loop import model_config
 from plait.train.metrics import read_metrics
 from plait.train.model import GPT
-from plait.train.replicas import _kill, _start_lighthouse, check_replica_groups
+from plait.train.replicas import check_replica_groups
 from plait.train.resolve import resolve
 
-HERE = Path(__file__).resolve().parent
 FLAGS = "--device cpu --seq-len 32 --n-layer 2 --n-head 2 --d-model 32 --batch-size 8 "
 FLAGS += "--steps 6 --warmup 1 --eval-every 0 --eval-batches 1 --ckpt-every 0 --grad-clip 0 "
 FLAGS += "--fault-timeout 20 --replica-groups 2 --dp-shard 2 --max-restarts 1"
@@ -55,46 +54,6 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     model = GPT(model_config(MODEL))
     load_weights(path, model)
     return model.state_dict()
-
-
-def run_reference(config: Path, out: Path) -> dict[tuple[int, int], dict[int, tuple[float, int]]]:
-    """torch's fully_shard under torchft, 2 groups of 2 ranks, group 1 killed at
-    KILL_STEP and restarted (rejoining at REJOIN_STEP). (group, life) -> step -> (loss,
-    groups in the step), of rank 0."""
-    lighthouse, url = _start_lighthouse(out / "lighthouse.log")
-    procs: dict[tuple[int, int], list[subprocess.Popen[bytes]]] = {}
-
-    def start(group: int, life: int, *flags: str) -> None:
-        port = str(9000 + (os.getpid() % 20000) + 10 * group + life)
-        procs[group, life] = []
-        for rank in range(2):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank))
-            env.update(WORLD_SIZE="2", TORCHFT_LIGHTHOUSE=url, GLOO_SOCKET_IFNAME="lo")
-            env.update(RUST_LOG="warn", OMP_NUM_THREADS="1")
-            command = [sys.executable, str(HERE / "replica_reference.py"), str(config)]
-            command += [str(out / f"g{group}-l{life}.json"), "--group", str(group)]
-            command += ["--life", str(life), *flags]
-            procs[group, life].append(subprocess.Popen(command, env=env, start_new_session=True))
-
-    deadline = time.monotonic() + DEADLINE
-    try:
-        start(0, 0, "--start-groups", "2", "--hold", str(REJOIN_STEP))
-        start(1, 0, "--start-groups", "2", "--die-at", str(KILL_STEP))
-        while all(p.poll() is None for p in procs[1, 0]):
-            assert time.monotonic() < deadline, "the reference's group 1 never died"
-            time.sleep(0.05)
-        _kill(procs[1, 0])  # its other rank waits in the group's collectives
-        start(1, 1)
-        for key in [(0, 0), (1, 1)]:
-            for proc in procs[key]:
-                assert proc.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, key
-    finally:
-        _kill([p for ps in procs.values() for p in ps] + [lighthouse])
-    found = {}
-    for key in [(0, 0), (1, 1)]:
-        records = json.loads((out / f"g{key[0]}-l{key[1]}.json").read_text())
-        found[key] = {r["step"]: (r["loss"], r["groups"]) for r in records}
-    return found
 
 
 def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
@@ -120,7 +79,8 @@ def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
         assert torch.equal(value, weights1[name]), name
 
     # Every step's loss equals torch's fully_shard under torchft with the same failure.
-    reference = run_reference(run_dir / "replicas" / "config.json", tmp_path)
+    config = run_dir / "replicas" / "config.json"
+    reference = run_groups(config, tmp_path, [(0, KILL_STEP)], DEADLINE)
     assert group0 == reference[0, 0]
     assert group1 == reference[1, 1]
 
