@@ -3,7 +3,8 @@
 Rows that are not in :mod:`benchmarks.published_runs` (nothing here is a ``"calibration"``
 row, and no constant of the cost model may be fitted to them), each a figure read in a
 public source (a vendor benchmark recipe, a framework's performance table): NVIDIA's DGX
-Cloud benchmarking recipes (NeMo on H100), NeMo AutoModel (MoE on FSDP2), IBM's fms-fsdp,
+Cloud benchmarking recipes (NeMo on H100), Google Cloud's A3 Ultra recipe (NeMo on H200, listed
+only), NeMo AutoModel (MoE on FSDP2), IBM's fms-fsdp,
 torchtitan's 64-A100 table of 2024, llm-foundry's sequence-length and GPU-count rows not in
 issue 28's set, and rows listed but not counted (FP8, ``torch.compile``, XLA, what the
 planner does not model). Every row says its source and, in ``notes``, what it assumes where
@@ -49,6 +50,7 @@ __all__ = [
     "FMS_RUNS",
     "FOUNDRY_HOLDOUT",
     "HOLDOUT",
+    "NEMO_H200_RUNS",
     "NEMO_RUNS",
     "TITAN_A100_RUNS",
     "format_holdout",
@@ -441,6 +443,79 @@ NEMO_RUNS = (
     ),
 )
 
+# --- NeMo on H200 (Google Cloud A3 Ultra), BF16: AI-Hypercomputer/gpu-recipes -------------
+#
+# The only BF16, non-compiled H200 training figure with its layout that issue 38's search
+# found: every NVIDIA performance table (dgxc-benchmarking, NeMo and Megatron-Bridge
+# performance summaries, NeMo AutoModel) lists DGX-H100, B200 and GB200 but no H200, and the
+# other A3 Ultra recipes' example figures are FP8 (Llama 3.1 70B, 405B) or MaxText (XLA).
+
+_A3U = (
+    "AI-Hypercomputer/gpu-recipes training/a3ultra/mixtral_8x7b/nemo-gke/nemo2407/recipe/"
+    "README.md at 2e1fd5ef (2026-08-12), the README's example DLLogger entry (step 26, "
+    "'train_step_timing in s': 2.7396, consumed_samples 27,648); config src/frameworks/"
+    "a3ultra/nemo-configs/mixtral-8x7b-256gpus-a3u-bf16.yaml (tokens/s per GPU = GBS x seq "
+    "/ (step time x GPUs))"
+)
+
+NEMO_H200_RUNS = (
+    PublishedRun(
+        name="NeMo H200 Mixtral 8x7B (MoE), 256 GPUs (A3 Ultra)",
+        code_base=NEMO,
+        source=_A3U,
+        role="validation",
+        series="",
+        size="8x7B",
+        device="h200",
+        memory_gib=141,
+        model=ModelSpec(
+            "mixtral-8x7b-gpt2-vocab",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            50304,
+            gated=True,
+            tied=False,
+            experts=8,
+            top_k=2,
+            expert_hidden=14336,
+        ),
+        layout=Layout(dp_replicate=256, microbatches=2, ac="none"),
+        work=Workload(4096, 1024),
+        metric="tokens",
+        value=1024 * 4096 / (2.7396187782287598 * 256),
+        flops="megatron-core",
+        dp_flavour="ZeRO-1",
+        zero=1,
+        notes=(
+            "NeMo 24.07 (NeMo 1.0 launcher, mcore GPT, Transformer Engine, flash attention), "
+            "bf16 (fp8 false), 32 a3-ultragpu-8g nodes = 256 H200 141 GB, 8 x 400 Gb/s "
+            "ConnectX-7 RoCE per node (A3 Ultra); the README's default run is 32 nodes, GBS "
+            "1,024, and its metrics command for the example log names 256 accelerators "
+            "(the 512-GPU variant is not assumed)",
+            "config: TP 1, PP 1, EP 8, MBS 2, GBS 1,024 (GA 2 over DP 256), seq 4,096; "
+            "Mixtral shape (32 layers, hidden 4,096, FFN 14,336, 32 heads, 8 query groups, "
+            "8 experts top-2, SwiGLU, RMSNorm, RoPE, untied); GPT2BPETokenizer (mock data): "
+            "vocabulary 50,257 padded to 50,304 (128 x TP 1) assumed",
+            "no recomputation, no sequence parallelism, alltoall dispatcher, experts padded "
+            "to capacity factor 1.0, moe_grouped_gemm false (sequential expert GEMMs)",
+            "mcore_distributed_optim, grad_sync_dtype bf16, overlap_grad_sync and "
+            "overlap_param_sync true (config); the example entry is one step (step 26 of 30), "
+            "not an average over steps",
+            "listed with ep 1 (DP 256 as ZeRO-1): the prediction is not of the run",
+        ),
+        excluded=(
+            "expert parallelism beside Megatron's distributed optimizer (the planner takes "
+            "ep from dp_shard, and its ZeRO-1 layout has ep 1); experts padded to capacity"
+        ),
+        software=Software(
+            "megatron-core", "none", param_gather_overlap=True, grad_reduce_fp32=False
+        ),
+    ),
+)
+
 # --- NeMo AutoModel (FSDP2 + expert parallelism) on H100, BF16 ---------------------------
 
 AUTOMODEL_RUNS = (
@@ -820,6 +895,7 @@ EXCLUDED_RUNS = (
 
 HOLDOUT: tuple[PublishedRun, ...] = (
     *NEMO_RUNS,
+    *NEMO_H200_RUNS,
     *AUTOMODEL_RUNS,
     *FMS_RUNS,
     *TITAN_A100_RUNS,
