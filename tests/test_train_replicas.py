@@ -7,12 +7,15 @@ trains on alone; the new group 1 heals from group 0 and rejoins at step 5 (the t
 steps with one group are the same in every run). Then training went on without a stop,
 group 1 holds group 0's weights bitwise, and every step's loss of each group equals the
 one torch's ``fully_shard`` under torchft gives with the same failure
-(``replica_reference.py``, run here as its own 2 x 2 processes). The checks and the
-configuration are tested without processes. Every process has a deadline.
+(``replica_reference.py``, run here as its own 2 x 2 processes); the run resumed with
+``--resume --steps 8`` continues both groups as torch's reference trains the 8 steps in one
+go. The checks and the configuration are tested without processes. Every process has a
+deadline.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,11 +33,12 @@ from plait.train.config import ConfigError, TrainConfig
 from plait.train.loop import model_config
 from plait.train.metrics import read_metrics
 from plait.train.model import GPT
-from plait.train.replicas import check_replica_groups
+from plait.train.replicas import check_replica_groups, replicas_config
 from plait.train.resolve import resolve
 
 FLAGS = "--device cpu --seq-len 32 --n-layer 2 --n-head 2 --d-model 32 --batch-size 8 "
 FLAGS += "--steps 6 --warmup 1 --eval-every 0 --eval-batches 1 --ckpt-every 0 --grad-clip 0 "
+FLAGS += "--min-lr-ratio 1 "  # a constant rate after warm-up: a longer resumed run has the same
 FLAGS += "--fault-timeout 20 --replica-groups 2 --dp-shard 2 --max-restarts 1"
 MODEL = TrainConfig(seq_len=32, n_layer=2, n_head=2, d_model=32, vocab_size=256)
 DEADLINE = 240  # seconds a whole run may take (a few, on a loaded machine)
@@ -48,22 +52,41 @@ def losses(run_dir: Path) -> dict[int, tuple[float, int]]:
     }
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     path = latest_checkpoint(run_dir)
-    assert path is not None and path.name == "step_000006"
+    assert path is not None and path.name == f"step_{step:06d}"
     model = GPT(model_config(MODEL))
     load_weights(path, model)
     return model.state_dict()
 
 
-def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
-    run_dir = tmp_path / "plait"
-    command = [sys.executable, "-m", "plait", "train", *FLAGS.split(), "--run-dir", str(run_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PLAIT_TEST_KILL_RANK_AT_STEP"] = f"2:{KILL_STEP}"  # group 1's rank 0
-    env["PLAIT_TEST_REPLICAS_REJOIN_AT_STEP"] = str(REJOIN_STEP)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DEADLINE)
+def plait_train(run_dir: Path, *flags: str, **env: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "plait", "train", *flags, "--run-dir", str(run_dir)]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    done = subprocess.run(
+        command, env=environment, capture_output=True, text=True, timeout=DEADLINE
+    )
     assert done.returncode == 0, f"exit code {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def assert_groups_equal(run_dir: Path, step: int) -> None:
+    """The two groups' checkpoints of ``step`` hold bitwise the same weights."""
+    weights0, weights1 = (final_weights(run_dir / f"group{g}", step) for g in (0, 1))
+    for name, value in weights0.items():
+        assert torch.equal(value, weights1[name]), name
+
+
+def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
+    """Also: the whole run, resumed with ``--resume --steps 8``, continues both groups
+    exactly (torch's reference trains the 8 steps in one go)."""
+    run_dir = tmp_path / "plait"
+    done = plait_train(
+        run_dir,
+        *FLAGS.split(),
+        PLAIT_TEST_KILL_RANK_AT_STEP=f"2:{KILL_STEP}",  # group 1's rank 0
+        PLAIT_TEST_REPLICAS_REJOIN_AT_STEP=str(REJOIN_STEP),
+    )
     assert "replica group 1 failed (rank 0 (killed by SIGKILL)): restarting it" in done.stderr
 
     # Training went on without a stop: group 0 committed every step, alone in 3 and 4.
@@ -73,14 +96,17 @@ def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
     assert sorted(group1) == [REJOIN_STEP, 6]  # the new group 1: healed, then trained
     assert all(group1[s][1] == 2 for s in group1)
 
-    # The healed group holds the live group's weights bitwise.
-    weights0, weights1 = final_weights(run_dir / "group0"), final_weights(run_dir / "group1")
-    for name, value in weights0.items():
-        assert torch.equal(value, weights1[name]), name
+    assert_groups_equal(run_dir, 6)  # the healed group holds the live group's weights
+
+    # Resumed (the run directory's saved configuration, two more steps): both groups go on.
+    plait_train(run_dir, "--resume", "--steps", "8")
+    group0, group1 = losses(run_dir / "group0"), losses(run_dir / "group1")
+    assert sorted(group0) == [*range(1, 9)] and sorted(group1) == [REJOIN_STEP, *range(6, 9)]
+    assert group0[7][1] == group0[8][1] == group1[7][1] == group1[8][1] == 2
+    assert_groups_equal(run_dir, 8)
 
     # Every step's loss equals torch's fully_shard under torchft with the same failure.
-    config = run_dir / "replicas" / "config.json"
-    reference = run_groups(config, tmp_path, [(0, KILL_STEP)], DEADLINE)
+    reference = run_groups(replicas_config(run_dir), tmp_path, [(0, KILL_STEP)], DEADLINE)
     assert group0 == reference[0, 0]
     assert group1 == reference[1, 1]
 
@@ -94,3 +120,27 @@ def test_checks_refuse_unsupported_layouts() -> None:
         resolve(base.replace(dp_shard=1), 1)
     with pytest.raises(ConfigError, match="multiple of 8"):
         resolve(base.replace(dp_shard=4, batch_size=4), 4)
+
+
+def test_resume_finds_the_configuration_of_a_replica_groups_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--resume reads the run's saved configuration: a replica-groups run has none at the
+    top of its run directory, but the launcher's copy, or (under torchrun, each group
+    started by hand) the group's own."""
+    from plait.train.cli import build_config
+
+    saved = MODEL.replace(device="cpu", batch_size=8, replica_groups=2, dp_shard=2, steps=9)
+    monkeypatch.delenv("PLAIT_REPLICA_GROUP", raising=False)
+    with pytest.raises(ConfigError, match="is .* a plait run"):
+        build_config({"run_dir": str(tmp_path), "resume": True})
+    group = tmp_path / "group1" / "config.json"
+    group.parent.mkdir()
+    group.write_text(json.dumps(saved.replace(run_dir=str(group.parent)).to_dict()))
+    monkeypatch.setenv("PLAIT_REPLICA_GROUP", "1")
+    cfg = build_config({"run_dir": str(tmp_path), "resume": True, "steps": 12})
+    assert (cfg.replica_groups, cfg.steps, cfg.run_dir) == (2, 12, str(tmp_path))
+    launched = tmp_path / "replicas" / "config.json"
+    launched.parent.mkdir()
+    launched.write_text(json.dumps(saved.replace(run_dir=str(tmp_path), seed=7).to_dict()))
+    assert build_config({"run_dir": str(tmp_path), "resume": True}).seed == 7

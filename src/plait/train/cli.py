@@ -44,7 +44,7 @@ from plait.train.loggers import check_logging
 from plait.train.loop import CONFIG_FILE, model_settings
 from plait.train.metrics import FILENAME as METRICS_FILENAME
 from plait.train.presets import preset_names
-from plait.train.replicas import group_run_dir
+from plait.train.replicas import group_run_dir, replicas_config
 from plait.train.resolve import resolve
 from plait.train.restart import check_torchrun_restarts, restarted
 from plait.train.sample import sample_command
@@ -323,6 +323,8 @@ def build_config(flags: dict[str, Any]) -> TrainConfig:
         if not run_dir:
             raise ConfigError("--resume needs --run-dir: the run directory to continue")
         saved = Path(run_dir) / CONFIG_FILE
+        if not saved.is_file() and replicas_config(run_dir).is_file():
+            saved = replicas_config(run_dir)  # a --replica-groups run
         if not saved.is_file():
             raise ConfigError(f"--resume: {saved} does not exist; is {run_dir} a plait run?")
         cfg = config_from_mapping(json.loads(saved.read_text()), cfg)

@@ -66,6 +66,7 @@ __all__ = [
     "launch_replicas",
     "lighthouse_status",
     "replica_group",
+    "replicas_config",
 ]
 
 #: The replica group of a worker (0 to R - 1), set by the launcher (or by hand under torchrun).
@@ -251,6 +252,18 @@ def _start_lighthouse(log: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 def _say(text: str) -> None:
     print(f"plait train: {text}", file=sys.stderr, flush=True)
+
+
+def replicas_config(run_dir: str | Path) -> Path:
+    """Where a replica-groups run keeps the configuration it was launched with: the
+    launcher's copy on one machine; under torchrun (each group started by hand, no
+    launcher) this worker's group's own (:data:`GROUP_VARIABLE`), whose run directory is
+    the group's. Either may not exist."""
+    launched = Path(run_dir) / "replicas" / "config.json"
+    group = os.environ.get(GROUP_VARIABLE, "")
+    if launched.is_file() or not group.isdigit():
+        return launched
+    return group_run_dir(run_dir, int(group)) / "config.json"
 
 
 def launch_replicas(cfg: TrainConfig) -> None:
