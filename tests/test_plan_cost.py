@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from plait.plan import Layout, Workload, device, preset, roofline, timing
+from plait.plan import Layout, Workload, device, preset, roofline, stacks, timing
 from plait.plan.calibration import (
     CALIBRATION_RUNS,
     DEVICE_RUNS,
@@ -281,7 +281,7 @@ def _attention(stack: str, dev: str, seq: int) -> float:
     assert prof is not None
     model = preset("llama3-8b")
     k = roofline.block_kernels(
-        model, 1, seq, seq, 1, 2, False, prof, d.flops, roofline.stack(stack), False, dev
+        model, 1, seq, seq, 1, 2, False, prof, d.flops, stacks.stack(stack), False, dev
     )
     return (k.attention_fwd + k.attention_bwd) / (k.forward + k.backward)
 
@@ -293,7 +293,7 @@ def test_attention_is_priced_by_the_stacks_kernel() -> None:
     # cuDNN's fused attention (Transformer Engine) runs faster than FA2 on H100.
     assert _attention("megatron-core", "h100", 8192) < _attention("plait", "h100", 8192)
     with pytest.raises(ValueError, match="kernels"):
-        roofline.stack("jax")
+        stacks.stack("jax")
 
 
 def test_fused_stacks_move_fewer_bytes_and_torchtitan_recomputes_matmuls() -> None:
@@ -304,7 +304,7 @@ def test_fused_stacks_move_fewer_bytes_and_torchtitan_recomputes_matmuls() -> No
 
     def kernels(name: str) -> roofline.BlockKernels:
         return roofline.block_kernels(
-            model, 1, 8192, 8192, 1, 2, False, prof, d.flops, roofline.stack(name), False, "h100"
+            model, 1, 8192, 8192, 1, 2, False, prof, d.flops, stacks.stack(name), False, "h100"
         )
 
     assert kernels("megatron-core").elementwise < kernels("plait").elementwise
@@ -335,8 +335,8 @@ def test_loss_bytes_follow_the_stacks_loss_kernel() -> None:
         return fwd + bwd
 
     assert head("fused") < head("eager-fp32") < head("megatron-fp32")
-    assert roofline.stack("megatron-core").loss == "megatron-fp32"
-    assert roofline.stack("llm-foundry").loss == "fused"
+    assert stacks.stack("megatron-core").loss == "megatron-fp32"
+    assert stacks.stack("llm-foundry").loss == "fused"
     # a small model's head weighs more: its throughput moves more with the loss's bytes
     small, large = gpt(24, 16, 2048, 4096, vocab=131072), gpt(48, 56, 7168, 4096, vocab=131072)
 
@@ -344,12 +344,12 @@ def test_loss_bytes_follow_the_stacks_loss_kernel() -> None:
         layout, work = Layout(dp_replicate=8), Workload(4096, 8)
         shape = layout_shape(m, layout)
         fused = predict_time(m, layout, work, H100, shape, software=Software("llm-foundry"))
-        core = dataclasses.replace(roofline.stack("llm-foundry"), loss="megatron-fp32")
+        core = dataclasses.replace(stacks.stack("llm-foundry"), loss="megatron-fp32")
         try:
-            roofline.STACKS["llm-foundry"] = core
+            stacks.STACKS["llm-foundry"] = core
             slow = predict_time(m, layout, work, H100, shape, software=Software("llm-foundry"))
         finally:
-            roofline.STACKS["llm-foundry"] = dataclasses.replace(core, loss="fused")
+            stacks.STACKS["llm-foundry"] = dataclasses.replace(core, loss="fused")
         return fused.tokens_per_s_per_device / slow.tokens_per_s_per_device
 
     assert slowdown(small) > slowdown(large) > 1.0
@@ -395,7 +395,7 @@ def _mpt_kernels() -> roofline.BlockKernels:
         False,
         prof,
         d.flops,
-        roofline.stack("llm-foundry"),
+        stacks.stack("llm-foundry"),
         False,
         "h100",
     )
@@ -412,9 +412,9 @@ def test_early_stop_tail_is_the_mlp_output_gemm_and_last_residual() -> None:
     residual = elementwise_seconds(6144 * 3 * 2 * 7168, prof)  # read two, write one
     assert k.tail == pytest.approx(down + residual)
     assert 0.25 < k.tail / k.forward < 0.4  # a third of the GEMMs, most of the forward
-    assert roofline.stack("llm-foundry").early_stop and roofline.stack("plait").early_stop
-    assert not roofline.stack("megatron-core").early_stop  # Megatron's own checkpoint
-    assert not roofline.stack("megatron-2021").early_stop
+    assert stacks.stack("llm-foundry").early_stop and stacks.stack("plait").early_stop
+    assert not stacks.stack("megatron-core").early_stop  # Megatron's own checkpoint
+    assert not stacks.stack("megatron-2021").early_stop
 
 
 def test_full_recompute_skips_the_tail_only_with_early_stop() -> None:

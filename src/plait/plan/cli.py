@@ -31,7 +31,7 @@ from plait.plan.models import (
     gpt,
     preset,
 )
-from plait.plan.report import format_plan, size, to_json
+from plait.plan.report import format_plan, size, speed_flags, to_json
 from plait.plan.search import Candidate, PlanError, describe, plan
 from plait.plan.spec import (
     DeviceSpec,
@@ -175,7 +175,7 @@ def _evaluate_json(args: argparse.Namespace) -> list[dict[str, Any]]:
     """What ``--json`` prints for ``args`` (``--top``'s best); ValueError as :func:`_evaluate`."""
     ranked, model, work, dev = _evaluate(args)
     shown = ranked[: args.top] if args.top > 0 else ranked
-    return [to_json(c, model, work, dev) for c in shown]
+    return [to_json(c, model, work, dev, _speed(args)) for c in shown]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,16 +219,29 @@ def _workload(args: argparse.Namespace, seq_len: int, dev: DeviceSpec) -> Worklo
     return work
 
 
-def _plan(
-    args: argparse.Namespace, model: ModelSpec, work: Workload, dev: DeviceSpec
-) -> list[Candidate]:
-    """:func:`plait.plan.plan` with the flags' settings, layout fields and software."""
-    software = Software(
+def _software(args: argparse.Namespace) -> Software:
+    """The flags' :class:`Software`."""
+    return Software(
         args.kernels,
         args.tp_overlap,
         param_gather_overlap=args.param_gather_overlap,
         grad_reduce_fp32=not args.grad_reduce_bf16,
+        compiled=args.compile,
+        float8=args.float8,
+        float8_all_gather=args.float8_all_gather,
     )
+
+
+def _speed(args: argparse.Namespace) -> tuple[str, ...]:
+    """``plait train``'s compile and Float8 flags for the printed commands."""
+    return speed_flags(_software(args))
+
+
+def _plan(
+    args: argparse.Namespace, model: ModelSpec, work: Workload, dev: DeviceSpec
+) -> list[Candidate]:
+    """:func:`plait.plan.plan` with the flags' settings, layout fields and software."""
+    software = _software(args)
     return plan(
         model,
         work,
@@ -251,10 +264,11 @@ def _print(
     dev: DeviceSpec,
 ) -> None:
     """The table (or ``--json``'s list) of the layouts ``shown``."""
+    speed = _speed(args)
     if args.json:
-        print(json.dumps([to_json(c, model, work, dev) for c in shown], indent=1))
+        print(json.dumps([to_json(c, model, work, dev, speed) for c in shown], indent=1))
         return
-    print(format_plan(shown, model, work, dev, args.gpus))
+    print(format_plan(shown, model, work, dev, args.gpus, speed))
     foreign = [c for c in shown if isinstance(c.layout, PlanLayout)]
     if foreign:
         print(

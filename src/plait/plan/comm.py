@@ -17,7 +17,11 @@ elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch)
   under a pipeline; one fp32 reduce-scatter of every unit per step (gradient accumulation
   and pipelines reduce once, at the end). Both move ``fully_shard``'s buffers, each
   parameter padded to a multiple of the group's ranks on dim 0
-  (:func:`~plait.plan.shards.padded_params`).
+  (:func:`~plait.plan.shards.padded_params`). With ``Software.float8_all_gather``
+  (torchao's fp8 all-gather) the blocks' weights are gathered in fp8, 1 byte per
+  parameter (the few norm weights among them too, a negligible over-count); the root unit
+  and a MoE's routed experts (no Float8Linears) stay in the compute dtype; the weights'
+  scales are one small all-reduce per step, left out.
 * ``dp_replicate``: one fp32 all-reduce of the gradients per step: of the shards under HSDP,
   of everything with ``replicate``.
 * ``zero`` (:data:`ZERO`, a :class:`~plait.plan.spec.PlanLayout` with ZeRO-1/2, whose
@@ -88,7 +92,16 @@ from plait.plan.shards import (
     routed_rows,
     routed_tp,
 )
-from plait.plan.spec import ZERO, DeviceSpec, Layout, ModelSpec, Workload, zero_ranks, zero_stage
+from plait.plan.spec import (
+    ZERO,
+    DeviceSpec,
+    Layout,
+    ModelSpec,
+    Software,
+    Workload,
+    zero_ranks,
+    zero_stage,
+)
 
 __all__ = [
     "DP_SHARD_CP",
@@ -277,10 +290,17 @@ _Add = Callable[[str, str, float, int], None]
 
 
 def communication(
-    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec, load: RankLoad
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    load: RankLoad,
+    software: Software | None = None,
 ) -> list[Collective]:
-    """What pipeline rank ``load`` sends in one step (module docstring), by dim and op."""
+    """What pipeline rank ``load`` sends in one step (module docstring), by dim and op;
+    ``software``: whether the blocks are all-gathered in fp8."""
     e = compute_bytes(work)
+    fp8_gather = software is not None and software.float8_all_gather
     m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
     p = padded_params(model, layout, load)  # fully_shard moves its padded buffers
     out: list[Collective] = []
@@ -300,9 +320,15 @@ def communication(
         # part of the block's.
         apart = experts_apart(layout)
         own = 0.0 if apart else p.expert_total
-        gathered = (
-            (p.root * gathers + (p.sharded_blocks + own) * per_block) * e * ring("all_gather", ds)
-        )
+        if fp8_gather:  # the blocks' weights in fp8, 1 byte each
+            units_bytes = (p.root * gathers + own * per_block) * e + p.sharded_blocks * per_block
+            gathered = units_bytes * ring("all_gather", ds)
+        else:
+            gathered = (
+                (p.root * gathers + (p.sharded_blocks + own) * per_block)
+                * e
+                * ring("all_gather", ds)
+            )
         add(fsdp, "all_gather", gathered, gathers + per_block * p.blocks)
         reduced = (p.sharded_blocks + own + p.root) * 4 * ring("reduce_scatter", ds)
         add(fsdp, "reduce_scatter", reduced, units)

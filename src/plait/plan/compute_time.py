@@ -28,18 +28,25 @@ A100's) are the fitted constants, on the five runs ``benchmarks/published_runs.p
 ``"calibration"``: one per stack, and a second generation of one stack
 (:mod:`plait.plan.calibration`, which recomputes them); the roofline's other figures are
 cited (:mod:`plait.plan.roofline`). Every other published row is a prediction.
+
+**torch.compile and Float8** (``Software.compiled``, ``float8``): the block's kernels as
+:mod:`plait.plan.roofline` prices them (fused memory-bound passes; fp8 GEMMs and their
+casts). A recompute repeats what it reruns: ``full`` the whole forward with its casts,
+torchtitan's ``selective`` half the GEMMs with their casts, plait's none of them. Float8
+on a device without an fp8 peak is refused (:func:`plait.plan.devices.fp8_peak`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.plan.devices import compute_peak
+from plait.plan.devices import compute_peak, fp8_peak
 from plait.plan.models import attention_flops_per_token
-from plait.plan.roofline import block_kernels, elementwise_seconds, head_kernels, profile, stack
+from plait.plan.roofline import block_kernels, elementwise_seconds, head_kernels, profile
 from plait.plan.schedule import RankLoad
 from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params, routed_tp
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Software, Workload
+from plait.plan.stacks import compiled, float8, stack
 
 __all__ = [
     "DEVICE_SCALE",
@@ -61,7 +68,7 @@ STACK_SCALE: dict[str, float] = {
     "megatron-core": 1.1872,
     "llm-foundry": 0.9589,
 }
-"""Per software stack (:data:`plait.plan.roofline.STACKS`), the factor its sustained
+"""Per software stack (:data:`plait.plan.stacks.STACKS`), the factor its sustained
 fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
 list cost or save), fitted on that stack's one calibration run by
 :func:`plait.plan.calibration.calibrate_stacks`; 1 for a stack without one (``plait``)."""
@@ -118,6 +125,8 @@ def kernel_times(
     divided by the sustained fraction ``efficiency``, plus ``kernel_gap`` seconds between
     kernels (:data:`~plait.plan.roofline.KERNEL_GAP`, passed by :mod:`plait.plan.timing`);
     without a profile, FLOPs at one fraction of the peak."""
+    if software.float8 != "none":
+        fp8_peak(device)  # ValueError naming the fix on a device without fp8
     peak = compute_peak(device, work.precision)
     n, tp = microbatch_tokens(layout, work), layout.tp
     p = rank_params(model, layout, load)
@@ -134,6 +143,9 @@ def kernel_times(
         )
     e = compute_bytes(work)
     kernels = stack(software.kernels)
+    if software.compiled:
+        kernels = compiled(kernels)
+    fp8 = float8(device, software, prof.gemm, prof.k_half)
     sp = layout.sequence_parallel and tp > 1
     kinds = []
     if p.dense_blocks:
@@ -158,6 +170,7 @@ def kernel_times(
             sp,
             device.name,
             routed_tp(layout),
+            fp8,
         )
         share = count / p.blocks
         fwd += share * k.forward
@@ -167,7 +180,7 @@ def kernel_times(
         launches += share * k.launches
         full += share * (k.forward - (k.tail if early else 0.0))
         if kernels.selective == "torchtitan":  # keeps attention and every second matmul
-            redo += share * (k.gemm / 2 + k.elementwise)
+            redo += share * (k.gemm / 2 + k.elementwise + k.cast / 2)
         else:  # plait keeps matmul outputs
             redo += share * (k.attention_fwd + k.elementwise)
     recompute = {"none": 0.0, "selective": redo, "full": full}[layout.ac]

@@ -15,6 +15,14 @@ HBM bandwidth (:data:`MEMORY_BANDWIDTH`, the roofline's memory-bound kernels,
 :mod:`plait.plan.roofline`), datasheets: H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80 GB
 2.0 TB/s (the 40 GB part: 1.55), B200 8 TB/s. The ``cpu`` preset has none (no roofline).
 
+Dense fp8 peaks (``flops_fp8``: Float8 GEMMs, :func:`fp8_peak`), datasheets without
+sparsity, on the same convention as the bf16 figures (the datasheets print the sparse
+figure, twice the dense one): H100 / H200 SXM 1,979 TFLOP/s (NVIDIA H100 Tensor Core GPU
+datasheet, "FP8 Tensor Core 3,958 teraFLOPS with sparsity"; H200 datasheet, the same),
+B200 4,500 TFLOP/s (NVIDIA DGX B200 / HGX B200 datasheet, "FP8 9 PFLOPS with sparsity"
+per GPU, beside its 2.25 PFLOP/s dense bf16). The A100 has no fp8 tensor cores and the
+``cpu`` preset none: float8 is refused there.
+
 Streaming multiprocessors (:data:`STREAMING_MULTIPROCESSORS`), datasheets: H100 / H200
 SXM 132, A100 108, B200 148.
 """
@@ -32,6 +40,7 @@ __all__ = [
     "STREAMING_MULTIPROCESSORS",
     "compute_peak",
     "device",
+    "fp8_peak",
     "memory_bandwidth",
     "override",
     "streaming_multiprocessors",
@@ -43,11 +52,13 @@ _GIB = 2.0**30
 DEVICES: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        DeviceSpec("h100", 80 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12),
-        DeviceSpec("h200", 140 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12),
+        DeviceSpec("h100", 80 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12, flops_fp8=1979e12),
+        DeviceSpec("h200", 140 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12, flops_fp8=1979e12),
         DeviceSpec("a100", 80 * _GIB, 312e12, 300e9, 25e9, 8, flops_fp32=19.5e12),
         DeviceSpec("a100-40gb", 40 * _GIB, 312e12, 300e9, 25e9, 8, flops_fp32=19.5e12),
-        DeviceSpec("b200", 180 * _GIB, 2250e12, 900e9, 50e9, 8, flops_fp32=75e12),
+        DeviceSpec(
+            "b200", 180 * _GIB, 2250e12, 900e9, 50e9, 8, flops_fp32=75e12, flops_fp8=4500e12
+        ),
         DeviceSpec("cpu", 16 * _GIB, 100e9, 2e9, 2e9, 8, flops_fp32=100e9),
     )
 }
@@ -98,6 +109,18 @@ def compute_peak(spec: DeviceSpec, precision: str) -> float:
     if precision == "bf16":
         return spec.flops
     return spec.flops_fp32 or spec.flops / 2
+
+
+def fp8_peak(spec: DeviceSpec) -> float:
+    """Dense fp8 FLOP/s of ``spec`` for Float8 GEMMs (module docstring); ValueError naming
+    the fix when the device has none (the A100, the ``cpu`` preset, a measured device)."""
+    if spec.flops_fp8 <= 0:
+        raise ValueError(
+            f"float8 needs fp8 tensor cores: device {spec.name!r} has no fp8 peak (the "
+            "h100, h200 and b200 presets have one); drop float8 (--float8 none, "
+            "Software(float8='none')) or plan for one of those devices"
+        )
+    return spec.flops_fp8
 
 
 def streaming_multiprocessors(spec: DeviceSpec) -> int:

@@ -20,8 +20,8 @@ from plait.plan.compute_time import EFFICIENCY
 from plait.plan.devices import DEVICES
 from plait.plan.models import preset_names
 from plait.plan.pinned import AC_SEARCHED
-from plait.plan.roofline import STACK_NAMES
-from plait.plan.spec import LAYOUT_DIMS, RECIPES, TP_OVERLAPS
+from plait.plan.spec import FLOAT8_RECIPES, LAYOUT_DIMS, RECIPES, TP_OVERLAPS
+from plait.plan.stacks import STACK_NAMES
 from plait.train.config import DEFAULTS, PRECISIONS
 
 __all__ = ["PLAN_FLAGS", "Flag", "add_flags"]
@@ -164,6 +164,25 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
             "TP collectives: none (synchronous, plait's) or async (decomposed into GEMMs)",
             default="none",
             choices=TP_OVERLAPS,
+        ),
+        Flag(
+            "compile",
+            "price torch.compile of each block (plait train --compile): fused norms, "
+            "activation, rope and residual additions, fewer kernel launches",
+            action="store_true",
+        ),
+        Flag(
+            "float8",
+            "price torchao Float8Linears in the blocks (plait train --float8: tensorwise): "
+            "fp8 GEMMs at the device's fp8 peak plus their casts (H100, H200, B200 only)",
+            default="none",
+            choices=FLOAT8_RECIPES,
+        ),
+        Flag(
+            "float8_all_gather",
+            "fully_shard all-gathers the blocks' weights in fp8 (with --float8 tensorwise; "
+            "plait train --float8 does under fully_shard)",
+            action="store_true",
         ),
         Flag(
             "param_gather_overlap",

@@ -18,6 +18,11 @@ seq_len / cp``: context parallelism's ranks share a batch and split its sequence
   (``fully_shard`` does not reshard the root after forward); blocks: the current one and the
   prefetched next, or every block with ``reshard_after_forward=False``; under a pipeline the
   whole stage (plait's schedules gather a stage once per step, ``add_fsdp_actions``).
+  With ``Software.float8_all_gather`` a dense model's gathered blocks are fp8, 1 byte per
+  parameter. Float8 changes nothing else here: torchao's ``Float8Linear`` saves its
+  high-precision input and weight for backward and casts again there (no fp8 copies
+  kept), and the casts' fp8 outputs live for one GEMM; a compiled block saves what the
+  eager one does (the activation recipes are kept as they are).
   Without ``fully_shard``, ``--mp bf16`` runs under autocast, whose cache keeps a bf16 copy
   of every matrix until backward.
 * **activations**: per block and token, what autograd saves
@@ -162,9 +167,17 @@ def _gathered(r: MemoryRank) -> tuple[float, float]:
     if r.ds > 1:
         keep_all = r.pipelined or not r.layout.reshard_after_forward
         gathered_blocks = r.load.layers if keep_all else 2
-        unsharded = (r.padded.root + r.padded.largest_blocks(gathered_blocks)) * r.e
+        # fp8 all-gathers hold the dense blocks' weights in fp8 (MoE blocks: as they are)
+        fp8 = r.software.float8_all_gather and not r.model.experts
+        block_e = 1 if fp8 else r.e
+        blocks = r.padded.largest_blocks(gathered_blocks) * block_e
+        unsharded = (
+            r.padded.root * r.e + blocks
+            if fp8
+            else (r.padded.root + r.padded.largest_blocks(gathered_blocks)) * r.e
+        )
         if gathered_blocks == 2 and r.keeps.resharded_at_loss:
-            return unsharded, r.padded.largest_blocks(2) * r.e
+            return unsharded, r.padded.largest_blocks(2) * block_e
         return unsharded, 0.0
     if r.autocast:  # autocast's cache: a bf16 copy of every matrix, forward to backward
         p, model = r.params, r.model

@@ -9,7 +9,9 @@ collectives and how much of them its compute hides, and its host work
   compute (forward and backward), its reduce-scatter (and HSDP's all-reduce) during the
   next block's backward. Per block, only what exceeds that block's compute is exposed; the
   first all-gather, the root's and the last reductions are exposed whole. They move the
-  units' padded buffers (:func:`~plait.plan.shards.padded_params`).
+  units' padded buffers (:func:`~plait.plan.shards.padded_params`); with
+  ``Software.float8_all_gather`` the blocks' (not the root's, nor routed experts') in fp8,
+  1 byte per parameter (:mod:`plait.plan.comm`).
 * ``replicate``: bucketed all-reduces overlap backward the same way, per block.
 * the root unit (embeddings, final norm, head: one unit in plait's recipe) is gathered at
   each microbatch's start, before anything runs, and reduced after the embedding's
@@ -154,6 +156,7 @@ class _DataParallel:
     apart: bool  # whether the routed experts are a group of their own
     z: int  # ZeRO's ranks
     zero: int  # ZeRO's stage (0: none)
+    block_e: float = 0.0  # bytes per block parameter gathered where not ``e`` (fp8: 1)
 
     def _dp(self, nbytes: float, dim: str, op: str, group: int) -> float:
         if group <= 1:
@@ -163,9 +166,16 @@ class _DataParallel:
     def _groups(self, dense: float, experts: float) -> tuple[float, float]:
         return (dense, experts) if self.apart else (dense + experts, 0.0)
 
-    def gather(self, dense: float, experts: float = 0.0) -> float:
-        """``fully_shard``'s all-gathers of ``dense`` and ``experts`` elements."""
-        dense, experts = self._groups(dense, experts)
+    def gather(self, dense: float, experts: float = 0.0, root: float = 0.0) -> float:
+        """``fully_shard``'s all-gathers of ``dense`` block and ``experts`` elements (and
+        ``root`` elements, in the compute dtype, gathered with the blocks in one call)."""
+        if self.block_e:  # the blocks' weights in fp8; the root and experts as they are
+            mixed = dense * self.block_e + (root + (0.0 if self.apart else experts)) * self.e
+            ag = self._dp(mixed, fsdp_dim(self.layout), "all_gather", self.ds)
+            if self.apart and experts:
+                ag += self._dp(experts * self.e, EFSDP, "all_gather", self.eg)
+            return ag
+        dense, experts = self._groups(dense + root, experts)
         ag = self._dp(dense * self.e, fsdp_dim(self.layout), "all_gather", self.ds)
         return ag + (self._dp(experts * self.e, EFSDP, "all_gather", self.eg) if experts else 0.0)
 
@@ -197,8 +207,9 @@ def _data_parallel(
     # else they join the block's group over dp_shard.
     apart = experts_apart(layout)
     eg = expert_fsdp_ranks(layout) if apart else ds
+    block_e = 1.0 if software.float8_all_gather else 0.0
     return _DataParallel(
-        layout, device, e, g, ds, eg, apart, zero_ranks(layout), zero_stage(layout)
+        layout, device, e, g, ds, eg, apart, zero_ranks(layout), zero_stage(layout), block_e
     )
 
 
@@ -236,13 +247,14 @@ def _stage_sync(
     zg = dp.zero_gather(held[0])
     if overlap_params:
         zg = max(0.0, zg - load.layers * fwd) + dp.zero_gather(held[0] / max(p.blocks, 1))
-    return dp.gather(*held) + zg, dp.reduce(*held)
+    gathered = dp.gather(p.sharded_blocks, p.expert_total, root=p.root)
+    return gathered + zg, dp.reduce(*held)
 
 
 def _serial_exposed(dp: _DataParallel, p: RankParams, m: int, reshard: bool) -> float:
     """Communication sharing the compute's cores: every second of it adds."""
     block = (p.sharded_blocks / p.blocks, p.expert_total / p.blocks)
-    gather_block, gather_root = dp.gather(*block), dp.gather(p.root)
+    gather_block, gather_root = dp.gather(*block), dp.gather(0.0, root=p.root)
     bwd_gather = gather_block if reshard else 0.0
     gathers = m * (gather_root + p.blocks * (gather_block + bwd_gather))
     exposed = gathers + p.blocks * dp.reduce(*block) + dp.reduce(p.root)
@@ -263,7 +275,7 @@ def _overlapped_exposed(
     m, fwd, bwd = layout.microbatches, passes.fwd, passes.bwd
     # Per block, the rank's average one (dense and MoE blocks alike).
     block = (p.sharded_blocks / p.blocks, p.expert_total / p.blocks)
-    gather_block, gather_root = dp.gather(*block), dp.gather(p.root)
+    gather_block, gather_root = dp.gather(*block), dp.gather(0.0, root=p.root)
     bwd_gather = gather_block if layout.reshard_after_forward else 0.0
     # The root unit (embeddings, final norm, head: one unit in plait's recipe) is gathered
     # at each microbatch's forward start, before anything runs, and reduced after the

@@ -14,7 +14,15 @@ from plait.layout import CP, EP, flag
 from plait.plan.comm import Collective
 from plait.plan.models import flops_per_token, param_counts
 from plait.plan.search import Candidate, describe
-from plait.plan.spec import LAYOUT_DIMS, DeviceSpec, Layout, MemoryBreakdown, ModelSpec, Workload
+from plait.plan.spec import (
+    LAYOUT_DIMS,
+    DeviceSpec,
+    Layout,
+    MemoryBreakdown,
+    ModelSpec,
+    Software,
+    Workload,
+)
 
 __all__ = [
     "all_to_all_per_step",
@@ -22,6 +30,7 @@ __all__ = [
     "format_plan",
     "memory_parts",
     "size",
+    "speed_flags",
     "to_json",
     "torchrun_command",
     "train_command",
@@ -76,7 +85,19 @@ def _model_flags(model: ModelSpec) -> list[str]:
     return flags
 
 
-def _layout_flags(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
+def speed_flags(software: Software | None) -> tuple[str, ...]:
+    """``plait train``'s flags for ``software``'s compile and Float8: ``--compile``, and
+    ``--float8`` for the tensorwise recipe (plait's; it gathers the weights in fp8 under
+    ``fully_shard`` by itself). Rowwise has no ``plait train`` flag."""
+    if software is None:
+        return ()
+    flags = ("--compile",) if software.compiled else ()
+    return flags + (("--float8",) if software.float8 == "tensorwise" else ())
+
+
+def _layout_flags(
+    layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec, speed: tuple[str, ...]
+) -> str:
     # --cp only when used: the commands of layouts without it read as before
     flags = [
         f"{flag(name)} {getattr(layout, name)}"
@@ -99,30 +120,50 @@ def _layout_flags(layout: Layout, model: ModelSpec, work: Workload, device: Devi
     if layout.tp > 1 and not layout.sequence_parallel:
         flags.append("--no-sequence-parallel")
     flags += [f"--batch-size {work.global_batch}", f"--seq-len {work.seq_len}"]
-    flags += _model_flags(model)
+    flags += [*speed, *_model_flags(model)]
     flags.append("--device cpu" if device.name.startswith("cpu") else "--device cuda")
     return " ".join(flags)
 
 
-def train_command(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
+def train_command(
+    layout: Layout,
+    model: ModelSpec,
+    work: Workload,
+    device: DeviceSpec,
+    speed: tuple[str, ...] = (),
+) -> str:
     """``plait train`` running ``layout`` for ``work`` (model flags: plait's GPT of
-    ``model``'s depth, heads and width): with ``--nproc`` local workers when one node holds
-    them all, else the flags each torchrun worker takes (:func:`torchrun_command`)."""
+    ``model``'s depth, heads and width; ``speed``: :func:`speed_flags`): with ``--nproc``
+    local workers when one node holds them all, else the flags each torchrun worker takes
+    (:func:`torchrun_command`)."""
     nproc = f"--nproc {layout.world} " if layout.world <= device.gpus_per_node else ""
-    return f"plait train {nproc}" + _layout_flags(layout, model, work, device)
+    return f"plait train {nproc}" + _layout_flags(layout, model, work, device, speed)
 
 
-def torchrun_command(layout: Layout, model: ModelSpec, work: Workload, device: DeviceSpec) -> str:
+def torchrun_command(
+    layout: Layout,
+    model: ModelSpec,
+    work: Workload,
+    device: DeviceSpec,
+    speed: tuple[str, ...] = (),
+) -> str:
     """The same run launched by torchrun on every node (``$HEAD``: the first node)."""
     per_node = min(device.gpus_per_node, layout.world)
     nodes = math.ceil(layout.world / per_node)
     rdzv = " --rdzv-backend c10d --rdzv-endpoint $HEAD:29500" if nodes > 1 else ""
-    flags = _layout_flags(layout, model, work, device)
+    flags = _layout_flags(layout, model, work, device, speed)
     return f"torchrun --nnodes {nodes} --nproc-per-node {per_node}{rdzv} -m plait train {flags}"
 
 
-def to_json(c: Candidate, model: ModelSpec, work: Workload, device: DeviceSpec) -> dict[str, Any]:
-    """One candidate as plain JSON values (bytes, seconds, fractions)."""
+def to_json(
+    c: Candidate,
+    model: ModelSpec,
+    work: Workload,
+    device: DeviceSpec,
+    speed: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """One candidate as plain JSON values (bytes, seconds, fractions; ``speed``: the
+    commands' :func:`speed_flags`)."""
     mem = c.memory
     return {
         "layout": {**vars(c.layout), "world": c.layout.world},
@@ -146,15 +187,21 @@ def to_json(c: Candidate, model: ModelSpec, work: Workload, device: DeviceSpec) 
         "mfu": c.timing.mfu,
         "all_to_all_bytes_per_step": all_to_all_per_step(c.timing.collectives),
         "cp_bytes_per_step": cp_per_step(c.timing.collectives),
-        "command": train_command(c.layout, model, work, device),
-        "torchrun": torchrun_command(c.layout, model, work, device),
+        "command": train_command(c.layout, model, work, device, speed),
+        "torchrun": torchrun_command(c.layout, model, work, device, speed),
     }
 
 
 def format_plan(
-    candidates: list[Candidate], model: ModelSpec, work: Workload, device: DeviceSpec, gpus: int
+    candidates: list[Candidate],
+    model: ModelSpec,
+    work: Workload,
+    device: DeviceSpec,
+    gpus: int,
+    speed: tuple[str, ...] = (),
 ) -> str:
-    """The header, a table of ``candidates`` (best first) and the best one's commands."""
+    """The header, a table of ``candidates`` (best first) and the best one's commands
+    (``speed``: their :func:`speed_flags`)."""
     counts = param_counts(model)
     params = _count(counts.total(model.layers))
     if model.experts:
@@ -215,8 +262,8 @@ def format_plan(
     lines += [
         "",
         "best, per rank: " + ", ".join(f"{k} {size(v)}" for k, v in parts.items()),
-        "  " + train_command(best.layout, model, work, device),
-        "  " + torchrun_command(best.layout, model, work, device),
+        "  " + train_command(best.layout, model, work, device, speed),
+        "  " + torchrun_command(best.layout, model, work, device, speed),
     ]
     if not model.source and (model.gated or model.kv_heads != model.heads or model.dense_layers):
         lines.append(

@@ -57,36 +57,8 @@ Sources of the kernel fractions (:data:`PROFILES`):
 * Bandwidth: the datasheets' HBM bandwidth (:func:`plait.plan.devices.memory_bandwidth`),
   of which streaming kernels reach about 85-90% (``BANDWIDTH_FRACTION = 0.85``).
 
-**Software stacks** (:data:`STACKS`, chosen by :class:`plait.plan.spec.Software`): the
-memory-bound passes and attention above are eager PyTorch's (``plait``, ``torchtitan``).
-Other code bases run other kernels, priced from their byte counts, not fitted:
-
-* ``megatron-core`` (Transformer Engine, 2024): LayerNorm in one pass fused into the
-  linear (``2 e`` bytes per element), fused bias-GELU / SwiGLU (read, write) and rope,
-  cuDNN's fused attention: on H100 0.55 forward and 0.45 backward of the peak (the cuDNN
-  curves of FlashAttention-3's figures, arXiv 2407.08608, head dimension 128, long
-  causal sequences), on A100 as FlashAttention-2; 12 kernels per block forward;
-* ``megatron-2021``: fused LayerNorm, bias-GELU and bias-dropout-add (a byte mask per
-  element), no flash attention (published 2022): the scores materialized, two batched
-  GEMMs per head over the whole sequence (the mask applied after) with the head
-  dimension as one side, and the fused scale-mask-softmax and dropout 0.1 reading and
-  writing every score (``2 e`` and ``2 e + 1`` bytes); 18 kernels;
-* ``llm-foundry`` (MPT): flash attention (FlashAttention-2 figures), low-precision
-  LayerNorm in one pass, eager GELU and residuals; 14 kernels;
-* ``plait`` / ``torchtitan``: 38 kernels (the fp32 RMSNorm alone is 8). torchtitan's
-  selective checkpointing (its ``op`` policy) saves attention and every second matmul,
-  recomputing the other matmuls and the memory-bound work.
-
-**The loss** over the logits (:data:`LOSS_BYTES`, per vocabulary element of the rank and
-token, forward and backward together, split 1 : 2): ``plait`` / ``torchtitan`` torch's
-eager loss, ``2 e + 28``; ``megatron-core`` and ``megatron-2021`` Megatron's
-vocab-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, the
-same in 2021's ``mpu``): ``logits.float()`` (read ``e``, write 4), max (read 4), the
-in-place subtraction, ``exp`` and the division (read and write 4 each), the sum (read 4);
-backward the multiply by the output gradient (read, write 4) and the cast back (read 4,
-write ``e``): ``2 e + 48``; ``llm-foundry`` flash-attn's fused cross-entropy (its
-default ``loss_fn``, ``fused_crossentropy``): the logits read forward, read and the
-gradient written backward, ``3 e``.
+**Software stacks**, ``torch.compile`` and Float8, and the loss over the logits: the
+kernels each code base runs beside this roofline, in :mod:`plait.plan.stacks`.
 
 Sequence parallelism runs the norms and residuals on ``tokens / tp``. Each kernel a block
 launches costs :data:`KERNEL_GAP` (3 us: launch latency, ramp and tail between dependent
@@ -108,6 +80,7 @@ the peak for every FLOP (:data:`plait.plan.compute_time.FLAT_EFFICIENCY`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -118,20 +91,23 @@ from plait.plan.devices import (
     streaming_multiprocessors,
 )
 from plait.plan.spec import DeviceSpec, ModelSpec
+from plait.plan.stacks import (
+    ATTENTION,
+    ATTENTION_GENERATION,
+    LOSS_BYTES,
+    STACKS,
+    Float8,
+    Stack,
+)
 
 __all__ = [
-    "ATTENTION",
     "BANDWIDTH_FRACTION",
     "GEMM_HALF",
     "KERNEL_GAP",
-    "LOSS_BYTES",
     "OPTIMIZER_BYTES",
     "PROFILES",
-    "STACKS",
-    "STACK_NAMES",
     "BlockKernels",
     "KernelProfile",
-    "Stack",
     "attention_fractions",
     "block_kernels",
     "elementwise_seconds",
@@ -141,7 +117,6 @@ __all__ = [
     "k_half",
     "loss_bytes",
     "profile",
-    "stack",
 ]
 
 GEMM_HALF = 128.0
@@ -211,14 +186,25 @@ def gemm_fraction(
 
 
 def gemm_seconds(
-    m: float, n: float, k: float, peak: float, prof: KernelProfile, element: int
+    m: float,
+    n: float,
+    k: float,
+    peak: float,
+    prof: KernelProfile,
+    element: int,
+    operand: float | None = None,
 ) -> float:
     """One ``(m x k) @ (k x n)`` GEMM: FLOPs at its shape's rate or bytes at the
-    bandwidth, the longer."""
+    bandwidth, the longer (``operand``: bytes per input element where they differ from
+    the output's ``element``, 1 for fp8)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     flops = 2.0 * m * n * k / (gemm_fraction(m, n, k, prof.gemm, prof.k_half) * peak)
-    traffic = element * (m * k + k * n + m * n) / (prof.bandwidth * BANDWIDTH_FRACTION)
+    if operand is None:
+        nbytes = element * (m * k + k * n + m * n)
+    else:
+        nbytes = operand * (m * k + k * n) + element * m * n
+    traffic = nbytes / (prof.bandwidth * BANDWIDTH_FRACTION)
     return max(flops, traffic)
 
 
@@ -226,82 +212,6 @@ def elementwise_seconds(nbytes: float, prof: KernelProfile) -> float:
     """Memory-bound work of ``nbytes`` at the sustained bandwidth."""
     return nbytes / (prof.bandwidth * BANDWIDTH_FRACTION)
 
-
-@dataclass(frozen=True)
-class Stack:
-    """A software stack's kernels (module docstring, "Software stacks"): which attention
-    kernel, which memory-bound passes and how many kernels a block launches."""
-
-    name: str
-    attention: str  # "fa2" (flash attention 2), "cudnn" (TE / cuDNN), "materialized"
-    norm: str  # "eager-fp32" (RMSNorm in fp32, op by op) or "fused" (one pass)
-    activation: str  # "eager" (activation, then gate product) or "fused"
-    rope: str  # "eager-fp32" (complex products in fp32) or "fused"
-    dropout: bool  # dropout after attention's softmax and in the residual additions
-    kernels: int  # kernels one block's forward launches (backward: twice)
-    selective: str  # what ``ac="selective"`` recomputes: "plait" or "torchtitan"
-    loss: str = "eager-fp32"  # the loss over the logits: :data:`LOSS_BYTES`
-    early_stop: bool = True  # ``ac="full"`` stops its recompute at the last saved tensor
-
-
-STACKS: dict[str, Stack] = {
-    "plait": Stack("plait", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "plait"),
-    "torchtitan": Stack(
-        "torchtitan", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "torchtitan"
-    ),
-    "megatron-core": Stack(
-        "megatron-core",
-        "cudnn",
-        "fused",
-        "fused",
-        "fused",
-        False,
-        12,
-        "plait",
-        "megatron-fp32",
-        early_stop=False,
-    ),
-    "megatron-2021": Stack(
-        "megatron-2021",
-        "materialized",
-        "fused",
-        "fused",
-        "fused",
-        True,
-        18,
-        "plait",
-        "megatron-fp32",
-        early_stop=False,
-    ),
-    "llm-foundry": Stack(
-        "llm-foundry", "fa2", "fused", "eager", "fused", False, 14, "plait", "fused"
-    ),
-}
-"""The software stacks the cost model knows (module docstring, "Software stacks")."""
-
-STACK_NAMES = tuple(STACKS)
-
-ATTENTION: dict[tuple[str, str], tuple[float, float]] = {
-    ("fa2", "h100"): (0.35, 0.30),
-    ("fa2", "a100"): (0.70, 0.60),
-    ("fa2", "b200"): (0.35, 0.30),
-    ("cudnn", "h100"): (0.55, 0.45),
-    ("cudnn", "a100"): (0.70, 0.60),
-    ("cudnn", "b200"): (0.55, 0.45),
-}
-"""Flash attention kernels' fractions of the dense peak ``(forward, backward)``, causal
-FLOPs counted, by kernel and device generation (module docstring)."""
-
-_GENERATION = {"h100": "h100", "h200": "h100", "a100": "a100", "a100-40gb": "a100", "b200": "b200"}
-
-LOSS_BYTES: dict[str, tuple[float, float]] = {
-    "eager-fp32": (28.0, 2.0),
-    "megatron-fp32": (48.0, 2.0),
-    "fused": (0.0, 3.0),
-}
-"""HBM bytes per vocabulary element of the rank and token that the loss over the logits
-moves, forward and backward together, as ``(fixed, per byte of the compute dtype)``
-(module docstring, "The loss")."""
 
 KERNEL_GAP = 3e-6
 """Seconds between two dependent kernels of one stream (launch latency, the ramp and
@@ -312,17 +222,10 @@ OPTIMIZER_BYTES = 32.0
 docstring)."""
 
 
-def stack(name: str) -> Stack:
-    """The stack called ``name`` (ValueError for an unknown one)."""
-    if name not in STACKS:
-        raise ValueError(f"kernels {name!r}: one of {', '.join(STACKS)}")
-    return STACKS[name]
-
-
 def attention_fractions(kernel: str, device: str, prof: KernelProfile) -> tuple[float, float]:
     """Forward and backward fraction of the peak of the flash ``kernel`` on ``device``
     (the profile's FlashAttention-2 figures where the table has none)."""
-    generation = _GENERATION.get(device, device)
+    generation = ATTENTION_GENERATION.get(device, device)
     return ATTENTION.get((kernel, generation), (prof.attention_fwd, prof.attention_bwd))
 
 
@@ -338,14 +241,16 @@ class BlockKernels:
     matmul_elements: float  # matrix elements per token the GEMMs above go through
     launches: int = 0  # kernels the forward launches
     tail: float = 0.0  # of the forward: what runs after its last saved tensor is packed
+    cast: float = 0.0  # Float8's casts to fp8 in forward
+    cast_bwd: float = 0.0  # and in backward
 
     @property
     def forward(self) -> float:
-        return self.gemm + self.attention_fwd + self.elementwise
+        return self.gemm + self.attention_fwd + self.elementwise + self.cast
 
     @property
     def backward(self) -> float:
-        return 2 * self.gemm + self.attention_bwd + 2 * self.elementwise
+        return 2 * self.gemm + self.attention_bwd + 2 * self.elementwise + self.cast_bwd
 
 
 @functools.lru_cache(maxsize=4096)
@@ -363,12 +268,14 @@ def block_kernels(
     sp: bool = False,
     device: str = "",
     split: int = 1,
+    fp8: Float8 | None = None,
 ) -> BlockKernels:
     """Forward kernels of one block (dense, or a MoE block with ``moe``) for ``tokens``
     tokens of one rank (the microbatch, after context parallelism), its matrices split
     ``tp`` ways, run by the stack ``kernels`` (``sp``: sequence parallelism, the norms
     and residuals on ``tokens / tp``; ``split``: the tp ranks a MoE block's routed rows are
-    cut among, each running its chunk through whole experts)."""
+    cut among, each running its chunk through whole experts; ``fp8``: the block's linears
+    as Float8Linears, module docstring)."""
     d, f = model.d_model, model.ffn_hidden
     q, kv = model.q_width, model.kv_width
     n = tokens
@@ -378,6 +285,7 @@ def block_kernels(
         (n, kv / tp, d),  # v
         (n, d, q / tp),  # o
     ]
+    low = [True] * len(gemms)  # which GEMMs a Float8Linear runs (q, k, v, o, MLP, shared)
     if moe:
         e, h, k = model.experts, model.expert_hidden, model.top_k
         gemms.append((n, e, d))  # the router, whole on every tp rank
@@ -385,19 +293,44 @@ def block_kernels(
         # routed rows, through whole experts (plait.plan.shards' module docstring).
         rows = n * k / e / split
         gemms += [(rows, h, d), (rows, h, d), (rows, d, h)] * e
+        low += [False] * (1 + 3 * e)  # the router and the routed experts stay high
         if model.shared_experts:
             s = h * model.shared_experts / tp
             gemms += [(n, s, d), (n, s, d), (n, d, s)]
+            low += [True] * 3
         width = k * h / split + h * model.shared_experts / tp
     else:
         mlp = [(n, f / tp, d), (n, d, f / tp)]
         gemms += [(n, f / tp, d), *mlp] if model.gated else mlp
+        low = [True] * len(gemms)
         width = f / tp
+    if fp8 is None:
+        low = [False] * len(gemms)
+        low_prof = prof
+    else:
+        low_prof = dataclasses.replace(prof, gemm=fp8.gemm, k_half=fp8.k_half)
+
+    def timed(m: float, nn: float, kk: float, fp8_gemm: bool) -> float:
+        if fp8 is not None and fp8_gemm:
+            return gemm_seconds(m, nn, kk, fp8.peak, low_prof, element, operand=1)
+        return gemm_seconds(m, nn, kk, peak, prof, element)
+
     # The MLP's output GEMM packs its saved input before it runs; nothing after it saves
     # a tensor (the residual addition saves none). MoE blocks: not analysed, 0.
-    last = 0.0 if moe else gemm_seconds(n, d, f / tp, peak, prof, element)
-    gemm = sum(gemm_seconds(m, nn, kk, peak, prof, element) for m, nn, kk in gemms)
+    last = 0.0 if moe else timed(n, d, f / tp, fp8 is not None)
+    gemm = sum(timed(m, nn, kk, x) for (m, nn, kk), x in zip(gemms, low, strict=True))
     elements = sum(nn * kk * (m / n) for m, nn, kk in gemms)
+    cast = cast_bwd = 0.0
+    launches = kernels.kernels
+    if fp8 is not None:
+        c = fp8.per_element * element + fp8.fixed  # bytes per element cast
+        weights = 1.0 if fp8.weights else 0.0
+        converted = [g for g, x in zip(gemms, low, strict=True) if x]
+        for m, nn, kk in converted:
+            cast += c * (m * kk + weights * nn * kk)
+            cast_bwd += c * (m * kk + weights * nn * kk + 2 * m * nn)
+        launches += len(converted) * (1 + int(fp8.weights)) * fp8.kernels
+        cast, cast_bwd = elementwise_seconds(cast, prof), elementwise_seconds(cast_bwd, prof)
     # Attention: 4 T d / (tp cp) FLOPs per token (each token of the rank's T / cp attends
     # to the whole sequence).
     heads = model.heads / tp
@@ -422,6 +355,9 @@ def block_kernels(
     split = tp if sp and tp > 1 else 1  # norms and residuals over the sequence shard
     norm = (3 * element + 24) if kernels.norm == "eager-fp32" else 2 * element
     residual = 3 * element + (1 if kernels.dropout else 0)
+    # A residual addition fused into the norm after it reads one more addend and writes
+    # the sum beside the norm's output: ``2 e``, not ``3 e`` (torch.compile).
+    residuals = 2 * residual - kernels.fused_residuals * element
     if kernels.activation == "eager":
         act = 5 * element if model.gated else 2 * element
     else:
@@ -431,7 +367,7 @@ def block_kernels(
         rope = (2 * element + 16) if kernels.rope == "eager-fp32" else 2 * element
     per_token = (
         2 * norm * d / split  # two norms
-        + 2 * residual * d / split  # two residual additions
+        + residuals * d / split  # two residual additions
         + rope * (q + kv) / tp  # rotary embedding of q and k
         + act * width  # the MLP's activation (over the routed / shared widths)
         + scores
@@ -444,8 +380,10 @@ def block_kernels(
         attn_bwd,
         elementwise_seconds(n * per_token, prof),
         elements,
-        kernels.kernels,
+        launches,
         last,
+        cast,
+        cast_bwd,
     )
 
 

@@ -19,6 +19,7 @@ from plait.layout import LAYOUT_FIELDS, MESH_DIMS, Layout
 from plait.train.model_spec import ModelSpec as ModelSpec
 
 __all__ = [
+    "FLOAT8_RECIPES",
     "LAYOUT_DIMS",
     "RECIPES",
     "TP_OVERLAPS",
@@ -100,6 +101,8 @@ def zero_ranks(layout: Layout) -> int:
 
 #: How tensor parallelism's collectives run (:class:`Software`).
 TP_OVERLAPS = ("none", "async")
+#: torchao's Float8Linear recipes the cost model prices (:class:`Software`, ``float8``).
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class Software:
     framework (:mod:`plait.plan.timing`, :mod:`plait.plan.roofline`).
 
     * ``kernels``: the software stack whose kernels run a block
-      (:data:`plait.plan.roofline.STACKS`: ``"plait"``, eager PyTorch as plait runs it;
+      (:data:`plait.plan.stacks.STACKS`: ``"plait"``, eager PyTorch as plait runs it;
       ``"torchtitan"``; ``"megatron-core"``, Transformer Engine; ``"megatron-2021"``;
       ``"llm-foundry"``);
     * ``tp_overlap``: ``"none"`` (torch's TP collectives in the compute stream, exposed) or
@@ -125,7 +128,7 @@ class Software:
       ``torch.utils.checkpoint.set_checkpoint_early_stop``, and ``plait.checkpoint``):
       the block's last GEMM, the MLP's output projection, packs its saved input before
       it runs and is never recomputed, nor the residual addition after it. ``None``: the
-      stack's (:data:`plait.plan.roofline.STACKS`: True but for Megatron's own
+      stack's (:data:`plait.plan.stacks.STACKS`: True but for Megatron's own
       checkpoint function, which reruns the whole block); False for torch before 2.1
       (non-reentrant checkpoint reran the whole function) or reentrant checkpointing.
 
@@ -151,6 +154,21 @@ class Software:
       compute-dtype logits as they are (NeMo AutoModel's ``MaskedCrossEntropy(fp32_upcast=
       False)``).
 
+    Kernels (:mod:`plait.plan.stacks`, "torch.compile and Float8"):
+
+    * ``compiled``: ``torch.compile`` of each block (``plait train --compile``,
+      torchtitan's ``compile``): the memory-bound passes fused (RMSNorm in one pass, the
+      activation and gate product, rope, the first residual addition into the norm after
+      it) and fewer kernel launches; GEMMs and attention unchanged;
+    * ``float8``: ``"none"``, or torchao's ``Float8Linear`` recipe ``"tensorwise"`` /
+      ``"rowwise"`` (``plait train --float8``: tensorwise): every linear of the blocks (not
+      the head, not a MoE's router or routed experts) runs its three GEMMs in fp8 at the
+      device's fp8 dense peak, plus the kernels that cast its operands; needs a device
+      with an fp8 peak (:func:`plait.plan.devices.fp8_peak`);
+    * ``float8_all_gather``: ``fully_shard`` all-gathers the blocks' linear weights in
+      fp8 (torchao's ``enable_fsdp_float8_all_gather``, tensorwise only): 1 byte per
+      parameter instead of the compute dtype's, and no weight casts in the blocks.
+
     The default is what ``plait train`` runs.
     """
 
@@ -161,8 +179,18 @@ class Software:
     ac_early_stop: bool | None = None
     optimizer_states: str = "fp32"
     loss_upcast: bool = True
+    compiled: bool = False
+    float8: str = "none"
+    float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
+        if self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"float8 must be one of {FLOAT8_RECIPES}, got {self.float8!r}")
+        if self.float8_all_gather and self.float8 != "tensorwise":
+            raise ValueError(
+                "float8_all_gather needs float8='tensorwise' (torchao all-gathers "
+                f"tensorwise-scaled weights only), got float8={self.float8!r}"
+            )
         if self.tp_overlap not in TP_OVERLAPS:
             raise ValueError(f"tp_overlap must be one of {TP_OVERLAPS}, got {self.tp_overlap!r}")
         states = ("fp32", "remainders", "bf16")
@@ -207,7 +235,9 @@ class DeviceSpec:
     * ``runtime_memory``: bytes a process holds beyond the tensors the memory model counts
       (a CPU process's interpreter and libraries, a GPU's workspaces and allocator slack),
       added to every rank's peak; fitted by ``--calibrate`` (:mod:`plait.plan.calibrate`;
-      negative where the model over-counts), 0 for the presets.
+      negative where the model over-counts), 0 for the presets;
+    * ``flops_fp8``: the dense fp8 peak (FLOP/s) Float8 GEMMs run at
+      (:class:`Software` ``float8``); 0: the device has none, and float8 is refused.
     """
 
     name: str
@@ -224,6 +254,7 @@ class DeviceSpec:
     unit_overhead: float = 0.0
     oversubscription: float = 1.0
     runtime_memory: float = 0.0
+    flops_fp8: float = 0.0  # dense fp8 peak (Float8 GEMMs); 0: none (float8 refused)
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def predict_time(
         bubble=shape.bubble,
         tokens_per_s_per_device=tokens,
         mfu=flops_per_token(model, work.seq_len) * tokens / peak,
-        collectives=tuple(communication(model, layout, work, device, busiest)),
+        collectives=tuple(communication(model, layout, work, device, busiest, sw)),
         host=host,
     )
 

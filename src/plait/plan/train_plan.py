@@ -3,7 +3,12 @@ it starts workers (memory per rank, bubble, predicted tokens/s, and whether it f
 after the run, the prediction beside what the run measured (:func:`plan_versus_run`).
 
 The layout goes both ways whole: :class:`~plait.train.config.TrainConfig`'s layout fields
-(``cp`` and ``cp_method`` among them) are :class:`~plait.layout.Layout`'s."""
+(``cp`` and ``cp_method`` among them) are :class:`~plait.layout.Layout`'s. Its speed
+flags are the planner's :class:`~plait.plan.spec.Software` (:func:`software_of_config`):
+``--compile`` is ``compiled``, ``--float8`` torchao's tensorwise recipe, with the blocks'
+weights all-gathered in fp8 where ``fully_shard`` shards them (``dp_shard x cp > 1``, as
+:func:`plait.train.float8.gathers_float8`). A device without an fp8 peak (an A100, a CPU,
+where plait emulates float8) has no float8 prediction: ValueError."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import statistics
 from plait.plan.devices import device as device_preset
 from plait.plan.report import all_to_all_per_step, cp_per_step, size
 from plait.plan.search import Candidate, describe, evaluate
-from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
+from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Software, Workload
 from plait.train.config import TrainConfig
 
 __all__ = [
@@ -23,6 +28,7 @@ __all__ = [
     "plan_of_config",
     "plan_summary",
     "plan_versus_run",
+    "software_of_config",
 ]
 
 
@@ -49,15 +55,30 @@ def model_of_config(cfg: TrainConfig) -> ModelSpec:
     return model_spec(cfg)
 
 
+def software_of_config(cfg: TrainConfig) -> Software:
+    """What ``cfg``'s ``--compile`` and ``--float8`` run (module docstring): plait's
+    kernels, compiled or not; tensorwise Float8Linears, gathered in fp8 under
+    ``fully_shard`` (:func:`plait.train.float8.gathers_float8`'s rule)."""
+    layout = cfg.layout
+    return Software(
+        compiled=cfg.compile,
+        float8="tensorwise" if cfg.float8 else "none",
+        float8_all_gather=cfg.float8 and layout.dp_shard * layout.cp > 1,
+    )
+
+
 def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candidate:
     """Predict a resolved configuration (:func:`plait.train.resolve.resolve`) on ``device``
-    (default: :func:`local_device`). ValueError for ``--ac offload`` (not modelled)."""
+    (default: :func:`local_device`), with its ``--compile`` and ``--float8``
+    (:func:`software_of_config`). ValueError for ``--ac offload`` (not modelled) and for
+    ``--float8`` on a device without fp8 (an A100, a CPU)."""
     model = model_of_config(cfg)
     layout = cfg.layout
     if cfg.ac not in ("none", "selective", "full"):
         raise ValueError(f"--plan: --ac {cfg.ac} is not modelled (none, selective, full are)")
     work = Workload(cfg.seq_len, cfg.batch_size, cfg.mp)
-    return evaluate(model, layout, work, device or local_device(cfg.device))
+    software = software_of_config(cfg)
+    return evaluate(model, layout, work, device or local_device(cfg.device), software=software)
 
 
 def config_of_layout(model: ModelSpec, layout: Layout, work: Workload) -> TrainConfig:

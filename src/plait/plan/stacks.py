@@ -1,0 +1,264 @@
+"""What each software stack runs beside the roofline (:mod:`plait.plan.roofline`): its
+attention kernel, its memory-bound passes and launches, its loss over the logits; and how
+``torch.compile`` and Float8 change a stack's kernels.
+
+**Software stacks** (:data:`STACKS`, chosen by :class:`plait.plan.spec.Software`): the
+memory-bound passes and attention above are eager PyTorch's (``plait``, ``torchtitan``).
+Other code bases run other kernels, priced from their byte counts, not fitted:
+
+* ``megatron-core`` (Transformer Engine, 2024): LayerNorm in one pass fused into the
+  linear (``2 e`` bytes per element), fused bias-GELU / SwiGLU (read, write) and rope,
+  cuDNN's fused attention: on H100 0.55 forward and 0.45 backward of the peak (the cuDNN
+  curves of FlashAttention-3's figures, arXiv 2407.08608, head dimension 128, long
+  causal sequences), on A100 as FlashAttention-2; 12 kernels per block forward;
+* ``megatron-2021``: fused LayerNorm, bias-GELU and bias-dropout-add (a byte mask per
+  element), no flash attention (published 2022): the scores materialized, two batched
+  GEMMs per head over the whole sequence (the mask applied after) with the head
+  dimension as one side, and the fused scale-mask-softmax and dropout 0.1 reading and
+  writing every score (``2 e`` and ``2 e + 1`` bytes); 18 kernels;
+* ``llm-foundry`` (MPT): flash attention (FlashAttention-2 figures), low-precision
+  LayerNorm in one pass, eager GELU and residuals; 14 kernels;
+* ``plait`` / ``torchtitan``: 38 kernels (the fp32 RMSNorm alone is 8). torchtitan's
+  selective checkpointing (its ``op`` policy) saves attention and every second matmul,
+  recomputing the other matmuls and the memory-bound work.
+
+**torch.compile and Float8** (:class:`plait.plan.spec.Software` ``compiled``, ``float8``,
+``float8_all_gather``; priced from byte counts and peaks, nothing fitted):
+
+* ``compiled`` (``torch.compile`` of each block, inductor; :func:`compiled`): the stack's
+  memory-bound passes fused as inductor fuses pointwise and reduction chains: RMSNorm in
+  one pass (read, write: ``2 e``), the SwiGLU's ``silu(a) x b`` in one (read both, write:
+  ``3 e``), rope in one (``2 e``), and the first residual addition fused into the RMSNorm
+  after it (the kernel reads both addends and writes the sum beside the normed output:
+  ``2 e`` more, not ``3 e``); the block's last addition ends the graph and stays ``3 e``.
+  GEMMs stay cuBLAS calls and attention the flash kernel (inductor's defaults: no
+  max-autotune), so their times do not change. Kernels per block forward
+  (:data:`COMPILED_KERNELS`): 7 GEMMs (q, k, v, o, gate, up, down), flash attention, two
+  fused norms, rope, the activation, the last residual addition: 13 (a stack already
+  launching fewer keeps its count). The head and its loss are not compiled (torchtitan and
+  ``plait train --compile`` compile the blocks only).
+* ``float8`` (torchao ``Float8Linear`` as torchtitan converts the model, ``"tensorwise"``
+  or ``"rowwise"``): every linear of a block (q, k, v, o, the MLP's, a MoE's shared
+  experts; not the head, not a MoE's router nor its routed experts, a grouped GEMM)
+  runs its forward, input-gradient and weight-gradient GEMMs in fp8: ``2 M N K`` FLOPs at
+  ``gemm_fp8 x g(M) g(N) g_K(K)`` of the device's dense fp8 peak
+  (:func:`plait.plan.devices.fp8_peak`), or ``(M K + K N) + e M N`` bytes (fp8 operands,
+  output in the compute dtype), the longer; ``K_half`` scales with the fp8 rate per SM
+  (twice the bf16 one). ``gemm_fp8`` (:data:`FP8_GEMM`): an *assumption*, not a cited
+  measurement (the mamf-finder table is bf16 only): cuBLAS fp8 GEMMs at large shapes are
+  commonly reported at 1.3 to 1.45 PFLOP/s on the H100 SXM, 0.65 to 0.73 of its 1,979;
+  0.70 is taken for the H100 and H200 and, in the same ratio to its bf16 fraction
+  (0.875), 0.65 for the B200. Rowwise scaling runs a CUTLASS kernel that torchao calls
+  slower than tensorwise's cuBLAS one; it is priced the same (not modelled).
+  **The casts** (torchao ``float8_utils`` / ``float8_tensor``): each GEMM operand is cast
+  from its high-precision copy per use, ``amax = max(abs(x))``, a scale from it, then
+  ``x.to(float32) * scale``, clamped, ``.to(float8)``. Per Float8Linear and microbatch,
+  forward: the input ``X`` (``M x K``) and the weight ``W`` (``N x K``); backward: the
+  output gradient twice (for the input-gradient GEMM and, transposed, for the
+  weight-gradient one: ``2 M N``), ``W`` and ``X`` again (torchao saves the
+  high-precision ``X`` and ``W`` and casts in backward). Bytes per element cast
+  (:func:`cast_cost`): eager, op by op: ``abs`` (read, write ``e``), ``max`` (read
+  ``e``), the upcast (read ``e``, write 4), the scaling and the clamp (read, write 4
+  each), the cast (read 4, write 1): ``4 e + 25`` bytes in 8 kernels (two for the scale);
+  compiled, tensorwise: the global amax needs a grid-wide reduction before any element
+  can be scaled, so two kernels, the amax (read ``e``) and one fused scale-clamp-cast
+  (read ``e``, write 1): ``2 e + 1``; compiled, rowwise: a row's amax and its cast fuse
+  into one kernel (read ``e``, write 1): ``e + 1``. With ``float8_all_gather`` the weight
+  arrives in fp8, its scale precomputed once per step over the shards (one all-reduce,
+  latency only; the shard's cast before the all-gather is ``1 / dp_shard`` of the
+  weight's bytes, left out): no weight casts in the blocks. The casts are memory-bound
+  work beside the GEMMs (:attr:`BlockKernels.cast`); their kernels count as launches
+  (backward's taken as twice the forward's, as for the rest).
+
+**The loss** over the logits (:data:`LOSS_BYTES`, per vocabulary element of the rank and
+token, forward and backward together, split 1 : 2): ``plait`` / ``torchtitan`` torch's
+eager loss, ``2 e + 28``; ``megatron-core`` and ``megatron-2021`` Megatron's
+vocab-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, the
+same in 2021's ``mpu``): ``logits.float()`` (read ``e``, write 4), max (read 4), the
+in-place subtraction, ``exp`` and the division (read and write 4 each), the sum (read 4);
+backward the multiply by the output gradient (read, write 4) and the cast back (read 4,
+write ``e``): ``2 e + 48``; ``llm-foundry`` flash-attn's fused cross-entropy (its
+default ``loss_fn``, ``fused_crossentropy``): the logits read forward, read and the
+gradient written backward, ``3 e``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from plait.plan.devices import fp8_peak
+from plait.plan.spec import DeviceSpec, Software
+
+__all__ = [
+    "ATTENTION",
+    "ATTENTION_GENERATION",
+    "COMPILED_KERNELS",
+    "FP8_GEMM",
+    "LOSS_BYTES",
+    "STACKS",
+    "STACK_NAMES",
+    "Float8",
+    "Stack",
+    "cast_cost",
+    "compiled",
+    "float8",
+    "stack",
+]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A software stack's kernels (module docstring, "Software stacks"): which attention
+    kernel, which memory-bound passes and how many kernels a block launches."""
+
+    name: str
+    attention: str  # "fa2" (flash attention 2), "cudnn" (TE / cuDNN), "materialized"
+    norm: str  # "eager-fp32" (RMSNorm in fp32, op by op) or "fused" (one pass)
+    activation: str  # "eager" (activation, then gate product) or "fused"
+    rope: str  # "eager-fp32" (complex products in fp32) or "fused"
+    dropout: bool  # dropout after attention's softmax and in the residual additions
+    kernels: int  # kernels one block's forward launches (backward: twice)
+    selective: str  # what ``ac="selective"`` recomputes: "plait" or "torchtitan"
+    loss: str = "eager-fp32"  # the loss over the logits: :data:`LOSS_BYTES`
+    early_stop: bool = True  # ``ac="full"`` stops its recompute at the last saved tensor
+    fused_residuals: int = 0  # residual additions fused into the norm after them (compile)
+
+
+STACKS: dict[str, Stack] = {
+    "plait": Stack("plait", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "plait"),
+    "torchtitan": Stack(
+        "torchtitan", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "torchtitan"
+    ),
+    "megatron-core": Stack(
+        "megatron-core",
+        "cudnn",
+        "fused",
+        "fused",
+        "fused",
+        False,
+        12,
+        "plait",
+        "megatron-fp32",
+        early_stop=False,
+    ),
+    "megatron-2021": Stack(
+        "megatron-2021",
+        "materialized",
+        "fused",
+        "fused",
+        "fused",
+        True,
+        18,
+        "plait",
+        "megatron-fp32",
+        early_stop=False,
+    ),
+    "llm-foundry": Stack(
+        "llm-foundry", "fa2", "fused", "eager", "fused", False, 14, "plait", "fused"
+    ),
+}
+"""The software stacks the cost model knows (module docstring, "Software stacks")."""
+
+STACK_NAMES = tuple(STACKS)
+
+ATTENTION: dict[tuple[str, str], tuple[float, float]] = {
+    ("fa2", "h100"): (0.35, 0.30),
+    ("fa2", "a100"): (0.70, 0.60),
+    ("fa2", "b200"): (0.35, 0.30),
+    ("cudnn", "h100"): (0.55, 0.45),
+    ("cudnn", "a100"): (0.70, 0.60),
+    ("cudnn", "b200"): (0.55, 0.45),
+}
+"""Flash attention kernels' fractions of the dense peak ``(forward, backward)``, causal
+FLOPs counted, by kernel and device generation (module docstring)."""
+
+ATTENTION_GENERATION = {
+    "h100": "h100",
+    "h200": "h100",
+    "a100": "a100",
+    "a100-40gb": "a100",
+    "b200": "b200",
+}
+"""The generation whose :data:`ATTENTION` figures a device preset takes."""
+
+LOSS_BYTES: dict[str, tuple[float, float]] = {
+    "eager-fp32": (28.0, 2.0),
+    "megatron-fp32": (48.0, 2.0),
+    "fused": (0.0, 3.0),
+}
+"""HBM bytes per vocabulary element of the rank and token that the loss over the logits
+moves, forward and backward together, as ``(fixed, per byte of the compute dtype)``
+(module docstring, "The loss")."""
+
+
+COMPILED_KERNELS = 13
+"""Kernels one compiled block's forward launches (module docstring, "torch.compile and
+Float8")."""
+
+
+def compiled(kernels: Stack) -> Stack:
+    """``kernels`` under ``torch.compile`` of each block (module docstring): norms,
+    activation and rope fused, the first residual addition fused into the norm after it,
+    :data:`COMPILED_KERNELS` launches; attention, GEMMs, the loss and the checkpointing
+    policy unchanged."""
+    return dataclasses.replace(
+        kernels,
+        norm="fused",
+        activation="fused",
+        rope="fused",
+        fused_residuals=max(kernels.fused_residuals, 1),
+        kernels=min(kernels.kernels, COMPILED_KERNELS),
+    )
+
+
+FP8_GEMM: dict[str, float] = {"h100": 0.70, "h200": 0.70, "b200": 0.65}
+"""Per device preset, the fraction of the dense fp8 peak large fp8 GEMMs reach (an
+assumption, module docstring, "torch.compile and Float8")."""
+
+
+@dataclass(frozen=True)
+class Float8:
+    """How a block's Float8Linears run (module docstring, "torch.compile and Float8"): the
+    fp8 peak, the GEMM fraction and ``K_half`` at that rate, the bytes one cast moves per
+    element (``per_element x e + fixed``) in ``kernels`` launches, and whether the weights
+    are cast in the block (False: all-gathered in fp8)."""
+
+    peak: float
+    gemm: float
+    k_half: float
+    per_element: float
+    fixed: float
+    kernels: int
+    weights: bool
+
+
+def cast_cost(compiled_block: bool, recipe: str) -> tuple[float, float, int]:
+    """One cast to fp8: bytes per element as ``(per byte of the compute dtype, fixed)``
+    and kernels (module docstring)."""
+    if not compiled_block:
+        return 4.0, 25.0, 8
+    if recipe == "rowwise":
+        return 1.0, 1.0, 1
+    return 2.0, 1.0, 2
+
+
+def float8(device: DeviceSpec, software: Software, gemm: float, k_half: float) -> Float8 | None:
+    """``software``'s Float8Linears on ``device`` (None without float8), beside its bf16
+    GEMMs' fraction ``gemm`` and ``k_half`` (:class:`plait.plan.roofline.KernelProfile`);
+    ValueError for a device without an fp8 peak (:func:`plait.plan.devices.fp8_peak`)."""
+    if software.float8 == "none":
+        return None
+    peak = fp8_peak(device)
+    fraction = FP8_GEMM.get(device.name, gemm)
+    per_element, fixed, kernels = cast_cost(software.compiled, software.float8)
+    # The fixed prologue and epilogue against a main loop at the fp8 rate per SM.
+    half = k_half * peak / device.flops
+    return Float8(peak, fraction, half, per_element, fixed, kernels, not software.float8_all_gather)
+
+
+def stack(name: str) -> Stack:
+    """The stack called ``name`` (ValueError for an unknown one)."""
+    if name not in STACKS:
+        raise ValueError(f"kernels {name!r}: one of {', '.join(STACKS)}")
+    return STACKS[name]
