@@ -166,9 +166,21 @@ def test_wandb_offline_run_resumes_the_same_run(
     run_id = (run_dir / "wandb_id").read_text().strip()
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
-    rows = [row for r in runs for row in _wandb_history(r / f"run-{run_id}.wandb")]
-    logged = {int(row["_step"]): row for row in rows if "loss" in row}
     records = _train_records(run_dir)
+    # W&B's service process writes the run files: on a loaded machine the last history
+    # row reached the file after finish() returned (CI, once). Read until both are there.
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            rows = [row for r in runs for row in _wandb_history(r / f"run-{run_id}.wandb")]
+        except Exception:  # a record half written: read again, until the deadline
+            if time.monotonic() > deadline:
+                raise
+            rows = []
+        logged = {int(row["_step"]): row for row in rows if "loss" in row}
+        if sorted(logged) == [1, 2] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert sorted(logged) == sorted(records) == [1, 2]
     for step, r in records.items():
         for name in ("loss", "lr", "grad_norm", "mfu"):
