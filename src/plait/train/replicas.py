@@ -254,12 +254,17 @@ def _say(text: str) -> None:
     print(f"plait train: {text}", file=sys.stderr, flush=True)
 
 
+def _launched_config(run_dir: str | Path) -> Path:
+    """The configuration the launcher writes for its groups, beside the lighthouse's log."""
+    return Path(run_dir) / "replicas" / "config.json"
+
+
 def replicas_config(run_dir: str | Path) -> Path:
     """Where a replica-groups run keeps the configuration it was launched with: the
     launcher's copy on one machine; under torchrun (each group started by hand, no
     launcher) this worker's group's own (:data:`GROUP_VARIABLE`), whose run directory is
     the group's. Either may not exist."""
-    launched = Path(run_dir) / "replicas" / "config.json"
+    launched = _launched_config(run_dir)
     group = os.environ.get(GROUP_VARIABLE, "")
     if launched.is_file() or not group.isdigit():
         return launched
@@ -269,9 +274,9 @@ def replicas_config(run_dir: str | Path) -> Path:
 def launch_replicas(cfg: TrainConfig) -> None:
     """Train ``cfg`` (resolved, with its run directory) as ``cfg.replica_groups`` replica
     groups on this machine (module docstring). Raises ReplicasFailed when no group finished."""
-    scratch = Path(cfg.run_dir) / "replicas"
+    config_file = _launched_config(cfg.run_dir)
+    scratch = config_file.parent
     scratch.mkdir(parents=True, exist_ok=True)
-    config_file = scratch / "config.json"
     config_file.write_text(json.dumps(cfg.to_dict()))
     lighthouse, url = _start_lighthouse(scratch / "lighthouse.log")
     groups = [_Group(g) for g in range(cfg.replica_groups)]
