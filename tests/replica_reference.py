@@ -2,8 +2,8 @@
 torch's ``fully_shard`` under torchft, as a torchft user writes it (torchtitan's wiring).
 
     replica_reference.py CONFIG.json OUT.json --group G --life L [--die-at STEP]
-                         [--die-rank R] [--hold STEP[,STEP...]] [--start-groups R]
-                         [--deadline SECONDS]
+                         [--die-rank R] [--hold STEP[,STEP...]] [--after-hold STEP]
+                         [--start-groups R] [--deadline SECONDS]
 
 Run with ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` of the group and
 ``TORCHFT_LIGHTHOUSE``. The same model, data, loss, optimizer and learning rate as
@@ -13,7 +13,9 @@ ranks; a torchft ``Manager`` per group (gloo, synchronous quorum, min_replica_si
 all-reduce hook on every FSDPModule averaging over ``ManagedProcessGroup``, the optimizer
 stepped when ``should_commit()``, the state for healing snapshotted at step boundaries.
 ``--die-at S``: rank ``--die-rank`` (0) SIGKILLs itself after the forward of step S;
-``--hold``: before each such step, wait until a returning group asks for a quorum. Writes
+``--hold``: before each such step, leave a marker ``hold-STEP`` beside OUT and wait until a
+returning group asks for a quorum; ``--after-hold S``: ask for the first quorum once the
+marker of hold ``S`` is there (plait's ``PLAIT_TEST_REPLICAS_REJOIN_AT_STEP``). Writes
 every committed step's loss and participants. :func:`run_groups` runs two groups of two
 such processes with a failure pattern (the test's and the failure drill's).
 """
@@ -61,6 +63,7 @@ def wait_lighthouse(groups: int, rejoin: bool) -> None:
         status = lighthouse_status(url)
         if status is not None and status[1] >= groups and (not rejoin or status[0] >= 1):
             return
+        time.sleep(0.05)  # not a busy loop: the group it waits for needs the cores
 
 
 def main() -> None:
@@ -72,6 +75,7 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=0)
     parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--hold", default="")
+    parser.add_argument("--after-hold", type=int, default=0)
     parser.add_argument("--start-groups", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=240.0)
     args = parser.parse_args()
@@ -99,6 +103,8 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
 
+    while args.after_hold and not (args.out.parent / f"hold-{args.after_hold}").exists():
+        time.sleep(0.05)  # before the manager: from then on the group heartbeats (deadline)
     manager = torchft.Manager(
         pg=torchft.ProcessGroupGloo(timeout=timeout),
         load_state_dict=load,
@@ -129,6 +135,7 @@ def main() -> None:
     tokens = cfg.batch_size // groups * cfg.seq_len
     while manager.current_step() < cfg.steps:
         if manager.current_step() + 1 in holds:
+            (args.out.parent / f"hold-{manager.current_step() + 1}").touch()
             wait_lighthouse(groups, rejoin=True)
         manager.start_quorum()
         step = manager.current_step() + 1
@@ -165,7 +172,8 @@ def run_groups(
     """Two groups of two ranks trained by this script, ``plait train``'s failure pattern:
     in life ``i`` of group 1 its rank ``kills[i][0]`` SIGKILLs itself in step
     ``kills[i][1]``, and life ``i + 1`` starts once it died; group 0 holds two steps after
-    each kill for the next life to rejoin (``PLAIT_TEST_REPLICAS_REJOIN_AT_STEP``). Returns
+    each kill for the next life to rejoin, which asks for its first quorum only then
+    (``PLAIT_TEST_REPLICAS_REJOIN_AT_STEP``). Returns
     ``(group, life) -> records`` of rank 0, for group 0 and group 1's last life."""
     lighthouse, url = _start_lighthouse(out / "lighthouse.log")
     procs: dict[tuple[int, int], list[subprocess.Popen[bytes]]] = {}
@@ -184,15 +192,17 @@ def run_groups(
                 subprocess.Popen([*command, *flags], env=env, start_new_session=True)
             )
 
-    def dying(life: int) -> list[str]:
-        if life == len(kills):
-            return []
-        rank, step = kills[life]
-        return ["--die-at", str(step), "--die-rank", str(rank)]
+    holds = [step + 2 for _, step in kills]
 
-    holds = ",".join(str(step + 2) for _, step in kills)
+    def dying(life: int) -> list[str]:
+        flags = ["--after-hold", str(holds[life - 1])] if life else []
+        if life == len(kills):
+            return flags
+        rank, step = kills[life]
+        return [*flags, "--die-at", str(step), "--die-rank", str(rank)]
+
     try:
-        start(0, 0, "--start-groups", "2", "--hold", holds)
+        start(0, 0, "--start-groups", "2", "--hold", ",".join(map(str, holds)))
         start(1, 0, "--start-groups", "2", *dying(0))
         for life in range(len(kills)):
             while all(p.poll() is None for p in procs[1, life]):

@@ -40,6 +40,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,8 +66,11 @@ from plait.train.step_batch import global_loss
 __all__ = ["HOLD_VARIABLE", "train_replica"]
 
 #: Test-only: ``STEP`` or ``STEP,STEP,...``: before each such step's quorum, the groups in
-#: their first life wait until another group (one coming back) asks the lighthouse for a
-#: quorum, so that it rejoins at that step.
+#: their first life leave a marker (``<run-dir>/replicas/hold-STEP``) and wait until another
+#: group (one coming back) asks the lighthouse for a quorum, so that it rejoins at that step;
+#: a group's life ``k >= 1`` asks for its first quorum only once the ``k``-th hold's marker is
+#: there, so that it cannot join earlier (while the lighthouse still counts its dead life as
+#: heartbeating): the steps trained alone are the same in every run.
 HOLD_VARIABLE = "PLAIT_TEST_REPLICAS_REJOIN_AT_STEP"
 _MAX_FAILED_STEPS = 5  # uncommitted steps in a row before the group gives up
 
@@ -99,6 +103,24 @@ def _wait_for_groups(url: str, groups: int, seconds: float, predicate: str) -> N
             waiting, heartbeating = status
             if heartbeating >= groups and (predicate == "start" or waiting >= 1):
                 return
+        time.sleep(0.05)
+
+
+def _holds(cfg: TrainConfig) -> tuple[list[int], Path]:
+    """(test-only) :data:`HOLD_VARIABLE`'s steps, and where their markers go."""
+    holds = sorted(int(part) for part in os.environ.get(HOLD_VARIABLE, "").split(",") if part)
+    return holds, Path(cfg.run_dir).parent / "replicas"
+
+
+def _patience(cfg: TrainConfig) -> float:
+    """Seconds a hold waits for a restarted group: imports, the model, its checkpoint."""
+    return max(120.0, 3 * cfg.fault_timeout)
+
+
+def _wait_for_file(path: Path, seconds: float) -> None:
+    """Poll until ``path`` exists, at most ``seconds`` (then go on: the test's checks fail)."""
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -180,6 +202,11 @@ def train_replica(cfg: TrainConfig) -> TrainResult:
     life = restart_count()
     session = _Session(cfg, (group, cfg.replica_groups))
     start = session.resume() if cfg.resume else 0
+    holds, markers = _holds(cfg)
+    if 0 < life <= len(holds):  # (test-only) rejoin at the survivors' hold, not before:
+        # a group heartbeats from its manager's creation on, and the lighthouse waits for
+        # every group heartbeating before it forms a quorum
+        _wait_for_file(markers / f"hold-{holds[life - 1]}", _patience(cfg))
     replica = _Replica(session, cfg, group, start)
     try:
         return _train(session, replica, cfg, start, life)
@@ -207,12 +234,14 @@ def _train(
         validate(0)
     if os.environ.get(START_VARIABLE):  # the first quorum waits for every group
         _wait_for_groups(url, int(os.environ[START_VARIABLE]), cfg.fault_timeout, "start")
-    holds = {int(part) for part in os.environ.get(HOLD_VARIABLE, "").split(",") if part.strip()}
+    holds, markers = _holds(cfg)
     failed = 0
     while manager.current_step() < last:
-        if manager.current_step() + 1 in holds and life == 0:
-            # (test-only) a restart takes a while: imports, the model, its checkpoint
-            _wait_for_groups(url, groups, max(120.0, 3 * cfg.fault_timeout), "rejoin")
+        if manager.current_step() + 1 in holds and life == 0:  # (test-only)
+            if rank0:
+                markers.mkdir(parents=True, exist_ok=True)
+                (markers / f"hold-{manager.current_step() + 1}").touch()
+            _wait_for_groups(url, groups, _patience(cfg), "rejoin")
         manager.start_quorum()  # heals this group if it is behind
         step = manager.current_step() + 1
         if step > last:  # healed to the end of the run

@@ -79,8 +79,12 @@ HOST_VARIABLE = "PLAIT_REPLICA_HOST"
 #: this many groups heartbeat at the lighthouse (so the first quorum holds them all).
 START_VARIABLE = "PLAIT_REPLICA_START"
 _RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # the group's life: faults and resumes read it
-#: A group that stopped heartbeating for this long is out of the next quorum.
-HEARTBEAT_TIMEOUT_MS = 1000
+#: A group that stopped heartbeating for this long is out of the next quorum. torchft's
+#: default: a group busy healing on a loaded host (2 cores, 4 workers) went 1 s without a
+#: heartbeat and was dropped from the quorum it was about to join. A dead group's peers
+#: notice at once (their collectives fail); the lighthouse then waits out this timeout before
+#: the survivors' quorum forms, so each failure costs up to this much more.
+HEARTBEAT_TIMEOUT_MS = 5000
 JOIN_TIMEOUT_MS = 10000
 
 
