@@ -831,8 +831,17 @@ def _trainy(nodes: int, tokens: float) -> PublishedRun:
             f"{_COMPILE} and Float8 (tensorwise, with Float8 all-gathers) as the source "
             "ran them: priced by the planner's compile and float8 models (Software "
             "compiled, float8, float8_all_gather), nothing fitted to this row",
+            "the loss compiled with the blocks (torchtitan e7c0cae, "
+            "components/loss.py build_cross_entropy_loss: compiled under training.compile "
+            "since bbb1b616, 2025-04-02): Software compiled_loss",
         ),
-        software=Software("torchtitan", compiled=True, float8="tensorwise", float8_all_gather=True),
+        software=Software(
+            "torchtitan",
+            compiled=True,
+            float8="tensorwise",
+            float8_all_gather=True,
+            compiled_loss=True,
+        ),
     )
 
 

@@ -194,3 +194,55 @@ def test_printed_commands_carry_compile_and_float8(capsys: pytest.CaptureFixture
     for command in (fast["command"], fast["torchrun"]):
         assert "--compile --float8 " in command
     assert fast["step_time_s"] < plain["step_time_s"]
+
+
+def test_compiled_loss_keeps_no_fp32_logits_and_moves_fewer_bytes() -> None:
+    """torchtitan's compiled cross-entropy (``Software.compiled_loss``): the logits part of
+    memory is the fused cross-entropy's (compute-dtype logits and their gradient), the
+    loss's time is its ``3 e`` bytes per element; the blocks are untouched; and it needs
+    the blocks compiled."""
+    with pytest.raises(ValueError, match="compiled_loss needs compiled=True"):
+        Software("torchtitan", compiled_loss=True)
+    layout = Layout(dp_shard=64, ac="selective")
+    blocks = Software("torchtitan", compiled=True)
+    both = dataclasses.replace(blocks, compiled_loss=True)
+    a = evaluate(MODEL, layout, WORK, H100, software=blocks)
+    b = evaluate(MODEL, layout, WORK, H100, software=both)
+    n, v = 8192, MODEL.vocab  # the rank's tokens (global 64 sequences over 64), vocabulary
+    # eager: fp32 log-probabilities (4) and, at the loss, two fp32 gradients (8); compiled:
+    # the bf16 logits (2) and their bf16 gradient (2)
+    assert a.memory.extra["logits"] - b.memory.extra["logits"] == pytest.approx(n * v * 8)
+    assert a.memory.activations == b.memory.activations
+    shape = layout_shape(MODEL, layout)
+    ref = kernel_times(MODEL, layout, WORK, H100, shape.ranks[0], 1.0, blocks, 0.0)
+    got = kernel_times(MODEL, layout, WORK, H100, shape.ranks[0], 1.0, both, 0.0)
+    assert (got.fwd, got.bwd, got.recompute) == (ref.fwd, ref.bwd, ref.recompute)
+    prof = profile(H100)
+    assert prof is not None
+    eager = head_kernels(MODEL, 1, n, 2, prof, H100.flops, "eager-fp32")
+    fused = head_kernels(MODEL, 1, n, 2, prof, H100.flops, "fused")
+    saved = (ref.head_fwd - got.head_fwd, ref.head_bwd - got.head_bwd)
+    assert saved[0] > 0 and saved[1] > 0  # the loss's bytes, scaled as every kernel is
+    assert saved[0] / (eager[0] - fused[0]) == pytest.approx(saved[1] / (eager[1] - fused[1]))
+    assert b.timing.step_time < a.timing.step_time
+
+
+@pytest.mark.parametrize(("kernels", "loss"), [("torchtitan", True), ("plait", False)])
+def test_plan_compile_flag_compiles_torchtitans_loss_only(kernels: str, loss: bool) -> None:
+    """``plait plan --compile``: torchtitan compiles its loss with the blocks, plait train
+    the blocks only."""
+    from argparse import Namespace
+
+    from plait.plan.cli import _software
+
+    args = Namespace(
+        kernels=kernels,
+        tp_overlap="none",
+        param_gather_overlap=False,
+        grad_reduce_bf16=False,
+        compile=True,
+        float8="none",
+        float8_all_gather=False,
+    )
+    assert _software(args).compiled_loss is loss
+    assert _software(Namespace(**{**vars(args), "compile": False})).compiled_loss is False

@@ -229,6 +229,7 @@ def _software(args: argparse.Namespace) -> Software:
         compiled=args.compile,
         float8=args.float8,
         float8_all_gather=args.float8_all_gather,
+        compiled_loss=args.compile and args.kernels == "torchtitan",
     )
 
 

@@ -188,7 +188,8 @@ def kernel_times(
     redo_gap = {"none": 0.0, "selective": gap / 2, "full": gap}[layout.ac]
     head_f = head_b = 0.0
     if load.head:
-        head_f, head_b = head_kernels(model, tp, n, e, prof, peak, kernels.loss)
+        loss = "fused" if software.compiled_loss else kernels.loss
+        head_f, head_b = head_kernels(model, tp, n, e, prof, peak, loss)
     if load.embedding:  # the lookup's rows, and backward's scatter into the gradient
         rows = elementwise_seconds(n * model.d_model * e, prof)
         head_f, head_b = head_f + rows, head_b + 2 * rows

@@ -168,7 +168,8 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
         Flag(
             "compile",
             "price torch.compile of each block (plait train --compile): fused norms, "
-            "activation, rope and residual additions, fewer kernel launches",
+            "activation, rope and residual additions, fewer kernel launches; with "
+            "--kernels torchtitan the loss too (torchtitan compiles it with the blocks)",
             action="store_true",
         ),
         Flag(

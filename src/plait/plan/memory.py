@@ -242,7 +242,8 @@ def _logits(r: MemoryRank) -> float:
     inputs."""
     n, e, tp = r.n, r.e, r.layout.tp
     v, in_flight = r.model.vocab / tp, max(r.load.head_in_flight, 1)
-    if r.keeps.loss == "fused_ce":  # the logits of each microbatch in flight, one gradient
+    if r.keeps.loss == "fused_ce" or r.software.compiled_loss:  # the logits in flight, one
+        # gradient (a compiled loss saves the compute-dtype logits and per-row statistics)
         logits = n * v * e * (in_flight + 1)
     else:
         # The log-probabilities and the backward's gradients: fp32 when the loss runs on

@@ -167,7 +167,14 @@ class Software:
       with an fp8 peak (:func:`plait.plan.devices.fp8_peak`);
     * ``float8_all_gather``: ``fully_shard`` all-gathers the blocks' linear weights in
       fp8 (torchao's ``enable_fsdp_float8_all_gather``, tensorwise only): 1 byte per
-      parameter instead of the compute dtype's, and no weight casts in the blocks.
+      parameter instead of the compute dtype's, and no weight casts in the blocks;
+    * ``compiled_loss``: ``torch.compile`` of the cross-entropy over the logits too
+      (torchtitan's ``compile`` since 2025-04, ``build_cross_entropy_loss``; not ``plait
+      train --compile``, which compiles the blocks): inductor fuses the upcast, the
+      log-softmax and its backward, so the loss moves ``3 e`` bytes per vocabulary element
+      (:data:`plait.plan.stacks.LOSS_BYTES` ``"fused"``) and keeps no fp32
+      full-vocabulary tensor: the compute-dtype logits and, in backward, their gradient
+      (memory as a fused cross-entropy, :class:`plait.plan.keeps.Keeps` ``"fused_ce"``).
 
     The default is what ``plait train`` runs.
     """
@@ -182,8 +189,14 @@ class Software:
     compiled: bool = False
     float8: str = "none"
     float8_all_gather: bool = False
+    compiled_loss: bool = False
 
     def __post_init__(self) -> None:
+        if self.compiled_loss and not self.compiled:
+            raise ValueError(
+                "compiled_loss needs compiled=True (torchtitan compiles its loss with the "
+                "blocks, under one flag)"
+            )
         if self.float8 not in FLOAT8_RECIPES:
             raise ValueError(f"float8 must be one of {FLOAT8_RECIPES}, got {self.float8!r}")
         if self.float8_all_gather and self.float8 != "tensorwise":

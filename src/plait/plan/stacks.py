@@ -35,8 +35,9 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   max-autotune), so their times do not change. Kernels per block forward
   (:data:`COMPILED_KERNELS`): 7 GEMMs (q, k, v, o, gate, up, down), flash attention, two
   fused norms, rope, the activation, the last residual addition: 13 (a stack already
-  launching fewer keeps its count). The head and its loss are not compiled (torchtitan and
-  ``plait train --compile`` compile the blocks only).
+  launching fewer keeps its count). The head is not compiled; the loss is where
+  ``Software.compiled_loss`` says (torchtitan's since 2025-04; ``plait train --compile``
+  compiles the blocks only), then priced as ``"fused"`` below.
 * ``float8`` (torchao ``Float8Linear`` as torchtitan converts the model, ``"tensorwise"``
   or ``"rowwise"``): every linear of a block (q, k, v, o, the MLP's, a MoE's shared
   experts; not the head, not a MoE's router nor its routed experts, a grouped GEMM)
