@@ -883,7 +883,7 @@ EXCLUDED_RUNS = (
         role="validation",
         series="",
         size="405B",
-        device="h100",
+        device="h100-hbm2e",
         memory_gib=96,
         model=preset("llama3-405b"),
         layout=Layout(dp_shard=16, tp=8, ac="full"),

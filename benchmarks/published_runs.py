@@ -464,7 +464,7 @@ def _titan(
         role=role,
         series="",
         size=size,
-        device="h100",
+        device="h100-hbm2e",
         memory_gib=96,
         model=preset(f"llama3-{size.lower()}"),
         layout=layout,

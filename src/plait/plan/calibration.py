@@ -11,9 +11,10 @@ factor dividing every kernel time, fitted here on the four runs that
 generation), copied below with their sources so that the planner does not import the
 benchmarks (``tests/test_plan_cost.py`` checks both agree):
 
-* torchtitan Llama 3.1 8B, 8 x H100, FSDP 8, selective checkpointing, local batch 2 x
-  8,192: 5,762 tokens/s per GPU (pytorch/torchtitan
-  ``benchmarks/llama3_h100_202412_torchtitan.md``, table 1);
+* torchtitan Llama 3.1 8B, 8 x H100 (Grand Teton's 96 GB HBM2e at 500 W: the
+  ``h100-hbm2e`` preset), FSDP 8, selective checkpointing, local batch 2 x 8,192: 5,762
+  tokens/s per GPU (pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``,
+  table 1);
 * Megatron-LM 145B GPT, 1,536 A100s, TP 8 x PP 8 x DP 24, global batch 2,304 x 2,048,
   full recomputation: 148 TFLOP/s per GPU in Narayanan et al.'s count (arXiv 2104.04473,
   table 1), 123.8 tokens/s per GPU;
@@ -84,7 +85,7 @@ class PublishedRun:
 CALIBRATION_RUN = PublishedRun(
     name="torchtitan T1 8B FSDP 8",
     model=preset("llama3-8b"),
-    device="h100",
+    device="h100-hbm2e",
     layout=Layout(dp_shard=8, ac="selective"),
     work=Workload(seq_len=8192, global_batch=16, precision="bf16"),
     tokens_per_s_per_device=5762.0,

@@ -58,15 +58,15 @@ __all__ = [
     "kernel_times",
 ]
 
-EFFICIENCY = 0.8113
+EFFICIENCY = 0.8435
 """The sustained fraction: every roofline kernel time is divided by it (fitted by
 :mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
 
 STACK_SCALE: dict[str, float] = {
-    "torchtitan": 0.9446,
-    "megatron-2021": 1.1071,
-    "megatron-core": 1.1872,
-    "llm-foundry": 0.9589,
+    "torchtitan": 1.0437,
+    "megatron-2021": 1.0648,
+    "megatron-core": 1.1418,
+    "llm-foundry": 0.9223,
 }
 """Per software stack (:data:`plait.plan.stacks.STACKS`), the factor its sustained
 fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
@@ -85,7 +85,13 @@ A100s fits its stack, MPT-7B on 8 H100s the Hopper scale); 1 for a generation wi
 pair (the B200)."""
 
 #: The generation of each device preset with a roofline profile.
-GENERATIONS = {"h100": "hopper", "h200": "hopper", "a100": "ampere", "a100-40gb": "ampere"}
+GENERATIONS = {
+    "h100": "hopper",
+    "h200": "hopper",
+    "h100-hbm2e": "hopper",
+    "a100": "ampere",
+    "a100-40gb": "ampere",
+}
 
 
 def device_scale(device: DeviceSpec) -> float:

@@ -15,6 +15,15 @@ HBM bandwidth (:data:`MEMORY_BANDWIDTH`, the roofline's memory-bound kernels,
 :mod:`plait.plan.roofline`), datasheets: H100 SXM 3.35 TB/s, H200 4.8 TB/s, A100 80 GB
 2.0 TB/s (the 40 GB part: 1.55), B200 8 TB/s. The ``cpu`` preset has none (no roofline).
 
+``h100-hbm2e``: the H100 of Meta's Grand Teton hosts, on which torchtitan's published
+benchmarks ran (``benchmarks/llama3_h100_202412_torchtitan.md``, and ``docs/performance.md``
+of 2024): "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", "the default 500W power
+limit", and a peak "between SXM and NVL" that the source does not know exactly: the
+midpoint of the SXM's 989 and the NVL's 835 TFLOP/s dense bf16 is taken, 912 (fp8 and
+fp32 the same way: 1,825 and 62). Pricing those runs as a 700 W, 3.35 TB/s H100 SXM put
+the hardware's shortfall into torchtitan's fitted software scale, which then
+under-predicted torchtitan on every other device.
+
 Dense fp8 peaks (``flops_fp8``: Float8 GEMMs, :func:`fp8_peak`), datasheets without
 sparsity, on the same convention as the bf16 figures (the datasheets print the sparse
 figure, twice the dense one): H100 / H200 SXM 1,979 TFLOP/s (NVIDIA H100 Tensor Core GPU
@@ -54,6 +63,9 @@ DEVICES: dict[str, DeviceSpec] = {
     for d in (
         DeviceSpec("h100", 80 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12, flops_fp8=1979e12),
         DeviceSpec("h200", 140 * _GIB, 989e12, 450e9, 50e9, 8, flops_fp32=67e12, flops_fp8=1979e12),
+        DeviceSpec(
+            "h100-hbm2e", 95 * _GIB, 912e12, 450e9, 50e9, 8, flops_fp32=62e12, flops_fp8=1825e12
+        ),
         DeviceSpec("a100", 80 * _GIB, 312e12, 300e9, 25e9, 8, flops_fp32=19.5e12),
         DeviceSpec("a100-40gb", 40 * _GIB, 312e12, 300e9, 25e9, 8, flops_fp32=19.5e12),
         DeviceSpec(
@@ -65,6 +77,7 @@ DEVICES: dict[str, DeviceSpec] = {
 MEMORY_BANDWIDTH: dict[str, float] = {
     "h100": 3.35e12,
     "h200": 4.8e12,
+    "h100-hbm2e": 2.4e12,
     "a100": 2.0e12,
     "a100-40gb": 1.55e12,
     "b200": 8.0e12,
@@ -74,6 +87,7 @@ MEMORY_BANDWIDTH: dict[str, float] = {
 STREAMING_MULTIPROCESSORS: dict[str, int] = {
     "h100": 132,
     "h200": 132,
+    "h100-hbm2e": 132,
     "a100": 108,
     "a100-40gb": 108,
     "b200": 148,
@@ -117,7 +131,7 @@ def fp8_peak(spec: DeviceSpec) -> float:
     if spec.flops_fp8 <= 0:
         raise ValueError(
             f"float8 needs fp8 tensor cores: device {spec.name!r} has no fp8 peak (the "
-            "h100, h200 and b200 presets have one); drop float8 (--float8 none, "
+            "h100, h200, h100-hbm2e and b200 presets have one); drop float8 (--float8 none, "
             "Software(float8='none')) or plan for one of those devices"
         )
     return spec.flops_fp8

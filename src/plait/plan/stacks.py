@@ -177,6 +177,7 @@ FLOPs counted, by kernel and device generation (module docstring)."""
 ATTENTION_GENERATION = {
     "h100": "h100",
     "h200": "h100",
+    "h100-hbm2e": "h100",
     "a100": "a100",
     "a100-40gb": "a100",
     "b200": "b200",
@@ -213,7 +214,7 @@ def compiled(kernels: Stack) -> Stack:
     )
 
 
-FP8_GEMM: dict[str, float] = {"h100": 0.70, "h200": 0.70, "b200": 0.65}
+FP8_GEMM: dict[str, float] = {"h100": 0.70, "h200": 0.70, "h100-hbm2e": 0.70, "b200": 0.65}
 """Per device preset, the fraction of the dense fp8 peak large fp8 GEMMs reach (an
 assumption, module docstring, "torch.compile and Float8")."""
 
