@@ -446,6 +446,14 @@ _ASYNC_TP = "async TP"
 _PP_DEFAULTS = "microbatches and stages per rank assumed (torchtitan's defaults)"
 
 
+_TITAN_SPEED = (
+    "torch.compile of the blocks (the loss was compiled from 2025-04 on) and Float8 as "
+    "torchtitan's docs/float8.md at 9dec370 runs it: tensorwise, with Float8 all-gathers "
+    "(assumed: the table names Float8 only); priced by the planner's compile and Float8 "
+    "models, nothing fitted to these rows"
+)
+
+
 def _titan(
     name: str,
     table: int,
@@ -453,10 +461,20 @@ def _titan(
     layout: Layout,
     work: Workload,
     tokens: float,
-    unmodelled: tuple[str, ...] = (),
+    speed: tuple[str, ...] = (),
     notes: tuple[str, ...] = (),
     role: str = "validation",
 ) -> PublishedRun:
+    """A row of torchtitan's Dec 2024 table; ``speed``: which of torch.compile, Float8 and
+    async TP it ran (all priced: :data:`_TITAN_SPEED`)."""
+    float8 = _FLOAT8 in speed
+    software = Software(
+        "torchtitan",
+        "async" if _ASYNC_TP in speed else "none",
+        compiled=_COMPILE in speed,
+        float8="tensorwise" if float8 else "none",
+        float8_all_gather=float8,
+    )
     return PublishedRun(
         name=f"torchtitan {name}",
         code_base=TORCHTITAN,
@@ -473,9 +491,8 @@ def _titan(
         value=tokens,
         flops="plait",
         dp_flavour="FSDP",
-        notes=_TITAN_NOTES + notes,
-        excluded=", ".join(unmodelled),
-        software=Software("torchtitan", "async" if _ASYNC_TP in unmodelled else "none"),
+        notes=_TITAN_NOTES + ((_TITAN_SPEED,) if speed else ()) + notes,
+        software=software,
     )
 
 
