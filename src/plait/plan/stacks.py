@@ -17,7 +17,12 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   dimension as one side, and the fused scale-mask-softmax and dropout 0.1 reading and
   writing every score (``2 e`` and ``2 e + 1`` bytes); 18 kernels;
 * ``llm-foundry`` (MPT): flash attention (FlashAttention-2 figures), low-precision
-  LayerNorm in one pass, eager GELU and residuals; 14 kernels;
+  LayerNorm in one pass, eager GELU and residuals; 14 kernels. Its published tables ran
+  llm-foundry's Triton flash attention (``attn_impl: triton``, the default of its
+  ``submit_benchmarks.py`` then), which no cited figure prices on the H100: priced as
+  FlashAttention-2 (FlashAttention-2's paper puts it 1.3-1.5x faster forward and 2x
+  backward than that kernel on the A100; those ratios under-predict the tables' long
+  sequences);
 * ``plait`` / ``torchtitan``: 38 kernels (the fp32 RMSNorm alone is 8). torchtitan's
   selective checkpointing (its ``op`` policy) saves attention and every second matmul,
   recomputing the other matmuls and the memory-bound work.
