@@ -48,6 +48,7 @@ from plait.train.data import load_data
 from plait.train.loop import build_model
 from plait.train.model import token_loss
 from plait.train.optimizer import build_optimizer, lr_at, set_lr
+from plait.train.replica_worker import hold_marker
 from plait.train.replicas import _kill, _start_lighthouse, lighthouse_status
 from plait.train.step_batch import step_batch
 
@@ -103,7 +104,7 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
 
-    while args.after_hold and not (args.out.parent / f"hold-{args.after_hold}").exists():
+    while args.after_hold and not hold_marker(args.out.parent, args.after_hold).exists():
         time.sleep(0.05)  # before the manager: from then on the group heartbeats (deadline)
     manager = torchft.Manager(
         pg=torchft.ProcessGroupGloo(timeout=timeout),
@@ -135,7 +136,7 @@ def main() -> None:
     tokens = cfg.batch_size // groups * cfg.seq_len
     while manager.current_step() < cfg.steps:
         if manager.current_step() + 1 in holds:
-            (args.out.parent / f"hold-{manager.current_step() + 1}").touch()
+            hold_marker(args.out.parent, manager.current_step() + 1).touch()
             wait_lighthouse(groups, rejoin=True)
         manager.start_quorum()
         step = manager.current_step() + 1

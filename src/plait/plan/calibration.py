@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from plait.layout import LAYOUT_FIELDS
 from plait.plan.compute_time import GENERATIONS, device_scale
-from plait.plan.devices import device, override
+from plait.plan.devices import device, family, override
 from plait.plan.models import gpt, preset
 from plait.plan.schedule import layout_shape
 from plait.plan.spec import Layout, ModelSpec, PlanLayout, Software, Workload
@@ -219,5 +219,5 @@ def calibrate_devices(
                 low = mid
             else:
                 high = mid
-        out[GENERATIONS[run.device]] = round((low + high) / 2, 4)
+        out[GENERATIONS[family(run.device)]] = round((low + high) / 2, 4)
     return out

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.plan.devices import compute_peak, fp8_peak
+from plait.plan.devices import compute_peak, family, fp8_peak
 from plait.plan.models import attention_flops_per_token
 from plait.plan.roofline import block_kernels, elementwise_seconds, head_kernels, profile
 from plait.plan.schedule import RankLoad
@@ -84,19 +84,14 @@ on the one code base published on both generations in one table (llm-foundry: MP
 A100s fits its stack, MPT-7B on 8 H100s the Hopper scale); 1 for a generation without such a
 pair (the B200)."""
 
-#: The generation of each device preset with a roofline profile.
-GENERATIONS = {
-    "h100": "hopper",
-    "h200": "hopper",
-    "h100-hbm2e": "hopper",
-    "a100": "ampere",
-    "a100-40gb": "ampere",
-}
+#: The generation of each chip family (:func:`plait.plan.devices.family`) with a roofline
+#: profile.
+GENERATIONS = {"h100": "hopper", "a100": "ampere"}
 
 
 def device_scale(device: DeviceSpec) -> float:
     """:data:`DEVICE_SCALE` of ``device``'s generation (1 for the A100 and unknown ones)."""
-    return DEVICE_SCALE.get(GENERATIONS.get(device.name, ""), 1.0)
+    return DEVICE_SCALE.get(GENERATIONS.get(family(device.name), ""), 1.0)
 
 
 FLAT_EFFICIENCY = 0.3641

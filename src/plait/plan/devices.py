@@ -34,6 +34,13 @@ per GPU, beside its 2.25 PFLOP/s dense bf16). The A100 has no fp8 tensor cores a
 
 Streaming multiprocessors (:data:`STREAMING_MULTIPROCESSORS`), datasheets: H100 / H200
 SXM 132, A100 108, B200 148.
+
+**Chip families** (:data:`FAMILY`, :func:`family`): presets built on the same chip share
+its figures beyond memory and peaks: streaming multiprocessors here, and the cost model's
+per-chip tables (the roofline's kernel fractions, flash attention's, fp8 GEMMs', the
+sustained-fraction generation), which are keyed by family. The H200 and ``h100-hbm2e`` are
+H100s (GH100); the 40 GB A100 an A100. A new preset of a known chip needs its
+:data:`DEVICES` entry, its :data:`MEMORY_BANDWIDTH` and its family.
 """
 
 from __future__ import annotations
@@ -45,10 +52,12 @@ from plait.plan.spec import DeviceSpec
 
 __all__ = [
     "DEVICES",
+    "FAMILY",
     "MEMORY_BANDWIDTH",
     "STREAMING_MULTIPROCESSORS",
     "compute_peak",
     "device",
+    "family",
     "fp8_peak",
     "memory_bandwidth",
     "override",
@@ -84,15 +93,18 @@ MEMORY_BANDWIDTH: dict[str, float] = {
 }
 """HBM bytes/s per device preset (datasheets; module docstring)."""
 
-STREAMING_MULTIPROCESSORS: dict[str, int] = {
-    "h100": 132,
-    "h200": 132,
-    "h100-hbm2e": 132,
-    "a100": 108,
-    "a100-40gb": 108,
-    "b200": 148,
+FAMILY: dict[str, str] = {
+    "h100": "h100",
+    "h200": "h100",
+    "h100-hbm2e": "h100",
+    "a100": "a100",
+    "a100-40gb": "a100",
+    "b200": "b200",
 }
-"""Streaming multiprocessors per device preset (datasheets; module docstring): how many
+"""The chip family of each GPU preset (module docstring, "Chip families")."""
+
+STREAMING_MULTIPROCESSORS: dict[str, int] = {"h100": 132, "a100": 108, "b200": 148}
+"""Streaming multiprocessors per chip family (datasheets; module docstring): how many
 thread blocks run at once, which decides how much of the GPU a collective's blocks take
 from compute beside it (:data:`plait.plan.timing.COLLECTIVE_CTAS`)."""
 
@@ -137,10 +149,16 @@ def fp8_peak(spec: DeviceSpec) -> float:
     return spec.flops_fp8
 
 
+def family(name: str) -> str:
+    """The chip family of the preset ``name`` (:data:`FAMILY`; the name itself when it
+    has none, e.g. ``cpu``)."""
+    return FAMILY.get(name, name)
+
+
 def streaming_multiprocessors(spec: DeviceSpec) -> int:
-    """Streaming multiprocessors of ``spec``'s preset (0 when unknown: a measured device
+    """Streaming multiprocessors of ``spec``'s chip (0 when unknown: a measured device
     or the ``cpu`` preset, whose rates already include what collectives take)."""
-    return 0 if spec.measured else STREAMING_MULTIPROCESSORS.get(spec.name, 0)
+    return 0 if spec.measured else STREAMING_MULTIPROCESSORS.get(family(spec.name), 0)
 
 
 def memory_bandwidth(spec: DeviceSpec) -> float:

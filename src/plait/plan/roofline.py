@@ -87,13 +87,13 @@ from dataclasses import dataclass
 from plait.plan.devices import (
     DEVICES,
     STREAMING_MULTIPROCESSORS,
+    family,
     memory_bandwidth,
     streaming_multiprocessors,
 )
 from plait.plan.spec import DeviceSpec, ModelSpec
 from plait.plan.stacks import (
     ATTENTION,
-    ATTENTION_GENERATION,
     LOSS_BYTES,
     STACKS,
     Float8,
@@ -140,25 +140,23 @@ class KernelProfile:
 _H100 = (0.80, 0.35, 0.30)
 PROFILES: dict[str, tuple[float, float, float]] = {
     "h100": _H100,
-    "h200": _H100,
-    "h100-hbm2e": _H100,
     "a100": (0.87, 0.70, 0.60),
-    "a100-40gb": (0.87, 0.70, 0.60),
     "b200": (0.75, 0.35, 0.30),
 }
-"""Per device preset: ``(gemm, attention_fwd, attention_bwd)`` (sources: module
-docstring)."""
+"""Per chip family (:func:`plait.plan.devices.family`): ``(gemm, attention_fwd,
+attention_bwd)`` (sources: module docstring)."""
 
 
 def profile(device: DeviceSpec) -> KernelProfile | None:
     """The roofline profile of ``device`` (None: no roofline, see the module docstring).
     Measured devices have none (their rates are achieved rates already)."""
-    if device.measured or device.name not in PROFILES:
+    chip = family(device.name)
+    if device.measured or chip not in PROFILES:
         return None
     bandwidth = memory_bandwidth(device)
     if not bandwidth:
         return None
-    gemm, fwd, bwd = PROFILES[device.name]
+    gemm, fwd, bwd = PROFILES[chip]
     return KernelProfile(gemm, fwd, bwd, bandwidth, k_half(device))
 
 
@@ -171,7 +169,7 @@ def k_half(device: DeviceSpec) -> float:
     if not sms:
         return GEMM_HALF
     reference = DEVICES["a100"]
-    per_sm = reference.flops / STREAMING_MULTIPROCESSORS[reference.name]
+    per_sm = reference.flops / STREAMING_MULTIPROCESSORS[family(reference.name)]
     return GEMM_HALF * (device.flops / sms) / per_sm
 
 
@@ -226,8 +224,7 @@ docstring)."""
 def attention_fractions(kernel: str, device: str, prof: KernelProfile) -> tuple[float, float]:
     """Forward and backward fraction of the peak of the flash ``kernel`` on ``device``
     (the profile's FlashAttention-2 figures where the table has none)."""
-    generation = ATTENTION_GENERATION.get(device, device)
-    return ATTENTION.get((kernel, generation), (prof.attention_fwd, prof.attention_bwd))
+    return ATTENTION.get((kernel, family(device)), (prof.attention_fwd, prof.attention_bwd))
 
 
 @dataclass(frozen=True)

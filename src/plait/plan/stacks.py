@@ -93,12 +93,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from plait.plan.devices import fp8_peak
+from plait.plan.devices import family, fp8_peak
 from plait.plan.spec import DeviceSpec, Software
 
 __all__ = [
     "ATTENTION",
-    "ATTENTION_GENERATION",
     "COMPILED_KERNELS",
     "FP8_GEMM",
     "LOSS_BYTES",
@@ -177,17 +176,8 @@ ATTENTION: dict[tuple[str, str], tuple[float, float]] = {
     ("cudnn", "b200"): (0.55, 0.45),
 }
 """Flash attention kernels' fractions of the dense peak ``(forward, backward)``, causal
-FLOPs counted, by kernel and device generation (module docstring)."""
-
-ATTENTION_GENERATION = {
-    "h100": "h100",
-    "h200": "h100",
-    "h100-hbm2e": "h100",
-    "a100": "a100",
-    "a100-40gb": "a100",
-    "b200": "b200",
-}
-"""The generation whose :data:`ATTENTION` figures a device preset takes."""
+FLOPs counted, by kernel and chip family (:func:`plait.plan.devices.family`; module
+docstring)."""
 
 LOSS_BYTES: dict[str, tuple[float, float]] = {
     "eager-fp32": (28.0, 2.0),
@@ -219,9 +209,10 @@ def compiled(kernels: Stack) -> Stack:
     )
 
 
-FP8_GEMM: dict[str, float] = {"h100": 0.70, "h200": 0.70, "h100-hbm2e": 0.70, "b200": 0.65}
-"""Per device preset, the fraction of the dense fp8 peak large fp8 GEMMs reach (an
-assumption, module docstring, "torch.compile and Float8")."""
+FP8_GEMM: dict[str, float] = {"h100": 0.70, "b200": 0.65}
+"""Per chip family (:func:`plait.plan.devices.family`), the fraction of the dense fp8
+peak large fp8 GEMMs reach (an assumption, module docstring, "torch.compile and
+Float8")."""
 
 
 @dataclass(frozen=True)
@@ -257,7 +248,7 @@ def float8(device: DeviceSpec, software: Software, gemm: float, k_half: float) -
     if software.float8 == "none":
         return None
     peak = fp8_peak(device)
-    fraction = FP8_GEMM.get(device.name, gemm)
+    fraction = FP8_GEMM.get(family(device.name), gemm)
     per_element, fixed, kernels = cast_cost(software.compiled, software.float8)
     # The fixed prologue and epilogue against a main loop at the fp8 rate per SM.
     half = k_half * peak / device.flops

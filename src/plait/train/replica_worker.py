@@ -63,7 +63,7 @@ from plait.train.reporter import Reporter
 from plait.train.restart import restart_count, restarted
 from plait.train.step_batch import global_loss
 
-__all__ = ["HOLD_VARIABLE", "train_replica"]
+__all__ = ["HOLD_VARIABLE", "hold_marker", "train_replica"]
 
 #: Test-only: ``STEP`` or ``STEP,STEP,...``: before each such step's quorum, the groups in
 #: their first life leave a marker (``<run-dir>/replicas/hold-STEP``) and wait until another
@@ -104,6 +104,12 @@ def _wait_for_groups(url: str, groups: int, seconds: float, predicate: str) -> N
             if heartbeating >= groups and (predicate == "start" or waiting >= 1):
                 return
         time.sleep(0.05)
+
+
+def hold_marker(directory: Path, step: int) -> Path:
+    """(test-only) The file in ``directory`` that says the live groups hold before ``step``
+    (:data:`HOLD_VARIABLE`; torch's reference in the tests leaves the same)."""
+    return directory / f"hold-{step}"
 
 
 def _holds(cfg: TrainConfig) -> tuple[list[int], Path]:
@@ -202,20 +208,26 @@ def train_replica(cfg: TrainConfig) -> TrainResult:
     life = restart_count()
     session = _Session(cfg, (group, cfg.replica_groups))
     start = session.resume() if cfg.resume else 0
-    holds, markers = _holds(cfg)
-    if 0 < life <= len(holds):  # (test-only) rejoin at the survivors' hold, not before:
+    holds = _holds(cfg)
+    steps, markers = holds
+    if 0 < life <= len(steps):  # (test-only) rejoin at the survivors' hold, not before:
         # a group heartbeats from its manager's creation on, and the lighthouse waits for
         # every group heartbeating before it forms a quorum
-        _wait_for_file(markers / f"hold-{holds[life - 1]}", _patience(cfg))
+        _wait_for_file(hold_marker(markers, steps[life - 1]), _patience(cfg))
     replica = _Replica(session, cfg, group, start)
     try:
-        return _train(session, replica, cfg, start, life)
+        return _train(session, replica, cfg, start, life, holds)
     finally:
         replica.manager.shutdown(wait=False)
 
 
 def _train(
-    session: _Session, replica: _Replica, cfg: TrainConfig, start: int, life: int
+    session: _Session,
+    replica: _Replica,
+    cfg: TrainConfig,
+    start: int,
+    life: int,
+    holds: tuple[list[int], Path],
 ) -> TrainResult:
     manager, groups = replica.manager, cfg.replica_groups
     url = os.environ.get(LIGHTHOUSE_VARIABLE, "")
@@ -234,13 +246,13 @@ def _train(
         validate(0)
     if os.environ.get(START_VARIABLE):  # the first quorum waits for every group
         _wait_for_groups(url, int(os.environ[START_VARIABLE]), cfg.fault_timeout, "start")
-    holds, markers = _holds(cfg)
+    steps, markers = holds
     failed = 0
     while manager.current_step() < last:
-        if manager.current_step() + 1 in holds and life == 0:  # (test-only)
+        if manager.current_step() + 1 in steps and life == 0:  # (test-only)
             if rank0:
                 markers.mkdir(parents=True, exist_ok=True)
-                (markers / f"hold-{manager.current_step() + 1}").touch()
+                hold_marker(markers, manager.current_step() + 1).touch()
             _wait_for_groups(url, groups, _patience(cfg), "rejoin")
         manager.start_quorum()  # heals this group if it is behind
         step = manager.current_step() + 1
