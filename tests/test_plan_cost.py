@@ -11,12 +11,14 @@ from plait.plan import Layout, Workload, device, preset, roofline, stacks, timin
 from plait.plan.calibration import (
     CALIBRATION_RUNS,
     DEVICE_RUNS,
+    HOST_RUNS,
     calibrate,
     calibrate_devices,
+    calibrate_host,
     calibrate_stacks,
 )
 from plait.plan.calibration import predicted as calibration_predicted
-from plait.plan.compute_time import DEVICE_SCALE
+from plait.plan.compute_time import DEVICE_SCALE, STACK_HOST
 from plait.plan.devices import memory_bandwidth
 from plait.plan.models import gpt
 from plait.plan.roofline import (
@@ -192,12 +194,56 @@ def test_generation_scales_are_fitted_on_a_stack_fitted_on_the_a100() -> None:
     assert half < calibration_predicted(run, EFFICIENCY)
 
 
+def test_host_seconds_are_fitted_on_one_run_of_their_stack() -> None:
+    fitted = calibrate_host()
+    assert set(fitted) == set(STACK_HOST) == {r.software.kernels for r in HOST_RUNS}
+    for name, host in fitted.items():
+        assert host == pytest.approx(STACK_HOST[name], rel=0.01), name
+    # The fit leaves the table as it was.
+    assert calibrate_host() == fitted
+
+
+def test_megatron_deepspeed_is_megatron_2021_plus_host_time_per_block_and_microbatch() -> None:
+    run = HOST_RUNS[0]
+    dev = device("a100")
+
+    def step(kernels: str, microbatches: int) -> float:
+        layout = dataclasses.replace(run.layout, microbatches=microbatches)
+        work = dataclasses.replace(run.work, global_batch=microbatches * 16)
+        shape = layout_shape(run.model, layout)
+        sw = Software(kernels, grad_reduce_fp32=True)
+        return predict_time(run.model, layout, work, dev, shape, software=sw).step_time
+
+    # Same kernels and scale: the difference is the host time alone, growing by the same
+    # amount with each micro-batch (forward, full recompute, backward: 4 x per block on the
+    # busiest stage's blocks).
+    extra = [step("megatron-deepspeed", m) - step("megatron-2021", m) for m in (64, 128)]
+    blocks = max(r.layers for r in layout_shape(run.model, run.layout).ranks)
+    per_microbatch = 4 * STACK_HOST["megatron-deepspeed"] * blocks
+    assert extra[1] - extra[0] == pytest.approx(64 * per_microbatch, rel=0.05)
+    assert stacks.stack("megatron-deepspeed").scale_of == "megatron-2021"
+
+
 def test_calibration_runs_match_the_published_table() -> None:
     published = pytest.importorskip("benchmarks.published_runs")
     rows = {r.name: r for r in published.CALIBRATION}
     assert set(rows) == {r.name for r in CALIBRATION_RUNS + DEVICE_RUNS}
     for run in CALIBRATION_RUNS + DEVICE_RUNS:
         row = rows[run.name]
+        assert (row.model, row.layout, row.work, row.device, row.software, row.zero) == (
+            run.model,
+            run.layout,
+            run.work,
+            run.device,
+            run.software,
+            run.zero,
+        )
+        assert published.tokens_per_s(row) == pytest.approx(run.tokens_per_s_per_device)
+    fresh = pytest.importorskip("benchmarks.published_fresh")
+    hosts = {r.name: r for r in fresh.FRESH if r.role == "calibration"}
+    assert set(hosts) == {r.name for r in HOST_RUNS}
+    for run in HOST_RUNS:
+        row = hosts[run.name]
         assert (row.model, row.layout, row.work, row.device, row.software, row.zero) == (
             run.model,
             run.layout,

@@ -34,30 +34,39 @@ generation's scale 1); :func:`calibrate_stacks` then each software stack's scale
 (:data:`plait.plan.compute_time.STACK_SCALE`), from that stack's one run at its generation's
 scale; :func:`calibrate_devices` each later generation's scale
 (:data:`plait.plan.compute_time.DEVICE_SCALE`) from its run of a stack fitted on the A100.
-Each run carries its software as ``benchmarks/published_runs.py`` states it. Every other
-published row is a prediction.
+:func:`calibrate_host` fits a stack's host seconds per block
+(:data:`plait.plan.compute_time.STACK_HOST`) on its one run (:data:`HOST_RUNS`):
+Megatron-DeepSpeed's, BLOOM-176B's production run, 384 A100s, TP 4 x PP 12 x DP 8, ZeRO-1,
+micro-batch 2 x 2,048, global batch 2,048, full checkpointing: 19.561 samples/s
+(bigscience-workshop/bigscience ``train/tr11-176B-ml/README.md``, the log line of iteration
+85,376), its scale being Megatron-LM 2021's (the same kernels). Each run carries its
+software as the benchmarks state it. Every other published row is a prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from plait.layout import LAYOUT_FIELDS
-from plait.plan.compute_time import GENERATIONS, device_scale
+from plait.plan import compute_time
+from plait.plan.compute_time import GENERATIONS, device_scale, stack_scale
 from plait.plan.devices import device, family, override
 from plait.plan.models import gpt, preset
 from plait.plan.schedule import layout_shape
 from plait.plan.spec import Layout, ModelSpec, PlanLayout, Software, Workload
-from plait.plan.timing import EFFICIENCY, STACK_SCALE, predict_time
+from plait.plan.timing import EFFICIENCY, predict_time
 
 __all__ = [
     "CALIBRATION_RUN",
     "CALIBRATION_RUNS",
     "DEVICE_RUNS",
+    "HOST_RUNS",
     "PublishedRun",
     "calibrate",
     "calibrate_devices",
+    "calibrate_host",
     "calibrate_stacks",
     "predicted",
 ]
@@ -147,6 +156,27 @@ DEVICE_RUNS: tuple[PublishedRun, ...] = (
 )
 """The calibration runs that fit a later generation's scale (module docstring)."""
 
+HOST_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        name="BigScience A100 BLOOM-176B production, TP 4 PP 12 DP 8, MBS 2, GBS 2,048",
+        model=dataclasses.replace(
+            gpt(70, 112, 14336, 2048, vocab=250880, tied=True),
+            name="bloom-like-70x14336",
+            positions=0,
+        ),
+        device="a100",
+        layout=Layout(
+            dp_replicate=8, tp=4, pp=12, microbatches=128, ac="full", sequence_parallel=False
+        ),
+        work=Workload(2048, 2048),
+        tokens_per_s_per_device=19.561 * 2048 / 384,
+        software=Software("megatron-deepspeed", grad_reduce_fp32=True),
+        zero=1,
+        recipe="megatron",
+    ),
+)
+"""The calibration runs that fit a stack's host seconds per block (module docstring)."""
+
 
 def predicted(
     run: PublishedRun,
@@ -164,7 +194,7 @@ def predicted(
         layout = PlanLayout(**fields, zero=run.zero, recipe=run.recipe)
     shape = layout_shape(run.model, layout)
     if scale is not None:
-        efficiency *= scale / STACK_SCALE.get(run.software.kernels, 1.0)
+        efficiency *= scale / stack_scale(run.software.kernels)
     if generation is not None:
         efficiency *= generation / device_scale(dev)
     got = predict_time(run.model, layout, run.work, dev, shape, efficiency, software=run.software)
@@ -201,6 +231,34 @@ def calibrate_stacks(
             else:
                 high = mid
         out[run.software.kernels] = round((low + high) / 2, 4)
+    return out
+
+
+def calibrate_host(
+    runs: tuple[PublishedRun, ...] = HOST_RUNS, efficiency: float = EFFICIENCY
+) -> dict[str, float]:
+    """Each such stack's host seconds per block forward
+    (:data:`plait.plan.compute_time.STACK_HOST`): the value at which its one run's
+    prediction matches, at the fitted scales (bisection per stack; the table is read when
+    called, so each trial sets its entry, restored after)."""
+    out = {}
+    for run in runs:
+        name = run.software.kernels
+        kept = compute_time.STACK_HOST.get(name)
+        low, high = 0.0, 0.1
+        try:
+            for _ in range(50):
+                compute_time.STACK_HOST[name] = mid = (low + high) / 2
+                if predicted(run, efficiency) > run.tokens_per_s_per_device:
+                    low = mid
+                else:
+                    high = mid
+        finally:
+            if kept is None:
+                del compute_time.STACK_HOST[name]
+            else:
+                compute_time.STACK_HOST[name] = kept
+        out[name] = round((low + high) / 2, 5)
     return out
 
 

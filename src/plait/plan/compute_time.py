@@ -23,9 +23,11 @@ not their matrices; without ``fully_shard`` every tp rank runs all of them:
 :func:`~plait.plan.shards.routed_tp`).
 
 **Calibration.** ``EFFICIENCY`` (the shared sustained fraction), ``STACK_SCALE`` (one
-factor per software stack) and ``DEVICE_SCALE`` (one per device generation beyond the
-A100's) are the fitted constants, on the five runs ``benchmarks/published_runs.py`` marks
-``"calibration"``: one per stack, and a second generation of one stack
+factor per software stack), ``DEVICE_SCALE`` (one per device generation beyond the
+A100's) and ``STACK_HOST`` (host seconds per block of a stack whose engine does not run
+ahead of its kernels) are the fitted constants, on the five runs
+``benchmarks/published_runs.py`` marks ``"calibration"`` (one per stack, and a second
+generation of one stack) and the one ``benchmarks/published_fresh.py`` marks so
 (:mod:`plait.plan.calibration`, which recomputes them); the roofline's other figures are
 cited (:mod:`plait.plan.roofline`). Every other published row is a prediction.
 
@@ -52,10 +54,12 @@ __all__ = [
     "DEVICE_SCALE",
     "EFFICIENCY",
     "FLAT_EFFICIENCY",
+    "STACK_HOST",
     "STACK_SCALE",
     "KernelTimes",
     "device_scale",
     "kernel_times",
+    "stack_scale",
 ]
 
 EFFICIENCY = 0.8435
@@ -72,6 +76,20 @@ STACK_SCALE: dict[str, float] = {
 fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
 list cost or save), fitted on that stack's one calibration run by
 :func:`plait.plan.calibration.calibrate_stacks`; 1 for a stack without one (``plait``)."""
+
+STACK_HOST: dict[str, float] = {"megatron-deepspeed": 0.00477}
+"""Per software stack, seconds of host work per block forward that the GPU does not hide
+(backward twice, a full recompute once, a selective one half: as kernel launches count);
+fitted on that stack's one host run by :func:`plait.plan.calibration.calibrate_host`; 0
+for the others, whose host work runs ahead of their kernels. Read when called (so that
+the calibration can try values)."""
+
+
+def stack_scale(name: str) -> float:
+    """The fitted scale of stack ``name`` (:data:`STACK_SCALE`), or of the stack whose
+    kernels it runs (:attr:`plait.plan.stacks.Stack.scale_of`)."""
+    return STACK_SCALE.get(stack(name).scale_of or name, 1.0)
+
 
 DEVICE_SCALE: dict[str, float] = {"hopper": 0.9376}
 """Per device generation (:func:`device_scale`), the factor its sustained fraction is of the
@@ -194,11 +212,13 @@ def kernel_times(
     if load.embedding:  # the lookup's rows, and backward's scatter into the gradient
         rows = elementwise_seconds(n * model.d_model * e, prof)
         head_f, head_b = head_f + rows, head_b + 2 * rows
-    s = efficiency * STACK_SCALE.get(software.kernels, 1.0) * device_scale(device)
+    s = efficiency * stack_scale(software.kernels) * device_scale(device)
+    host = STACK_HOST.get(software.kernels, 0.0)
+    redo_host = {"none": 0.0, "selective": host / 2, "full": host}[layout.ac]
     return KernelTimes(
-        fwd / s + gap,
-        bwd / s + 2 * gap,
-        recompute / s + redo_gap,
+        fwd / s + gap + host,
+        bwd / s + 2 * (gap + host),
+        recompute / s + redo_gap + redo_host,
         gemm / s,
         attn / s,
         head_f / s,

@@ -113,7 +113,7 @@ class Software:
     * ``kernels``: the software stack whose kernels run a block
       (:data:`plait.plan.stacks.STACKS`: ``"plait"``, eager PyTorch as plait runs it;
       ``"torchtitan"``; ``"megatron-core"``, Transformer Engine; ``"megatron-2021"``;
-      ``"llm-foundry"``);
+      ``"megatron-deepspeed"``, the same kernels under DeepSpeed's engine; ``"llm-foundry"``);
     * ``tp_overlap``: ``"none"`` (torch's TP collectives in the compute stream, exposed) or
       ``"async"`` (Megatron's ``--tp-comm-overlap``, torchtitan's AsyncTP: each collective
       decomposed into the GEMM it feeds or follows);

@@ -16,6 +16,12 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   GEMMs per head over the whole sequence (the mask applied after) with the head
   dimension as one side, and the fused scale-mask-softmax and dropout 0.1 reading and
   writing every score (``2 e`` and ``2 e + 1`` bytes); 18 kernels;
+* ``megatron-deepspeed`` (Megatron-DeepSpeed, 2021-2022: BLOOM, MT-NLG): Megatron-LM's
+  2021 kernels above, so ``megatron-2021``'s fitted scale, run by DeepSpeed's engine (its
+  pipeline engine, activation checkpointing and ZeRO-1 optimizer), which adds host time
+  per block and micro-batch that the GPU does not hide
+  (:data:`plait.plan.compute_time.STACK_HOST`: the published tables show it as a fixed cost
+  per block and micro-batch, the same at TP 1 to 8 and micro-batches of 1 to 4 samples);
 * ``llm-foundry`` (MPT): flash attention (FlashAttention-2 figures), low-precision
   LayerNorm in one pass, eager GELU and residuals; 14 kernels. Its published tables ran
   llm-foundry's Triton flash attention (``attn_impl: triton``, the default of its
@@ -128,6 +134,7 @@ class Stack:
     loss: str = "eager-fp32"  # the loss over the logits: :data:`LOSS_BYTES`
     early_stop: bool = True  # ``ac="full"`` stops its recompute at the last saved tensor
     fused_residuals: int = 0  # residual additions fused into the norm after them (compile)
+    scale_of: str = ""  # the stack whose fitted scale it shares (it runs that one's kernels)
 
 
 STACKS: dict[str, Stack] = {
@@ -163,6 +170,9 @@ STACKS: dict[str, Stack] = {
         "llm-foundry", "fa2", "fused", "eager", "fused", False, 14, "plait", "fused"
     ),
 }
+STACKS["megatron-deepspeed"] = dataclasses.replace(
+    STACKS["megatron-2021"], name="megatron-deepspeed", scale_of="megatron-2021"
+)
 """The software stacks the cost model knows (module docstring, "Software stacks")."""
 
 STACK_NAMES = tuple(STACKS)
