@@ -55,9 +55,10 @@ from benchmarks.published_runs import (
     LIT_GPT,
     MEGATRON,
     MEGATRON_DEEPSPEED,
+    TORCHTITAN,
     PublishedRun,
 )
-from plait.plan.models import gpt
+from plait.plan.models import gpt, preset
 from plait.plan.spec import Layout, ModelSpec, Software, Workload
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "LIT_GPT_RUNS",
     "MOE_RUNS",
     "MTNLG_RUNS",
+    "TITAN_ASYNC_TP_RUNS",
     "fresh_table",
     "main",
 ]
@@ -633,8 +635,101 @@ MOE_RUNS = (
     ),
 )
 
-FRESH: tuple[PublishedRun, ...] = (*BIGSCIENCE_RUNS, *MTNLG_RUNS, *LIT_GPT_RUNS, *MOE_RUNS)
-"""Every fresh held-out run: all ``"validation"``, none fitted to."""
+# --- torchtitan, async TP on Grand Teton H100s (June 2025) -------------------------------
+
+_ATP = (
+    "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md at b5bcd76c "
+    "(June 2025; torch 38410cf9 of 2025-06-14, torchtitan 820504e), table '{table}', "
+    "column '{column}'"
+)
+_ATP_NOTES = (
+    "Grand Teton: 8 H100 per host, NVLink, 96 GB HBM2e at 2.4 TB/s, 500 W (the source): the "
+    "h100-hbm2e preset; 400 Gb/s RDMA per GPU",
+    "seq 8,192 assumed (torchtitan's Llama 3 default); local batch per data-parallel rank "
+    "(the source's 'local batch size'), its TP ranks sharing it",
+    "torch.compile of the blocks and of the loss (torchtitan compiles the loss since "
+    "2025-04); float8 tensorwise with Float8 all-gathers assumed, as torchtitan's "
+    "docs/float8.md recommends for it (the table names the recipe only)",
+)
+_ATP_ROWWISE = (
+    "float8 rowwise: the planner prices rowwise as tensorwise (its CUTLASS GEMM and per-row "
+    "casts are not modelled), and the source calls vanilla TP's rowwise baseline low "
+    "(torchtitan issue 1207)"
+)
+
+
+def _async_tp(
+    size: str, gpus: int, layout: Layout, batch: int, recipe: str, sync: float, overlapped: float
+) -> tuple[PublishedRun, PublishedRun]:
+    """One row of the June 2025 async TP tables: its vanilla TP and async TP columns."""
+    table = {
+        "70B": "Llama3 70b on 256 H100s with FSDP=32, TP=8, torch.compile, full AC, local batch "
+        "size 16",
+        "8B": "Llama3 8b on 64 H100s with FSDP=8, TP=8, torch.compile, per op SAC, local batch "
+        "size 12",
+    }[size]
+    float8 = recipe.startswith("float8")
+    runs = []
+    for overlap, column, tokens in (
+        ("none", "Vanilla TP", sync),
+        ("async", "Async TP", overlapped),
+    ):
+        runs.append(
+            PublishedRun(
+                name=f"torchtitan H100 Llama 3.1 {size}, {gpus} GPUs, FSDP {layout.dp_shard} x "
+                f"TP 8, compile, {recipe}, {column}",
+                code_base=TORCHTITAN,
+                source=_ATP.format(table=table, column=f"{column} tokens/sec"),
+                role="validation",
+                series="",
+                size=size,
+                device="h100-hbm2e",
+                memory_gib=96,
+                model=preset(f"llama3-{size.lower()}"),
+                layout=layout,
+                work=Workload(8192, batch * layout.dp_shard),
+                metric="tokens",
+                value=tokens,
+                flops="plait",
+                dp_flavour="FSDP",
+                notes=_ATP_NOTES,
+                excluded=_ATP_ROWWISE if recipe == "float8 rowwise" else "",
+                software=Software(
+                    "torchtitan",
+                    overlap,
+                    compiled=True,
+                    compiled_loss=True,
+                    float8="tensorwise" if float8 else "none",
+                    float8_all_gather=float8,
+                ),
+            )
+        )
+    return runs[0], runs[1]
+
+
+_ATP_70B = Layout(dp_shard=32, tp=8, ac="full")
+_ATP_8B = Layout(dp_shard=8, tp=8, ac="selective")
+TITAN_ASYNC_TP_RUNS = (
+    *_async_tp("70B", 256, _ATP_70B, 16, "bf16", 597.3, 652.4),
+    *_async_tp("70B", 256, _ATP_70B, 16, "float8 tensorwise", 809.8, 942.4),
+    *_async_tp("70B", 256, _ATP_70B, 16, "float8 rowwise", 599.6, 624.8),
+    *_async_tp("8B", 64, _ATP_8B, 12, "bf16", 4378, 4809.4),
+    *_async_tp("8B", 64, _ATP_8B, 12, "float8 tensorwise", 5078.1, 5570.1),
+    *_async_tp("8B", 64, _ATP_8B, 12, "float8 rowwise", 3708.5, 3914.9),
+)
+"""torchtitan's June 2025 async TP tables: added after the megatron-deepspeed stack, and
+evaluated once as they came (the rowwise rows listed, not counted: decided before their
+predictions were seen)."""
+
+FRESH: tuple[PublishedRun, ...] = (
+    *BIGSCIENCE_RUNS,
+    *MTNLG_RUNS,
+    *LIT_GPT_RUNS,
+    *MOE_RUNS,
+    *TITAN_ASYNC_TP_RUNS,
+)
+"""Every fresh held-out run: ``"validation"`` but the one calibration row (module
+docstring), none fitted to."""
 
 
 # --- evaluation --------------------------------------------------------------------------
