@@ -649,7 +649,9 @@ _ATP_NOTES = (
     "(the source's 'local batch size'), its TP ranks sharing it",
     "torch.compile of the blocks and of the loss (torchtitan compiles the loss since "
     "2025-04); float8 tensorwise with Float8 all-gathers assumed, as torchtitan's "
-    "docs/float8.md recommends for it (the table names the recipe only)",
+    "docs/float8.md recommends for it (the table names the recipe only); under TP its "
+    "inputs gathered in fp8 (Float8ColwiseParallel / PrepareFloat8ModuleInput: "
+    "parallelize_llama.py at 820504e)",
 )
 _ATP_ROWWISE = (
     "float8 rowwise: the planner prices rowwise as tensorwise (its CUTLASS GEMM and per-row "
@@ -701,6 +703,7 @@ def _async_tp(
                     compiled_loss=True,
                     float8="tensorwise" if float8 else "none",
                     float8_all_gather=float8,
+                    float8_tp_gather=recipe == "float8 tensorwise",
                 ),
             )
         )

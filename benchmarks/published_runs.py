@@ -449,8 +449,9 @@ _PP_DEFAULTS = "microbatches and stages per rank assumed (torchtitan's defaults)
 _TITAN_SPEED = (
     "torch.compile of the blocks (the loss was compiled from 2025-04 on) and Float8 as "
     "torchtitan's docs/float8.md at 9dec370 runs it: tensorwise, with Float8 all-gathers "
-    "(assumed: the table names Float8 only); priced by the planner's compile and Float8 "
-    "models, nothing fitted to these rows"
+    "(assumed: the table names Float8 only), and under TP its inputs gathered in fp8 "
+    "(Float8ColwiseParallel / PrepareFloat8ModuleInput in parallelize_llama.py at 9dec370); "
+    "priced by the planner's compile and Float8 models, nothing fitted to these rows"
 )
 
 
@@ -474,6 +475,7 @@ def _titan(
         compiled=_COMPILE in speed,
         float8="tensorwise" if float8 else "none",
         float8_all_gather=float8,
+        float8_tp_gather=float8 and layout.tp > 1,
     )
     return PublishedRun(
         name=f"torchtitan {name}",

@@ -246,3 +246,42 @@ def test_plan_compile_flag_compiles_torchtitans_loss_only(kernels: str, loss: bo
     )
     assert _software(args).compiled_loss is loss
     assert _software(Namespace(**{**vars(args), "compile": False})).compiled_loss is False
+
+
+def test_float8_tp_gathers_move_fp8_in_the_forward_only() -> None:
+    """torchtitan's Float8 tensorwise TP (``Software.float8_tp_gather``): the forward's two
+    sequence-parallel all-gathers move 1 byte per element, its reduce-scatters and
+    backward's exchanges bf16: 3/4 of the forward's bytes; ``plait plan --float8
+    tensorwise --kernels torchtitan`` sets it, plait's kernels do not; rowwise refuses it."""
+    from argparse import Namespace
+
+    from plait.plan.cli import _software
+    from plait.plan.comm import tp_bytes_per_block
+    from plait.plan.comm_time import tp_exposed
+
+    with pytest.raises(ValueError, match="float8_tp_gather needs float8='tensorwise'"):
+        Software("torchtitan", float8="rowwise", float8_tp_gather=True)
+    layout = Layout(dp_shard=8, tp=8, ac="full")
+    fwd, bwd = tp_exposed(MODEL, layout, WORK, H100, 0.0, "none")
+    fp8_fwd, fp8_bwd = tp_exposed(MODEL, layout, WORK, H100, 0.0, "none", fp8_gathers=True)
+    nbytes = tp_bytes_per_block(MODEL, layout, WORK)
+    assert fp8_bwd == bwd
+    assert fwd - fp8_fwd == pytest.approx(nbytes / 4 / H100.intra_node_bw)
+    base = Software("torchtitan", float8="tensorwise", float8_all_gather=True)
+    fp8 = dataclasses.replace(base, float8_tp_gather=True)
+    shape = layout_shape(MODEL, layout)
+
+    def tp_sent(software: Software) -> float:
+        sent = communication(MODEL, layout, WORK, H100, shape.ranks[0], software)
+        return sum(c.bytes for c in sent if c.dim == "tp")
+
+    m, blocks = layout.microbatches, shape.ranks[0].layers
+    # Full recompute: two forwards per block and microbatch gather fp8.
+    assert tp_sent(base) - tp_sent(fp8) == pytest.approx(m * blocks * 2 * nbytes / 4)
+    a = evaluate(MODEL, layout, WORK, H100, software=base)
+    b = evaluate(MODEL, layout, WORK, H100, software=fp8)
+    assert b.timing.step_time < a.timing.step_time
+    flags = {"tp_overlap": "none", "param_gather_overlap": False, "grad_reduce_bf16": False}
+    flags |= {"compile": True, "float8": "tensorwise", "float8_all_gather": True}
+    assert _software(Namespace(kernels="torchtitan", **flags)).float8_tp_gather
+    assert not _software(Namespace(kernels="plait", **flags)).float8_tp_gather

@@ -230,6 +230,7 @@ def _software(args: argparse.Namespace) -> Software:
         float8=args.float8,
         float8_all_gather=args.float8_all_gather,
         compiled_loss=args.compile and args.kernels == "torchtitan",
+        float8_tp_gather=args.float8 == "tensorwise" and args.kernels == "torchtitan",
     )
 
 

@@ -34,7 +34,8 @@ elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch)
 * ``tp``: per block and microbatch, in forward two all-gathers and two reduce-scatters of
   ``n x d`` (sequence parallelism; without it two all-reduces), the same in backward, and
   the forward ones again when checkpointing recomputes the block; the embedding and head
-  one exchange each way.
+  one exchange each way. With ``Software.float8_tp_gather`` a forward's two all-gathers
+  move fp8 (1 byte per element).
 * ``pp``: per microbatch and stage boundary, the activation forward and its gradient back
   (``n x d``, split by tp under sequence parallelism).
 * ``cp``: per block and microbatch, attention's exchange of keys and values
@@ -298,7 +299,7 @@ def communication(
     software: Software | None = None,
 ) -> list[Collective]:
     """What pipeline rank ``load`` sends in one step (module docstring), by dim and op;
-    ``software``: whether the blocks are all-gathered in fp8."""
+    ``software``: whether the blocks are all-gathered in fp8, and tp's input gathers."""
     e = compute_bytes(work)
     fp8_gather = software is not None and software.float8_all_gather
     m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
@@ -350,7 +351,11 @@ def communication(
         passes = 3 if layout.ac != "none" else 2  # forward, backward, recomputed forward
         ends = int(load.embedding) + int(load.head)  # embedding / head exchanges
         block_bytes = tp_bytes_per_block(model, layout, work)
-        tp_bytes = m * (passes * load.layers * block_bytes + ends * block_bytes / 2)
+        forward = block_bytes  # a forward's (and its recompute's): fp8 gathers move less
+        if software is not None and software.float8_tp_gather:
+            forward *= (2 / e + 2) / 4
+        blocks = (passes - 1) * forward + block_bytes  # the forwards, then backward
+        tp_bytes = m * (load.layers * blocks + ends * block_bytes / 2)
         op = "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce"
         add(TP, op, tp_bytes, m * (passes * 4 * load.layers + 2 * ends))
     if layout.pp > 1:

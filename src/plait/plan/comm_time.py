@@ -10,7 +10,8 @@ by side, one per NIC).
 **Tensor parallelism**: ``tp_overlap="none"`` (plait's recipe, the default: torch's TP
 collectives run synchronously in the compute stream) exposes them whole; ``"async"``
 (Megatron's TP communication overlap, torchtitan's AsyncTP) exposes per block only what
-exceeds the GEMMs they are decomposed into.
+exceeds the GEMMs they are decomposed into. With ``Software.float8_tp_gather``
+(torchtitan's Float8 tensorwise TP) the forward's two all-gathers move fp8.
 
 **Context parallelism** (``cp`` ranks per sequence, :mod:`plait.context`): a rank computes
 its ``seq_len / cp`` tokens of each of its data-parallel rank's sequences, each attending
@@ -89,17 +90,29 @@ def link_seconds(nbytes: float, dim: str, layout: Layout, device: DeviceSpec, ca
 
 
 def tp_exposed(
-    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec, gemm: float, overlap: str
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    gemm: float,
+    overlap: str,
+    fp8_gathers: bool = False,
 ) -> tuple[float, float]:
     """Seconds tensor parallelism's collectives expose in one block's forward and backward
     for one microbatch (module docstring): whole, or with ``overlap`` ``"async"`` beyond
-    the block's forward GEMMs ``gemm`` (the backward's: twice that)."""
-    t_tp = 0.0
+    the block's forward GEMMs ``gemm`` (the backward's: twice that). ``fp8_gathers``
+    (``Software.float8_tp_gather``): the forward's two all-gathers move 1 byte per element,
+    its two reduce-scatters and the backward's four exchanges the compute dtype's."""
+    t_fwd = t_bwd = 0.0
     if layout.tp > 1:
-        t_tp = link_seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
+        nbytes = tp_bytes_per_block(model, layout, work)
+        t_bwd = link_seconds(nbytes, TP, layout, device, 4)
+        if fp8_gathers:
+            nbytes *= (2 / compute_bytes(work) + 2) / 4
+        t_fwd = link_seconds(nbytes, TP, layout, device, 4)
     if overlap == "async" and device.overlap:
-        return max(0.0, t_tp - gemm), max(0.0, t_tp - 2 * gemm)
-    return t_tp, t_tp
+        return max(0.0, t_fwd - gemm), max(0.0, t_bwd - 2 * gemm)
+    return t_fwd, t_bwd
 
 
 def moe_exchanges(

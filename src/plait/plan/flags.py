@@ -175,7 +175,9 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
         Flag(
             "float8",
             "price torchao Float8Linears in the blocks (plait train --float8: tensorwise): "
-            "fp8 GEMMs at the device's fp8 peak plus their casts (H100, H200, B200 only)",
+            "fp8 GEMMs at the device's fp8 peak plus their casts (H100, H200, B200 only); "
+            "tensorwise with --kernels torchtitan also gathers tp's inputs in fp8 (as "
+            "torchtitan's Float8 TP does)",
             default="none",
             choices=FLOAT8_RECIPES,
         ),

@@ -125,7 +125,9 @@ def _passes(
     (:mod:`plait.plan.comm_time`), a checkpoint's recompute repeating the forward's;
     ``ends``: how many of the embedding and the head the rank holds."""
     recomputing = layout.ac != "none"
-    tp_fwd, tp_bwd = tp_exposed(model, layout, work, device, k.gemm_fwd, software.tp_overlap)
+    tp_fwd, tp_bwd = tp_exposed(
+        model, layout, work, device, k.gemm_fwd, software.tp_overlap, software.float8_tp_gather
+    )
     passes = tp_fwd if recomputing else 0.0
     fwd, bwd = k.fwd + tp_fwd, k.bwd + k.recompute + tp_bwd + passes
     if layout.cp > 1:  # attention's exchange

@@ -168,6 +168,11 @@ class Software:
     * ``float8_all_gather``: ``fully_shard`` all-gathers the blocks' linear weights in
       fp8 (torchao's ``enable_fsdp_float8_all_gather``, tensorwise only): 1 byte per
       parameter instead of the compute dtype's, and no weight casts in the blocks;
+    * ``float8_tp_gather``: tensor parallelism's sequence-parallel all-gathers of the
+      attention's and the MLP's inputs move fp8 (torchtitan's Float8 tensorwise TP,
+      torchao's ``PrepareFloat8ModuleInput`` / ``Float8ColwiseParallel``: the input is cast
+      before it is gathered; the reduce-scatters and backward's exchanges stay in the
+      compute dtype); ``plait train`` gathers in the compute dtype;
     * ``compiled_loss``: ``torch.compile`` of the cross-entropy over the logits too
       (torchtitan's ``compile`` since 2025-04, ``build_cross_entropy_loss``; not ``plait
       train --compile``, which compiles the blocks): inductor fuses the upcast, the
@@ -189,6 +194,7 @@ class Software:
     compiled: bool = False
     float8: str = "none"
     float8_all_gather: bool = False
+    float8_tp_gather: bool = False
     compiled_loss: bool = False
 
     def __post_init__(self) -> None:
@@ -203,6 +209,11 @@ class Software:
             raise ValueError(
                 "float8_all_gather needs float8='tensorwise' (torchao all-gathers "
                 f"tensorwise-scaled weights only), got float8={self.float8!r}"
+            )
+        if self.float8_tp_gather and self.float8 != "tensorwise":
+            raise ValueError(
+                "float8_tp_gather needs float8='tensorwise' (torchtitan gathers fp8 inputs "
+                f"over tp for tensorwise scaling only), got float8={self.float8!r}"
             )
         if self.tp_overlap not in TP_OVERLAPS:
             raise ValueError(f"tp_overlap must be one of {TP_OVERLAPS}, got {self.tp_overlap!r}")
