@@ -14,10 +14,16 @@ from plait.plan.comm import communication, fsdp_dim
 from plait.plan.compute_time import kernel_times
 from plait.plan.devices import device
 from plait.plan.models import preset
-from plait.plan.roofline import BlockKernels, block_kernels, head_kernels, profile
+from plait.plan.roofline import (
+    BlockKernels,
+    block_kernels,
+    elementwise_seconds,
+    head_kernels,
+    profile,
+)
 from plait.plan.schedule import layout_shape
 from plait.plan.spec import DeviceSpec, Layout, Software, Workload
-from plait.plan.stacks import FP8_GEMM, STACKS, compiled, float8
+from plait.plan.stacks import FP8_GEMM, STACKS, Float8, compiled, float8
 from plait.plan.train_plan import plan_of_config, software_of_config
 from plait.train.config import TrainConfig
 
@@ -285,3 +291,34 @@ def test_float8_tp_gathers_move_fp8_in_the_forward_only() -> None:
     flags |= {"compile": True, "float8": "tensorwise", "float8_all_gather": True}
     assert _software(Namespace(kernels="torchtitan", **flags)).float8_tp_gather
     assert not _software(Namespace(kernels="plait", **flags)).float8_tp_gather
+
+
+def test_float8_tp_casts_each_module_input_once_on_its_shard() -> None:
+    """Under Float8 TP the column-parallel linears (q, k, v, the MLP's gate and up) get
+    their module's input already in fp8, cast once on the sequence shard before the
+    gather and kept fp8 for backward: their own input casts go, two shard casts come;
+    without tp nothing changes."""
+    prof = profile(H100)
+    assert prof is not None
+    kernels = compiled(STACKS["torchtitan"])
+    software = Software("torchtitan", compiled=True, float8="tensorwise", float8_all_gather=True)
+    plain = float8(H100, software, prof.gemm, prof.k_half)
+    gathered = float8(
+        H100, dataclasses.replace(software, float8_tp_gather=True), prof.gemm, prof.k_half
+    )
+    assert plain is not None and gathered is not None and gathered.gathered
+
+    def block(tp: int, fp8: Float8) -> BlockKernels:
+        return block_kernels(
+            MODEL, tp, 16384.0, 8192, 1, 2, False, prof, H100.flops, kernels, True, "h100", 1, fp8
+        )
+
+    n, d, tp = 16384.0, MODEL.d_model, 8
+    c = plain.per_element * 2 + plain.fixed  # bytes per element cast, bf16
+    a, b = block(tp, plain), block(tp, gathered)
+    fwd_saved = c * (5 * n * d - 2 * n / tp * d)
+    assert a.cast - b.cast == pytest.approx(elementwise_seconds(fwd_saved, prof))
+    assert a.cast_bwd - b.cast_bwd == pytest.approx(elementwise_seconds(c * 5 * n * d, prof))
+    assert a.gemm == b.gemm and b.launches < a.launches
+    one = block(1, plain), block(1, gathered)
+    assert (one[0].cast, one[0].cast_bwd) == (one[1].cast, one[1].cast_bwd)

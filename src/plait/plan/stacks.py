@@ -78,7 +78,12 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   into one kernel (read ``e``, write 1): ``e + 1``. With ``float8_all_gather`` the weight
   arrives in fp8, its scale precomputed once per step over the shards (one all-reduce,
   latency only; the shard's cast before the all-gather is ``1 / dp_shard`` of the
-  weight's bytes, left out): no weight casts in the blocks. The casts are memory-bound
+  weight's bytes, left out): no weight casts in the blocks. With ``float8_tp_gather``
+  (torchtitan's Float8 TP, tensorwise, tp > 1: ``PrepareFloat8ModuleInput`` and
+  ``Float8ColwiseParallel``) the attention's input and a dense MLP's are cast once each,
+  on the sequence shard (``n / tp`` rows), and gathered in fp8: q, k, v and the MLP's
+  input GEMMs cast no input of their own, forward or backward (the saved input is the
+  fp8 one). The casts are memory-bound
   work beside the GEMMs (:attr:`BlockKernels.cast`); their kernels count as launches
   (backward's taken as twice the forward's, as for the rest).
 
@@ -230,7 +235,9 @@ class Float8:
     """How a block's Float8Linears run (module docstring, "torch.compile and Float8"): the
     fp8 peak, the GEMM fraction and ``K_half`` at that rate, the bytes one cast moves per
     element (``per_element x e + fixed``) in ``kernels`` launches, and whether the weights
-    are cast in the block (False: all-gathered in fp8)."""
+    are cast in the block (False: all-gathered in fp8), and whether tp gathers the inputs
+    of the column-parallel linears in fp8 (each module input cast once, on its sequence
+    shard, before the gather: :attr:`plait.plan.spec.Software.float8_tp_gather`)."""
 
     peak: float
     gemm: float
@@ -239,6 +246,7 @@ class Float8:
     fixed: float
     kernels: int
     weights: bool
+    gathered: bool = False
 
 
 def cast_cost(compiled_block: bool, recipe: str) -> tuple[float, float, int]:
@@ -262,7 +270,10 @@ def float8(device: DeviceSpec, software: Software, gemm: float, k_half: float) -
     per_element, fixed, kernels = cast_cost(software.compiled, software.float8)
     # The fixed prologue and epilogue against a main loop at the fp8 rate per SM.
     half = k_half * peak / device.flops
-    return Float8(peak, fraction, half, per_element, fixed, kernels, not software.float8_all_gather)
+    weights = not software.float8_all_gather
+    return Float8(
+        peak, fraction, half, per_element, fixed, kernels, weights, software.float8_tp_gather
+    )
 
 
 def stack(name: str) -> Stack:
