@@ -323,23 +323,24 @@ def block_kernels(
     if fp8 is not None:
         c = fp8.per_element * element + fp8.fixed  # bytes per element cast
         weights = 1.0 if fp8.weights else 0.0
-        converted = [g for g, x in zip(gemms, low, strict=True) if x]
         # Float8 TP: the column-parallel linears (q, k, v; a dense MLP's input GEMMs) take
         # their module's input gathered in fp8, cast once on the shard, kept fp8 for
         # backward: no input casts of their own.
         gathered = fp8.gathered and tp > 1
-        fed = {0, 1, 2} if moe else {i for i, g in enumerate(gemms) if i < 3 or g[2] == d}
         inputs = 0
-        for i, (m, nn, kk) in enumerate(converted):
-            own = 0.0 if gathered and i in fed else m * kk
+        for i, ((m, nn, kk), fp8_gemm) in enumerate(zip(gemms, low, strict=True)):
+            if not fp8_gemm:
+                continue
+            fed = i < 3 or (not moe and kk == d)  # q, k, v; a dense MLP's input GEMMs
+            own = 0.0 if gathered and fed else m * kk
             inputs += own > 0
             cast += c * (own + weights * nn * kk)
             cast_bwd += c * (own + weights * nn * kk + 2 * m * nn)
         if gathered:  # the attention's input and a dense MLP's, on the sequence shard
             modules = 1 if moe else 2
-            cast += c * modules * n / tp * d
+            cast += c * modules * (n / tp if sp else n) * d
             inputs += modules
-        launches += (inputs + int(fp8.weights) * len(converted)) * fp8.kernels
+        launches += (inputs + int(fp8.weights) * sum(low)) * fp8.kernels
         cast, cast_bwd = elementwise_seconds(cast, prof), elementwise_seconds(cast_bwd, prof)
     # Attention: 4 T d / (tp cp) FLOPs per token (each token of the rank's T / cp attends
     # to the whole sequence).
