@@ -18,6 +18,13 @@ alone; MT-NLG's three rows (another cluster, Selene) test it: 1.25-1.31 before, 
 after. So the Megatron-DeepSpeed rows are no longer untouched: they test one constant's
 value, not its form.
 
+torchtitan's June 2025 async TP rows were added after that and evaluated once as they
+came (median 0.15 of their own: Float8 under TP 8 under-predicted, 0.84-0.86, async TP
+over-predicted). Examining the Float8 miss found how torchtitan's Float8 TP runs (its
+inputs cast once on the sequence shard and gathered in fp8: ``parallelize_llama.py``),
+which the planner then priced (``Software.float8_tp_gather``); those four rows have
+informed that change.
+
 Sources:
 
 * BigScience's BLOOM-176B runs and their topology benchmarks on Jean Zay (Megatron-DeepSpeed,
@@ -28,7 +35,9 @@ Sources:
 * Megatron-Turing NLG 530B (Megatron-DeepSpeed, A100, TP 8 x PP 35), paper section 2.4, as
   quoted with its layout by cli99/llm-analysis;
 * TinyLlama 1.1B (lit-gpt on Lightning Fabric FSDP, A100 40GB), its README;
-* Qwen3-235B-A22B on 256 H100 (Megatron-Core MoE, BF16), Megatron-MoE-ModelZoo's table.
+* Qwen3-235B-A22B on 256 H100 (Megatron-Core MoE, BF16), Megatron-MoE-ModelZoo's table;
+* torchtitan's async TP tables of June 2025 (Llama 3.1 8B and 70B on Grand Teton H100s,
+  FSDP x TP 8, compiled, bf16 and Float8, vanilla and async TP).
 
 Rows the planner cannot model (expert parallelism beside Megatron's distributed optimizer,
 1F1B communication overlap) are listed with the reason in ``excluded`` and not counted.
@@ -91,7 +100,8 @@ _BS_NOTES = (
     "Megatron-DeepSpeed of 2022 (bigscience fork): DeepSpeed's pipeline (1F1B-like "
     "TrainSchedule), Megatron-LM tensor parallelism without sequence parallelism, fused "
     "scale-mask-softmax with the scores materialized (no flash attention), dropout 0.1 "
-    "(Megatron defaults per the README): priced as the megatron-2021 stack",
+    "(Megatron defaults per the README): priced as the megatron-deepspeed stack "
+    "(megatron-2021's kernels and scale, plus DeepSpeed's host seconds per block)",
     "ZeRO stage 1 over DP (the source: 'due to ZeRO-1 sharding'); parameter all-gather after "
     "the step, not overlapped",
     "activation checkpointing of every block assumed (the 176B run's "
