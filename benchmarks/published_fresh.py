@@ -684,7 +684,7 @@ def _async_tp(
     runs = []
     for overlap, column, tokens in (
         ("none", "Vanilla TP", sync),
-        ("async", "Async TP", overlapped),
+        ("micro-pipeline", "Async TP", overlapped),
     ):
         runs.append(
             PublishedRun(

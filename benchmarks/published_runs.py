@@ -471,7 +471,7 @@ def _titan(
     float8 = _FLOAT8 in speed
     software = Software(
         "torchtitan",
-        "async" if _ASYNC_TP in speed else "none",
+        "micro-pipeline" if _ASYNC_TP in speed else "none",
         compiled=_COMPILE in speed,
         float8="tensorwise" if float8 else "none",
         float8_all_gather=float8,

@@ -482,3 +482,37 @@ def test_full_recompute_skips_the_tail_only_with_early_stop() -> None:
     s = EFFICIENCY * STACK_SCALE["llm-foundry"] * DEVICE_SCALE["hopper"]
     saved = 48 * _mpt_kernels().tail / s
     assert whole - early == pytest.approx(saved, rel=1e-3)
+
+
+def test_torch_async_tp_fuses_forward_and_backward_gathers_not_backward_reductions() -> None:
+    """``tp_overlap="micro-pipeline"`` (torch's async TP): forward as Megatron's overlap,
+    backward's two reduce-scatters (of sums of matmuls) whole; its fused reduce-scatters
+    add a reduction of the tp partial outputs to every forward; nothing is fused without
+    sequence parallelism (all-reduces)."""
+    from plait.plan.comm_time import tp_exposed
+    from plait.plan.compute_time import kernel_times
+
+    model, work = preset("llama3-8b"), Workload(8192, 64)
+    layout = Layout(dp_shard=8, tp=8, ac="full")
+    whole = tp_exposed(model, layout, work, H100, 1.0, "none")
+    assert tp_exposed(model, layout, work, H100, 1.0, "async") == (0.0, 0.0)
+    assert tp_exposed(model, layout, work, H100, 1.0, "micro-pipeline") == (0.0, whole[1] / 2)
+    no_sp = dataclasses.replace(layout, sequence_parallel=False)
+    none = tp_exposed(model, no_sp, work, H100, 1.0, "none")
+    assert tp_exposed(model, no_sp, work, H100, 1.0, "micro-pipeline") == none
+    rank = layout_shape(model, layout).ranks[0]
+
+    def times(overlap: str) -> tuple[float, float, float]:
+        sw = Software("torchtitan", overlap)
+        k = kernel_times(model, layout, work, H100, rank, 1.0, sw, 0.0)
+        return k.fwd, k.bwd, k.recompute
+
+    base, micro = times("async"), times("micro-pipeline")
+    prof = profile(H100)
+    assert prof is not None
+    n = work.global_batch * work.seq_len / 8  # the rank's tokens
+    extra = 2 * elementwise_seconds(n * model.d_model * 2 * (1 + 1 / 8), prof)
+    scale = STACK_SCALE["torchtitan"] * DEVICE_SCALE["hopper"]
+    assert micro[0] - base[0] == pytest.approx(extra / scale)
+    assert micro[2] - base[2] == pytest.approx(extra / scale)  # the full recompute's
+    assert micro[1] == base[1]

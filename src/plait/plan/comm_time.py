@@ -9,8 +9,13 @@ by side, one per NIC).
 
 **Tensor parallelism**: ``tp_overlap="none"`` (plait's recipe, the default: torch's TP
 collectives run synchronously in the compute stream) exposes them whole; ``"async"``
-(Megatron's TP communication overlap, torchtitan's AsyncTP) exposes per block only what
-exceeds the GEMMs they are decomposed into. With ``Software.float8_tp_gather``
+(Megatron's TP communication overlap) exposes per block only what exceeds the GEMMs they
+are decomposed into; ``"micro-pipeline"`` (torch's async TP as torchtitan runs it:
+``torch/_inductor/fx_passes/micro_pipeline_tp.py``) the same in forward, but in backward
+only the two all-gathers (of the output gradients, each feeding one matmul) are fused:
+the two reduce-scatters of the input gradients reduce sums of several matmuls (q, k and v;
+the MLP's input GEMMs), which the pass does not fuse (it needs one producer matmul), so
+they stay exposed whole. With ``Software.float8_tp_gather``
 (torchtitan's Float8 tensorwise TP) the forward's two all-gathers move fp8.
 
 **Context parallelism** (``cp`` ranks per sequence, :mod:`plait.context`): a rank computes
@@ -100,7 +105,9 @@ def tp_exposed(
 ) -> tuple[float, float]:
     """Seconds tensor parallelism's collectives expose in one block's forward and backward
     for one microbatch (module docstring): whole, or with ``overlap`` ``"async"`` beyond
-    the block's forward GEMMs ``gemm`` (the backward's: twice that). ``fp8_gathers``
+    the block's forward GEMMs ``gemm`` (the backward's: twice that), or with
+    ``"micro-pipeline"`` backward's reduce-scatters whole and its all-gathers beyond
+    ``gemm`` (module docstring). ``fp8_gathers``
     (``Software.float8_tp_gather``): the forward's two all-gathers move 1 byte per element,
     its two reduce-scatters and the backward's four exchanges the compute dtype's."""
     t_fwd = t_bwd = 0.0
@@ -112,6 +119,9 @@ def tp_exposed(
         t_fwd = link_seconds(nbytes, TP, layout, device, 4)
     if overlap == "async" and device.overlap:
         return max(0.0, t_fwd - gemm), max(0.0, t_bwd - 2 * gemm)
+    if overlap == "micro-pipeline" and device.overlap and layout.sequence_parallel:
+        # all-reduces (no sequence parallelism) are not fused; backward: half the bytes
+        return max(0.0, t_fwd - gemm), t_bwd / 2 + max(0.0, t_bwd / 2 - gemm)
     return t_fwd, t_bwd
 
 

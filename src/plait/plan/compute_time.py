@@ -15,6 +15,13 @@ GEMM and the residual addition after it). Devices without a roofline profile (th
 ``cpu`` preset) run every FLOP at ``FLAT_EFFICIENCY`` of the peak; measured devices at
 their measured rates.
 
+**torch's async TP** (``Software.tp_overlap="micro-pipeline"``, with sequence
+parallelism): each fused matmul + reduce-scatter
+(``torch.distributed._symmetric_memory``'s ``fused_matmul_reduce_scatter``) writes the
+``tp`` partial outputs and sums them in a reduction kernel of its own: reading ``n x d``
+elements and writing their ``1 / tp``, after the attention's output projection and a dense
+MLP's output GEMM, in every forward (a full recompute's too).
+
 **Mixture of experts.** A MoE block's compute is its attention, router and shared experts
 and, per token, its ``top_k`` experts. The router runs whole on every tp rank; under tensor
 parallelism with ``fully_shard`` the routed rows are cut into ``tp`` chunks, one per tp
@@ -202,6 +209,14 @@ def kernel_times(
             redo += share * (k.gemm / 2 + k.elementwise + k.cast / 2)
         else:  # plait keeps matmul outputs
             redo += share * (k.attention_fwd + k.elementwise)
+    if software.tp_overlap == "micro-pipeline" and sp:
+        # A fused matmul + reduce-scatter sums the tp partial outputs in a kernel of its
+        # own (read all, write the shard): after the attention's output projection and a
+        # dense MLP's output GEMM (comm_time's module docstring).
+        dense = p.dense_blocks / p.blocks
+        partials = n * model.d_model * e * (1 + 1 / tp)
+        reduction = (1 + dense) * elementwise_seconds(partials, prof)
+        fwd, full = fwd + reduction, full + reduction
     recompute = {"none": 0.0, "selective": redo, "full": full}[layout.ac]
     gap = kernel_gap * launches  # per forward; backward launches twice as many
     redo_gap = {"none": 0.0, "selective": gap / 2, "full": gap}[layout.ac]

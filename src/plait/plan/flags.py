@@ -161,7 +161,8 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
         ),
         Flag(
             "tp_overlap",
-            "TP collectives: none (synchronous, plait's) or async (decomposed into GEMMs)",
+            "TP collectives: none (synchronous, plait's), async (Megatron's: decomposed "
+            "into GEMMs) or micro-pipeline (torch's async TP, torchtitan's)",
             default="none",
             choices=TP_OVERLAPS,
         ),

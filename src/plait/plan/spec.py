@@ -100,7 +100,7 @@ def zero_ranks(layout: Layout) -> int:
 
 
 #: How tensor parallelism's collectives run (:class:`Software`).
-TP_OVERLAPS = ("none", "async")
+TP_OVERLAPS = ("none", "async", "micro-pipeline")
 #: torchao's Float8Linear recipes the cost model prices (:class:`Software`, ``float8``).
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 
@@ -114,9 +114,14 @@ class Software:
       (:data:`plait.plan.stacks.STACKS`: ``"plait"``, eager PyTorch as plait runs it;
       ``"torchtitan"``; ``"megatron-core"``, Transformer Engine; ``"megatron-2021"``;
       ``"megatron-deepspeed"``, the same kernels under DeepSpeed's engine; ``"llm-foundry"``);
-    * ``tp_overlap``: ``"none"`` (torch's TP collectives in the compute stream, exposed) or
-      ``"async"`` (Megatron's ``--tp-comm-overlap``, torchtitan's AsyncTP: each collective
-      decomposed into the GEMM it feeds or follows);
+    * ``tp_overlap``: ``"none"`` (torch's TP collectives in the compute stream, exposed),
+      ``"async"`` (Megatron's ``--tp-comm-overlap``: each collective decomposed into the
+      GEMM it feeds or follows, forward and backward) or ``"micro-pipeline"`` (torch's
+      async TP, torchtitan's ``enable_async_tensor_parallel``: inductor fuses an
+      all-gather into the matmuls it feeds and a reduce-scatter into the one matmul that
+      produces it, so backward's reduce-scatters of input gradients, sums of several
+      matmuls, stay whole; a fused reduce-scatter adds a reduction of the ``tp`` partial
+      outputs on the compute stream);
     * ``param_gather_overlap``: ZeRO's all-gather of the updated parameters runs beside
       the next step's forward, block by block (Megatron's ``--overlap-param-gather``),
       rather than after the optimizer step, exposed;
