@@ -117,6 +117,8 @@ __all__ = [
     "fsdp_dim",
     "link_bandwidth",
     "ring",
+    "tp_bytes_per_block",
+    "tp_forward_bytes",
     "tp_gather_bytes",
     "tp_gather_passes",
 ]
@@ -223,6 +225,14 @@ def tp_bytes_per_block(model: ModelSpec, layout: Layout, work: Workload) -> floa
     n = microbatch_tokens(layout, work)
     e = compute_bytes(work)
     return 4 * ring("all_gather", layout.tp) * n * model.d_model * e  # 2 AG + 2 RS (or 2 AR)
+
+
+def tp_forward_bytes(model: ModelSpec, layout: Layout, work: Workload, fp8_gathers: bool) -> float:
+    """Bytes one rank sends in one block's forward for one microbatch: as backward's
+    (:func:`tp_bytes_per_block`), or with ``fp8_gathers`` (``Software.float8_tp_gather``)
+    its two all-gathers at 1 byte per element."""
+    nbytes = tp_bytes_per_block(model, layout, work)
+    return nbytes * (2 / compute_bytes(work) + 2) / 4 if fp8_gathers else nbytes
 
 
 @dataclass(frozen=True)
@@ -351,9 +361,8 @@ def communication(
         passes = 3 if layout.ac != "none" else 2  # forward, backward, recomputed forward
         ends = int(load.embedding) + int(load.head)  # embedding / head exchanges
         block_bytes = tp_bytes_per_block(model, layout, work)
-        forward = block_bytes  # a forward's (and its recompute's): fp8 gathers move less
-        if software is not None and software.float8_tp_gather:
-            forward *= (2 / e + 2) / 4
+        fp8_inputs = software is not None and software.float8_tp_gather
+        forward = tp_forward_bytes(model, layout, work, fp8_inputs)  # and a recompute's
         blocks = (passes - 1) * forward + block_bytes  # the forwards, then backward
         tp_bytes = m * (load.layers * blocks + ends * block_bytes / 2)
         op = "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce"

@@ -54,6 +54,7 @@ from plait.plan.comm import (
     cp_traffic,
     link_bandwidth,
     tp_bytes_per_block,
+    tp_forward_bytes,
     tp_gather_bytes,
 )
 from plait.plan.shards import (
@@ -112,11 +113,10 @@ def tp_exposed(
     its two reduce-scatters and the backward's four exchanges the compute dtype's."""
     t_fwd = t_bwd = 0.0
     if layout.tp > 1:
-        nbytes = tp_bytes_per_block(model, layout, work)
-        t_bwd = link_seconds(nbytes, TP, layout, device, 4)
-        if fp8_gathers:
-            nbytes *= (2 / compute_bytes(work) + 2) / 4
-        t_fwd = link_seconds(nbytes, TP, layout, device, 4)
+        t_bwd = link_seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
+        t_fwd = link_seconds(
+            tp_forward_bytes(model, layout, work, fp8_gathers), TP, layout, device, 4
+        )
     if overlap == "async" and device.overlap:
         return max(0.0, t_fwd - gemm), max(0.0, t_bwd - 2 * gemm)
     if overlap == "micro-pipeline" and device.overlap and layout.sequence_parallel:
