@@ -226,33 +226,25 @@ def test_megatron_deepspeed_is_megatron_2021_plus_host_time_per_block_and_microb
 
 def test_calibration_runs_match_the_published_table() -> None:
     published = pytest.importorskip("benchmarks.published_runs")
-    rows = {r.name: r for r in published.CALIBRATION}
-    assert set(rows) == {r.name for r in CALIBRATION_RUNS + DEVICE_RUNS}
-    for run in CALIBRATION_RUNS + DEVICE_RUNS:
-        row = rows[run.name]
-        assert (row.model, row.layout, row.work, row.device, row.software, row.zero) == (
-            run.model,
-            run.layout,
-            run.work,
-            run.device,
-            run.software,
-            run.zero,
-        )
-        assert published.tokens_per_s(row) == pytest.approx(run.tokens_per_s_per_device)
     fresh = pytest.importorskip("benchmarks.published_fresh")
-    hosts = {r.name: r for r in fresh.FRESH if r.role == "calibration"}
-    assert set(hosts) == {r.name for r in HOST_RUNS}
-    for run in HOST_RUNS:
-        row = hosts[run.name]
-        assert (row.model, row.layout, row.work, row.device, row.software, row.zero) == (
-            run.model,
-            run.layout,
-            run.work,
-            run.device,
-            run.software,
-            run.zero,
-        )
-        assert published.tokens_per_s(row) == pytest.approx(run.tokens_per_s_per_device)
+    tables = (
+        (published.CALIBRATION, CALIBRATION_RUNS + DEVICE_RUNS),
+        (tuple(r for r in fresh.FRESH if r.role == "calibration"), HOST_RUNS),
+    )
+    for table, runs in tables:
+        rows = {r.name: r for r in table}
+        assert set(rows) == {r.name for r in runs}
+        for run in runs:
+            row = rows[run.name]
+            assert (row.model, row.layout, row.work, row.device, row.software, row.zero) == (
+                run.model,
+                run.layout,
+                run.work,
+                run.device,
+                run.software,
+                run.zero,
+            )
+            assert published.tokens_per_s(row) == pytest.approx(run.tokens_per_s_per_device)
 
 
 def _zero_layout(zero: int, microbatches: int = 4) -> PlanLayout:
