@@ -64,10 +64,10 @@ from benchmarks.published_runs import (
     LIT_GPT,
     MEGATRON,
     MEGATRON_DEEPSPEED,
-    TORCHTITAN,
     PublishedRun,
+    grand_teton_run,
 )
-from plait.plan.models import gpt, preset
+from plait.plan.models import gpt
 from plait.plan.spec import Layout, ModelSpec, Software, Workload
 
 __all__ = [
@@ -686,35 +686,27 @@ def _async_tp(
         ("none", "Vanilla TP", sync),
         ("micro-pipeline", "Async TP", overlapped),
     ):
+        software = Software(
+            "torchtitan",
+            overlap,
+            compiled=True,
+            compiled_loss=True,
+            float8="tensorwise" if float8 else "none",
+            float8_all_gather=float8,
+            float8_tp_gather=recipe == "float8 tensorwise",
+        )
         runs.append(
-            PublishedRun(
-                name=f"torchtitan H100 Llama 3.1 {size}, {gpus} GPUs, FSDP {layout.dp_shard} x "
-                f"TP 8, compile, {recipe}, {column}",
-                code_base=TORCHTITAN,
-                source=_ATP.format(table=table, column=f"{column} tokens/sec"),
-                role="validation",
-                series="",
-                size=size,
-                device="h100-hbm2e",
-                memory_gib=96,
-                model=preset(f"llama3-{size.lower()}"),
-                layout=layout,
-                work=Workload(8192, batch * layout.dp_shard),
-                metric="tokens",
-                value=tokens,
-                flops="plait",
-                dp_flavour="FSDP",
-                notes=_ATP_NOTES,
+            grand_teton_run(
+                f"torchtitan H100 Llama 3.1 {size}, {gpus} GPUs, FSDP {layout.dp_shard} x TP 8, "
+                f"compile, {recipe}, {column}",
+                _ATP.format(table=table, column=f"{column} tokens/sec"),
+                size,
+                layout,
+                Workload(8192, batch * layout.dp_shard),
+                tokens,
+                software,
+                _ATP_NOTES,
                 excluded=_ATP_ROWWISE if recipe == "float8 rowwise" else "",
-                software=Software(
-                    "torchtitan",
-                    overlap,
-                    compiled=True,
-                    compiled_loss=True,
-                    float8="tensorwise" if float8 else "none",
-                    float8_all_gather=float8,
-                    float8_tp_gather=recipe == "float8 tensorwise",
-                ),
             )
         )
     return runs[0], runs[1]

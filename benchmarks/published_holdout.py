@@ -39,6 +39,7 @@ from benchmarks.published_runs import (
     NEMO,
     TORCHTITAN,
     PublishedRun,
+    grand_teton_run,
     tokens_per_s,
 )
 from plait.plan.models import gpt, preset
@@ -873,25 +874,17 @@ EXCLUDED_RUNS = (
     _trainy(8, 10753),
     _maxtext(64, 64, 74908.99, 0.5259),
     _maxtext(512, 128, 591496.83, 0.5190),
-    PublishedRun(
-        name="torchtitan H100 Llama 3.1 405B, 128 GPUs, FSDP 16 x TP 8",
-        code_base=TORCHTITAN,
-        source=(
+    grand_teton_run(
+        "torchtitan H100 Llama 3.1 405B, 128 GPUs, FSDP 16 x TP 8",
+        (
             "pytorch/torchtitan docs/performance.md at 3faaa1a0 (Aug 2024), table 'Llama 3.1 "
             "performance numbers', row 'Optimizations: None'"
         ),
-        role="validation",
-        series="",
-        size="405B",
-        device="h100-hbm2e",
-        memory_gib=96,
-        model=preset("llama3-405b"),
-        layout=Layout(dp_shard=16, tp=8, ac="full"),
-        work=Workload(8192, 32),
-        metric="tokens",
-        value=109,
-        flops="plait",
-        dp_flavour="FSDP",
+        "405B",
+        Layout(dp_shard=16, tp=8, ac="full"),
+        Workload(8192, 32),
+        109,
+        Software("torchtitan", compiled=True),
         stated_mfu=0.29,
         notes=(
             "H100 95 GB HBM2e at a lower TDP (source's footnote); local batch 2, global 32, "
@@ -900,7 +893,6 @@ EXCLUDED_RUNS = (
             "the row's 'None' names only Float8 and async TP as absent): priced by the "
             "planner's compile model; no Float8, no async TP",
         ),
-        software=Software("torchtitan", compiled=True),
     ),
 )
 

@@ -52,6 +52,7 @@ __all__ = [
     "TORCHTITAN",
     "VALIDATION",
     "PublishedRun",
+    "grand_teton_run",
     "plait_mfu",
     "published_flops_per_token",
     "tokens_per_s",
@@ -455,6 +456,45 @@ _TITAN_SPEED = (
 )
 
 
+def grand_teton_run(
+    name: str,
+    source: str,
+    size: str,
+    layout: Layout,
+    work: Workload,
+    tokens: float,
+    software: Software,
+    notes: tuple[str, ...],
+    role: str = "validation",
+    excluded: str = "",
+    stated_mfu: float = 0.0,
+) -> PublishedRun:
+    """A torchtitan run of Llama 3 ``size`` on Meta's Grand Teton H100s (the ``h100-hbm2e``
+    preset, 96 GB), under ``fully_shard``, published in tokens/s per GPU: what every
+    torchtitan table of this project shares (this file's, the held-out and fresh sets')."""
+    return PublishedRun(
+        name=name,
+        code_base=TORCHTITAN,
+        source=source,
+        role=role,
+        series="",
+        size=size,
+        device="h100-hbm2e",
+        memory_gib=96,
+        model=preset(f"llama3-{size.lower()}"),
+        layout=layout,
+        work=work,
+        metric="tokens",
+        value=tokens,
+        flops="plait",
+        dp_flavour="FSDP",
+        stated_mfu=stated_mfu,
+        notes=notes,
+        excluded=excluded,
+        software=software,
+    )
+
+
 def _titan(
     name: str,
     table: int,
@@ -477,24 +517,16 @@ def _titan(
         float8_all_gather=float8,
         float8_tp_gather=float8 and layout.tp > 1,
     )
-    return PublishedRun(
-        name=f"torchtitan {name}",
-        code_base=TORCHTITAN,
-        source=_TITAN.format(t=table),
-        role=role,
-        series="",
-        size=size,
-        device="h100-hbm2e",
-        memory_gib=96,
-        model=preset(f"llama3-{size.lower()}"),
-        layout=layout,
-        work=work,
-        metric="tokens",
-        value=tokens,
-        flops="plait",
-        dp_flavour="FSDP",
-        notes=_TITAN_NOTES + ((_TITAN_SPEED,) if speed else ()) + notes,
-        software=software,
+    return grand_teton_run(
+        f"torchtitan {name}",
+        _TITAN.format(t=table),
+        size,
+        layout,
+        work,
+        tokens,
+        software,
+        _TITAN_NOTES + ((_TITAN_SPEED,) if speed else ()) + notes,
+        role,
     )
 
 
