@@ -570,6 +570,7 @@ def _qwen3(
     zero: int,
     notes: tuple[str, ...],
     excluded: str = "",
+    ep_inner: bool = False,
 ) -> PublishedRun:
     return PublishedRun(
         name=f"Megatron-Core H100 Qwen3-235B-A22B (MoE), 256 GPUs, {name}",
@@ -591,7 +592,7 @@ def _qwen3(
         zero=zero,
         notes=(*_QWEN3_NOTES, f"step time {step_s} s, {tflops} TFLOP/s per GPU (source)", *notes),
         excluded=excluded,
-        software=Software("megatron-core", grad_reduce_fp32=False),
+        software=Software("megatron-core", grad_reduce_fp32=False, ep_inner=ep_inner),
     )
 
 
@@ -607,7 +608,12 @@ MOE_RUNS = (
             "(Megatron-FSDP), MBS 4, GA 4, recompute 'full', note 'disable log para norm', "
             "code main(1e057005)",
             "TP communication overlap not stated: synchronous assumed",
+            "ETP 1: Megatron-Core lays its experts' ranks out as ETP x EP x EDP apart from "
+            "the dense TP x DP, so an EP group is 8 consecutive ranks, one node (the "
+            "source's 'Intra-node EP'; Software.ep_inner), where plait's mesh strides it "
+            "over TP 2 (16 ranks, two nodes)",
         ),
+        ep_inner=True,
     ),
     _qwen3(
         "TP 2 x PP 8 (VPP 4) x DP 16, EP 32",

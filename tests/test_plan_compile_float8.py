@@ -246,6 +246,7 @@ def test_plan_compile_flag_compiles_torchtitans_loss_only(kernels: str, loss: bo
         tp_overlap="none",
         param_gather_overlap=False,
         grad_reduce_bf16=False,
+        ep_inner=False,
         compile=True,
         float8="none",
         float8_all_gather=False,
@@ -288,6 +289,7 @@ def test_float8_tp_gathers_move_fp8_in_the_forward_only() -> None:
     b = evaluate(MODEL, layout, WORK, H100, software=fp8)
     assert b.timing.step_time < a.timing.step_time
     flags = {"tp_overlap": "none", "param_gather_overlap": False, "grad_reduce_bf16": False}
+    flags |= {"ep_inner": False}
     flags |= {"compile": True, "float8": "tensorwise", "float8_all_gather": True}
     assert _software(Namespace(kernels="torchtitan", **flags)).float8_tp_gather
     assert not _software(Namespace(kernels="plait", **flags)).float8_tp_gather

@@ -173,6 +173,45 @@ def test_tp_halves_the_all_to_all_and_shards_the_experts_over_efsdp_x_tp() -> No
     assert got[("efsdp", "reduce_scatter")] == pytest.approx(experts * 4 * 7 / 8)
 
 
+def test_ep_inner_keeps_an_ep_group_in_one_node() -> None:
+    """``Software.ep_inner`` (Megatron-Core's expert mesh with ETP 1): an ep group of 8 is
+    8 consecutive ranks, one node, where plait's mesh strides it over tp 2 (16 ranks, two
+    nodes): the all-to-alls move the same bytes at NVLink's rate instead of the network's,
+    in the step time and in the report; ``plait plan --ep-inner`` sets it."""
+    from argparse import Namespace
+
+    from plait.plan.cli import _software
+    from plait.plan.comm_time import moe_exchanges
+    from plait.plan.spec import Software
+
+    spec = gpt(2, 4, 64, 128, experts=8, top_k=2)
+    h100 = device("h100")
+    layout, work = Layout(dp_shard=16, tp=2, ep=8), Workload(128, 32)
+    strided, inner = (moe_exchanges(spec, layout, work, h100, flag) for flag in (False, True))
+    one = all_to_all_bytes(spec, layout, work)
+    # strided: 4 of a group's 8 ranks in each node, 4 NICs' worth of the network
+    network = min(h100.intra_node_bw, 4 * h100.inter_node_bw)
+    assert strided[0] - inner[0] == pytest.approx(
+        2 * one * (1 / network - 1 / h100.intra_node_bw), rel=1e-9
+    )
+    assert network < h100.intra_node_bw
+    plain = evaluate(spec, layout, work, h100)
+    folded = evaluate(spec, layout, work, h100, software=Software(ep_inner=True))
+    assert folded.timing.step_time < plain.timing.step_time
+    a = [c for c in plain.timing.collectives if c.dim == "ep"]
+    b = [c for c in folded.timing.collectives if c.dim == "ep"]
+    assert [c.bytes for c in a] == [c.bytes for c in b] and a
+    assert {c.bandwidth for c in a} == {h100.inter_node_bw}
+    assert {c.bandwidth for c in b} == {h100.intra_node_bw}
+    # ep x tp inside one node already: nothing changes
+    small = Layout(dp_shard=4, tp=2, ep=4)
+    assert moe_exchanges(spec, small, work, h100, True) == moe_exchanges(spec, small, work, h100)
+    flags = {"kernels": "megatron-core", "tp_overlap": "none", "param_gather_overlap": False}
+    flags |= {"grad_reduce_bf16": True, "compile": False, "float8": "none"}
+    flags |= {"float8_all_gather": False, "ep_inner": True}
+    assert _software(Namespace(**flags)).ep_inner
+
+
 DIM, HIDDEN, TOKENS = 8, 16, 32
 
 

@@ -226,6 +226,7 @@ def _software(args: argparse.Namespace) -> Software:
         args.tp_overlap,
         param_gather_overlap=args.param_gather_overlap,
         grad_reduce_fp32=not args.grad_reduce_bf16,
+        ep_inner=args.ep_inner,
         compiled=args.compile,
         float8=args.float8,
         float8_all_gather=args.float8_all_gather,

@@ -178,10 +178,11 @@ def _span(dim: str, layout: Layout) -> int:
     return size * _inner(layout, dim)
 
 
-def link_bandwidth(dim: str, layout: Layout, device: DeviceSpec) -> float:
-    """Bandwidth per rank of ``dim``'s collectives: NVLink inside a node, else the network
+def link_bandwidth(dim: str, layout: Layout, device: DeviceSpec, span: int | None = None) -> float:
+    """Bandwidth per rank of ``dim``'s collectives, a group spanning ``span`` consecutive
+    ranks (None: as plait's mesh lays ``dim`` out): NVLink inside a node, else the network
     (an all-to-all whose ep group spans nodes runs at the network's rate)."""
-    span = _span(dim, layout)
+    span = span or _span(dim, layout)
     return device.intra_node_bw if span <= device.gpus_per_node else device.inter_node_bw
 
 
@@ -309,7 +310,8 @@ def communication(
     software: Software | None = None,
 ) -> list[Collective]:
     """What pipeline rank ``load`` sends in one step (module docstring), by dim and op;
-    ``software``: whether the blocks are all-gathered in fp8, and tp's input gathers."""
+    ``software``: whether the blocks are all-gathered in fp8, tp's input gathers, and
+    where ep's groups lie (``Software.ep_inner``)."""
     e = compute_bytes(work)
     fp8_gather = software is not None and software.float8_all_gather
     m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
@@ -319,7 +321,11 @@ def communication(
 
     def add(dim: str, op: str, nbytes: float, calls: int) -> None:
         if nbytes > 0:
-            out.append(Collective(dim, op, nbytes, calls, link_bandwidth(dim, layout, device)))
+            inner = dim == EP and software is not None and software.ep_inner
+            span = layout.ep if inner else None
+            out.append(
+                Collective(dim, op, nbytes, calls, link_bandwidth(dim, layout, device, span))
+            )
 
     units = p.blocks + (1 if p.root else 0)
     if ds > 1:

@@ -75,24 +75,34 @@ __all__ = [
 ]
 
 
-def _bandwidth(dim: str, layout: Layout, device: DeviceSpec) -> float:
-    """Per rank bandwidth of ``dim``'s collectives. Inside a node NVLink's; across nodes, a
+def _bandwidth(dim: str, layout: Layout, device: DeviceSpec, span: int | None) -> float:
+    """Per rank bandwidth of ``dim``'s collectives, a group spanning ``span`` consecutive
+    ranks (None: as plait's mesh lays ``dim`` out). Inside a node NVLink's; across nodes, a
     group with ``k`` members in each node runs ``k`` rings side by side, one per NIC
     (NCCL's channels over rail-optimised networks), each member's NIC carrying ``1 / k``
     of the node-crossing traffic: ``k x`` the network's rate, at most NVLink's."""
-    bw = link_bandwidth(dim, layout, device)
+    span = span or _span(dim, layout)
+    bw = link_bandwidth(dim, layout, device, span)
     if bw != device.inter_node_bw or dim == PP:
         return bw
     sizes = {EP: layout.ep, EFSDP: expert_fsdp_ranks(layout), "dp_shard_cp": fsdp_ranks(layout)}
     sizes["zero"] = layout.dp_replicate * layout.cp
     size = sizes[dim] if dim in sizes else int(getattr(layout, dim))
-    per_node = max(1, device.gpus_per_node * size // max(_span(dim, layout), 1))
+    per_node = max(1, device.gpus_per_node * size // max(span, 1))
     return min(device.intra_node_bw, per_node * device.inter_node_bw)
 
 
-def link_seconds(nbytes: float, dim: str, layout: Layout, device: DeviceSpec, calls: int) -> float:
-    """Seconds of ``calls`` collectives of ``dim`` moving ``nbytes`` per rank in all."""
-    return nbytes / _bandwidth(dim, layout, device) + calls * device.latency
+def link_seconds(
+    nbytes: float,
+    dim: str,
+    layout: Layout,
+    device: DeviceSpec,
+    calls: int,
+    span: int | None = None,
+) -> float:
+    """Seconds of ``calls`` collectives of ``dim`` moving ``nbytes`` per rank in all, each
+    group spanning ``span`` consecutive ranks (None: plait's mesh's)."""
+    return nbytes / _bandwidth(dim, layout, device, span) + calls * device.latency
 
 
 def tp_exposed(
@@ -126,12 +136,15 @@ def tp_exposed(
 
 
 def moe_exchanges(
-    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec
+    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec, ep_inner: bool = False
 ) -> tuple[float, float]:
     """Seconds one MoE block's exchanges take in forward and in backward for one
     microbatch, all exposed (module docstring): the all-to-alls of dispatch and combine,
-    the row counts' and the load's latencies, and the routed rows' all-gather over tp."""
-    one = link_seconds(all_to_all_bytes(model, layout, work), EP, layout, device, 0)
+    the row counts' and the load's latencies, and the routed rows' all-gather over tp.
+    ``ep_inner`` (``Software.ep_inner``): an ep group is ``ep`` consecutive ranks, not
+    plait's ``ep x tp``."""
+    span = layout.ep if ep_inner else None
+    one = link_seconds(all_to_all_bytes(model, layout, work), EP, layout, device, 0, span)
     latency = device.latency * ((3 if layout.ep > 1 else 0) + (1 if layout.dp > 1 else 0))
     exchange = 2 * one + latency  # forward: counts, dispatch, combine (and the load)
     back = 2 * one + (2 * device.latency if layout.ep > 1 else 0.0)

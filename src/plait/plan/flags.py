@@ -194,6 +194,12 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
             action="store_true",
         ),
         Flag(
+            "ep_inner",
+            "ep groups of consecutive ranks (Megatron-Core's expert mesh with expert "
+            "tensor parallelism 1), not strided over tp as plait's mesh lays them",
+            action="store_true",
+        ),
+        Flag(
             "grad_reduce_bf16",
             "reduce gradients in the compute dtype, not fp32 (Megatron-Core's default)",
             action="store_true",

@@ -136,7 +136,7 @@ def _passes(
         bwd += cp_bwd + (cp_fwd if recomputing else 0.0)
     if params.moe_blocks:  # exposed exchanges of the MoE blocks, spread over the rank's blocks
         share = params.moe_blocks / params.blocks
-        exchange, back = moe_exchanges(model, layout, work, device)
+        exchange, back = moe_exchanges(model, layout, work, device, software.ep_inner)
         fwd += share * exchange
         bwd += share * (back + (exchange if recomputing else 0.0))
     head_f, head_b = k.head_fwd + ends * tp_fwd / 4, k.head_bwd + ends * tp_bwd / 4

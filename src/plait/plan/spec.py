@@ -128,6 +128,12 @@ class Software:
     * ``grad_reduce_fp32``: data-parallel gradient reductions in fp32 (plait's, DeepSpeed's)
       or, False, in the compute dtype (Megatron-Core's ``grad_reduce_in_fp32=False``
       default);
+    * ``ep_inner``: the expert-parallel groups are the innermost dim of an expert mesh of
+      their own (Megatron-Core's ``expert_tensor_parallel_size=1``: its experts' ranks laid
+      out as ETP x EP x EDP x PP apart from the dense TP x CP x DP x PP), so an ep group is
+      ``ep`` consecutive ranks; False (plait's mesh, Megatron's ETP = TP): ``ep`` just
+      outside ``tp``, a group spanning ``ep x tp`` ranks. Only where the all-to-alls run
+      changes (inside a node or across nodes): the bytes are the same;
     * ``ac_early_stop``: whether ``ac="full"`` stops recomputing a block as soon as every
       tensor its backward saved is rebuilt (torch's non-reentrant checkpoint since 2.1,
       ``torch.utils.checkpoint.set_checkpoint_early_stop``, and ``plait.checkpoint``):
@@ -193,6 +199,7 @@ class Software:
     tp_overlap: str = "none"
     param_gather_overlap: bool = False
     grad_reduce_fp32: bool = True
+    ep_inner: bool = False
     ac_early_stop: bool | None = None
     optimizer_states: str = "fp32"
     loss_upcast: bool = True
