@@ -49,10 +49,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 #: The slowest files (``--durations`` on 2 cores, 2026-11-28: 40-90 s each, most of them
-#: ``plait train`` subprocesses or 8-rank pools), slowest first. ``--dist loadfile`` hands
-#: files out in collection order, so these go first: collected alphabetically they came
-#: last (``test_train_*``), and one worker ran the last of them for minutes while the
-#: other sat idle.
+#: ``plait train`` subprocesses or 8-rank pools), slowest first. ``--dist loadfile`` with
+#: ``--no-loadscope-reorder`` (pyproject.toml) hands files out in collection order, so
+#: these go first: collected alphabetically they came last (``test_train_*``), and one
+#: worker ran the last of them for minutes while the other sat idle; xdist's default
+#: reorder (most tests first) had put them last again, all together.
 SLOWEST_FIRST = (
     "test_train_replicas.py",
     "test_train_restart.py",

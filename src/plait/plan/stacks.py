@@ -27,8 +27,9 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   llm-foundry's Triton flash attention (``attn_impl: triton``, the default of its
   ``submit_benchmarks.py`` then), which no cited figure prices on the H100: priced as
   FlashAttention-2 (FlashAttention-2's paper puts it 1.3-1.5x faster forward and 2x
-  backward than that kernel on the A100; those ratios under-predict the tables' long
-  sequences);
+  backward than that kernel on the A100; priced at those ratios, on the H100 too, and
+  the scales refitted, the tables' 32k-65k rows come to 0.81-0.87 but their 8k rows fall
+  from 0.98-1.09 to 0.87-0.92: not adopted);
 * ``plait`` / ``torchtitan``: 38 kernels (the fp32 RMSNorm alone is 8). torchtitan's
   selective checkpointing (its ``op`` policy) saves attention and every second matmul,
   recomputing the other matmuls and the memory-bound work.
