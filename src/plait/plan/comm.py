@@ -114,6 +114,7 @@ __all__ = [
     "communication",
     "cp_per_step",
     "cp_traffic",
+    "ep_span",
     "fsdp_dim",
     "link_bandwidth",
     "ring",
@@ -184,6 +185,12 @@ def link_bandwidth(dim: str, layout: Layout, device: DeviceSpec, span: int | Non
     (an all-to-all whose ep group spans nodes runs at the network's rate)."""
     span = span or _span(dim, layout)
     return device.intra_node_bw if span <= device.gpus_per_node else device.inter_node_bw
+
+
+def ep_span(layout: Layout, ep_inner: bool) -> int | None:
+    """The consecutive ranks an ep group spans: ``ep`` under ``Software.ep_inner``
+    (Megatron-Core's expert mesh with ETP 1); None, plait's mesh's (``ep x tp``)."""
+    return layout.ep if ep_inner else None
 
 
 def all_to_all_passes(layout: Layout) -> int:
@@ -322,7 +329,7 @@ def communication(
     def add(dim: str, op: str, nbytes: float, calls: int) -> None:
         if nbytes > 0:
             inner = dim == EP and software is not None and software.ep_inner
-            span = layout.ep if inner else None
+            span = ep_span(layout, inner) if dim == EP else None
             out.append(
                 Collective(dim, op, nbytes, calls, link_bandwidth(dim, layout, device, span))
             )

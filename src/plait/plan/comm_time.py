@@ -52,6 +52,7 @@ from plait.plan.comm import (
     _span,
     all_to_all_bytes,
     cp_traffic,
+    ep_span,
     link_bandwidth,
     tp_bytes_per_block,
     tp_forward_bytes,
@@ -143,7 +144,7 @@ def moe_exchanges(
     the row counts' and the load's latencies, and the routed rows' all-gather over tp.
     ``ep_inner`` (``Software.ep_inner``): an ep group is ``ep`` consecutive ranks, not
     plait's ``ep x tp``."""
-    span = layout.ep if ep_inner else None
+    span = ep_span(layout, ep_inner)
     one = link_seconds(all_to_all_bytes(model, layout, work), EP, layout, device, 0, span)
     latency = device.latency * ((3 if layout.ep > 1 else 0) + (1 if layout.dp > 1 else 0))
     exchange = 2 * one + latency  # forward: counts, dispatch, combine (and the load)
