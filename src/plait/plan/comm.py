@@ -318,9 +318,10 @@ def communication(
 ) -> list[Collective]:
     """What pipeline rank ``load`` sends in one step (module docstring), by dim and op;
     ``software``: whether the blocks are all-gathered in fp8, tp's input gathers, and
-    where ep's groups lie (``Software.ep_inner``)."""
+    where ep's groups lie (``Software.ep_inner``); None: what ``plait train`` runs."""
+    software = software or Software()
     e = compute_bytes(work)
-    fp8_gather = software is not None and software.float8_all_gather
+    fp8_gather = software.float8_all_gather
     m, ds, dr, tp = layout.microbatches, fsdp_ranks(layout), layout.dp_replicate, layout.tp
     p = padded_params(model, layout, load)  # fully_shard moves its padded buffers
     out: list[Collective] = []
@@ -328,8 +329,7 @@ def communication(
 
     def add(dim: str, op: str, nbytes: float, calls: int) -> None:
         if nbytes > 0:
-            inner = dim == EP and software is not None and software.ep_inner
-            span = ep_span(layout, inner) if dim == EP else None
+            span = ep_span(layout, dim == EP and software.ep_inner)
             out.append(
                 Collective(dim, op, nbytes, calls, link_bandwidth(dim, layout, device, span))
             )
@@ -374,8 +374,9 @@ def communication(
         passes = 3 if layout.ac != "none" else 2  # forward, backward, recomputed forward
         ends = int(load.embedding) + int(load.head)  # embedding / head exchanges
         block_bytes = tp_bytes_per_block(model, layout, work)
-        fp8_inputs = software is not None and software.float8_tp_gather
-        forward = tp_forward_bytes(model, layout, work, fp8_inputs)  # and a recompute's
+        forward = tp_forward_bytes(
+            model, layout, work, software.float8_tp_gather
+        )  # and a recompute's
         blocks = (passes - 1) * forward + block_bytes  # the forwards, then backward
         tp_bytes = m * (load.layers * blocks + ends * block_bytes / 2)
         op = "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce"

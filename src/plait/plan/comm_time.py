@@ -124,10 +124,10 @@ def tp_exposed(
     its two reduce-scatters and the backward's four exchanges the compute dtype's."""
     t_fwd = t_bwd = 0.0
     if layout.tp > 1:
-        t_bwd = link_seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
-        t_fwd = link_seconds(
-            tp_forward_bytes(model, layout, work, fp8_gathers), TP, layout, device, 4
-        )
+        t_bwd = t_fwd = link_seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
+        if fp8_gathers:
+            forward = tp_forward_bytes(model, layout, work, fp8_gathers)
+            t_fwd = link_seconds(forward, TP, layout, device, 4)
     if overlap == "async" and device.overlap:
         return max(0.0, t_fwd - gemm), max(0.0, t_bwd - 2 * gemm)
     if overlap == "micro-pipeline" and device.overlap and layout.sequence_parallel:
