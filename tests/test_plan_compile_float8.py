@@ -4,15 +4,18 @@ and plait train's flags mapped onto them."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
 import pytest
 
 from plait.plan.candidate import evaluate
+from plait.plan.cli import _software
 from plait.plan.comm import communication, fsdp_dim
 from plait.plan.compute_time import kernel_times
 from plait.plan.devices import device
+from plait.plan.flags import add_flags
 from plait.plan.models import preset
 from plait.plan.roofline import (
     BlockKernels,
@@ -30,6 +33,13 @@ from plait.train.config import TrainConfig
 MODEL = preset("llama3-8b")
 H100 = device("h100")
 WORK = Workload(8192, 64)
+
+
+def plan_software(*flags: str) -> Software:
+    """The :class:`Software` ``plait plan FLAGS --gpus 8`` prices (its own parser)."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return _software(parser.parse_args([*flags, "--gpus", "8"]))
 
 
 def _block(software: Software, dev: DeviceSpec = H100, tokens: float = 16384.0) -> BlockKernels:
@@ -237,22 +247,8 @@ def test_compiled_loss_keeps_no_fp32_logits_and_moves_fewer_bytes() -> None:
 def test_plan_compile_flag_compiles_torchtitans_loss_only(kernels: str, loss: bool) -> None:
     """``plait plan --compile``: torchtitan compiles its loss with the blocks, plait train
     the blocks only."""
-    from argparse import Namespace
-
-    from plait.plan.cli import _software
-
-    args = Namespace(
-        kernels=kernels,
-        tp_overlap="none",
-        param_gather_overlap=False,
-        grad_reduce_bf16=False,
-        ep_inner=False,
-        compile=True,
-        float8="none",
-        float8_all_gather=False,
-    )
-    assert _software(args).compiled_loss is loss
-    assert _software(Namespace(**{**vars(args), "compile": False})).compiled_loss is False
+    assert plan_software("--kernels", kernels, "--compile").compiled_loss is loss
+    assert plan_software("--kernels", kernels).compiled_loss is False
 
 
 def test_float8_tp_gathers_move_fp8_in_the_forward_only() -> None:
@@ -260,9 +256,6 @@ def test_float8_tp_gathers_move_fp8_in_the_forward_only() -> None:
     sequence-parallel all-gathers move 1 byte per element, its reduce-scatters and
     backward's exchanges bf16: 3/4 of the forward's bytes; ``plait plan --float8
     tensorwise --kernels torchtitan`` sets it, plait's kernels do not; rowwise refuses it."""
-    from argparse import Namespace
-
-    from plait.plan.cli import _software
     from plait.plan.comm import tp_bytes_per_block
     from plait.plan.comm_time import tp_exposed
 
@@ -288,11 +281,9 @@ def test_float8_tp_gathers_move_fp8_in_the_forward_only() -> None:
     a = evaluate(MODEL, layout, WORK, H100, software=base)
     b = evaluate(MODEL, layout, WORK, H100, software=fp8)
     assert b.timing.step_time < a.timing.step_time
-    flags = {"tp_overlap": "none", "param_gather_overlap": False, "grad_reduce_bf16": False}
-    flags |= {"ep_inner": False}
-    flags |= {"compile": True, "float8": "tensorwise", "float8_all_gather": True}
-    assert _software(Namespace(kernels="torchtitan", **flags)).float8_tp_gather
-    assert not _software(Namespace(kernels="plait", **flags)).float8_tp_gather
+    flags = ("--compile", "--float8", "tensorwise", "--float8-all-gather")
+    assert plan_software("--kernels", "torchtitan", *flags).float8_tp_gather
+    assert not plan_software("--kernels", "plait", *flags).float8_tp_gather
 
 
 def test_float8_tp_casts_each_module_input_once_on_its_shard() -> None:

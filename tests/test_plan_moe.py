@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_plan_compile_float8 import plan_software
 from torch.distributed.device_mesh import init_device_mesh
 
 from plait.checkpoint import checkpoint
@@ -178,9 +179,6 @@ def test_ep_inner_keeps_an_ep_group_in_one_node() -> None:
     8 consecutive ranks, one node, where plait's mesh strides it over tp 2 (16 ranks, two
     nodes): the all-to-alls move the same bytes at NVLink's rate instead of the network's,
     in the step time and in the report; ``plait plan --ep-inner`` sets it."""
-    from argparse import Namespace
-
-    from plait.plan.cli import _software
     from plait.plan.comm_time import moe_exchanges
     from plait.plan.spec import Software
 
@@ -206,10 +204,8 @@ def test_ep_inner_keeps_an_ep_group_in_one_node() -> None:
     # ep x tp inside one node already: nothing changes
     small = Layout(dp_shard=4, tp=2, ep=4)
     assert moe_exchanges(spec, small, work, h100, True) == moe_exchanges(spec, small, work, h100)
-    flags = {"kernels": "megatron-core", "tp_overlap": "none", "param_gather_overlap": False}
-    flags |= {"grad_reduce_bf16": True, "compile": False, "float8": "none"}
-    flags |= {"float8_all_gather": False, "ep_inner": True}
-    assert _software(Namespace(**flags)).ep_inner
+    assert plan_software("--kernels", "megatron-core", "--ep-inner").ep_inner
+    assert not plan_software("--kernels", "megatron-core").ep_inner
 
 
 DIM, HIDDEN, TOKENS = 8, 16, 32
