@@ -504,7 +504,62 @@ def test_torch_async_tp_fuses_forward_and_backward_gathers_not_backward_reductio
     assert prof is not None
     n = work.global_batch * work.seq_len / 8  # the rank's tokens
     extra = 2 * elementwise_seconds(n * model.d_model * 2 * (1 + 1 / 8), prof)
+    # and its fused GEMMs run one row chunk at a time (test below)
+    args = (model, 8, n, 8192, 1, 2, False, prof, H100.flops, stacks.stack("torchtitan"), True)
+    whole_k = roofline.block_kernels(*args, "h100")
+    chunked = roofline.block_kernels(*args, "h100", pipelined=True)
     scale = STACK_SCALE["torchtitan"] * DEVICE_SCALE["hopper"]
-    assert micro[0] - base[0] == pytest.approx(extra / scale)
-    assert micro[2] - base[2] == pytest.approx(extra / scale)  # the full recompute's
-    assert micro[1] == base[1]
+    fwd_extra = extra + chunked.forward - whole_k.forward
+    assert micro[0] - base[0] == pytest.approx(fwd_extra / scale)
+    # the full recompute's (which stops before the MLP's output GEMM: torchtitan's torch)
+    redo_extra = fwd_extra - chunked.tail + whole_k.tail
+    assert micro[2] - base[2] == pytest.approx(redo_extra / scale)
+    assert micro[1] - base[1] == pytest.approx((chunked.backward - whole_k.backward) / scale)
+
+
+def test_torch_async_tp_runs_its_fused_gemms_one_row_chunk_at_a_time() -> None:
+    """torch's fused all-gather + matmul multiplies each gathered shard as it arrives, and
+    its fused matmul + reduce-scatter each destination's chunk: ``tp`` GEMMs of ``n / tp``
+    rows (``torch.distributed._symmetric_memory``). Forward: every tp-split GEMM of the
+    block; backward: only the input gradients of o and the MLP's output projection (fed by
+    the two fused gathers of output gradients)."""
+    prof = profile(H100)
+    assert prof is not None
+    model = preset("llama3-8b")
+    d, f, q, kv, tp, n = 4096, model.ffn_hidden, model.q_width, model.kv_width, 8, 8192.0
+    titan = stacks.stack("torchtitan")
+
+    def block(pipelined: bool, tp: int = tp) -> roofline.BlockKernels:
+        return roofline.block_kernels(
+            model,
+            tp,
+            n,
+            8192,
+            1,
+            2,
+            False,
+            prof,
+            H100.flops,
+            titan,
+            True,
+            "h100",
+            pipelined=pipelined,
+        )
+
+    def g(m: float, nn: float, kk: float) -> float:
+        return gemm_seconds(m, nn, kk, H100.flops, prof, 2)
+
+    shapes = [(q / tp, d), (kv / tp, d), (kv / tp, d), (d, q / tp), (f / tp, d)] + [
+        (f / tp, d),
+        (d, f / tp),
+    ]
+    plain, chunked = block(False), block(True)
+    assert plain.gemm == pytest.approx(sum(g(n, a, b) for a, b in shapes))
+    assert chunked.gemm == pytest.approx(sum(tp * g(n / tp, a, b) for a, b in shapes))
+    assert chunked.gemm > 1.05 * plain.gemm  # 1,024-row chunks of an 8,192-token microbatch
+    grads = [(q / tp, d), (f / tp, d)]  # o's and the down projection's input gradients
+    delta = sum(tp * g(n / tp, a, b) - g(n, a, b) for a, b in grads)
+    assert chunked.backward == pytest.approx(plain.backward + delta)
+    assert chunked.attention_fwd == plain.attention_fwd
+    assert chunked.elementwise == plain.elementwise
+    assert block(True, tp=1) == block(False, tp=1)  # nothing to chunk without tp

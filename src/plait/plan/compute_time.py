@@ -20,7 +20,8 @@ parallelism): each fused matmul + reduce-scatter
 (``torch.distributed._symmetric_memory``'s ``fused_matmul_reduce_scatter``) writes the
 ``tp`` partial outputs and sums them in a reduction kernel of its own: reading ``n x d``
 elements and writing their ``1 / tp``, after the attention's output projection and a dense
-MLP's output GEMM, in every forward (a full recompute's too).
+MLP's output GEMM, in every forward (a full recompute's too); its fused GEMMs run one
+row chunk at a time (:mod:`plait.plan.roofline`).
 
 **Mixture of experts.** A MoE block's compute is its attention, router and shared experts
 and, per token, its ``top_k`` experts. The router runs whole on every tp rank; under tensor
@@ -197,6 +198,7 @@ def kernel_times(
             device.name,
             routed_tp(layout),
             fp8,
+            software.tp_overlap == "micro-pipeline" and sp,
         )
         share = count / p.blocks
         fwd += share * k.forward

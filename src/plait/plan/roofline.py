@@ -26,6 +26,13 @@ reaches and its bytes at the device's memory bandwidth:
   ``mamf-finder``'s best H100 shapes have K 13,312 (v2) and 17,920 (v1), the A100's
   5,120, and its README (``compute/accelerator/benchmarks``) sweeps the A100 to 5,376
   and the H100 to 20,480 for its maximum.
+  **torch's async TP** (``pipelined``) multiplies each gathered shard as it arrives and
+  each reduce-scatter destination's chunk apart
+  (``torch.distributed._symmetric_memory``'s fused all-gather + matmul and matmul +
+  reduce-scatter): its fused GEMMs run as ``tp`` GEMMs of ``M / tp`` rows, every tp-split
+  GEMM of the forward (a MoE block's attention only) and, in backward, the input
+  gradients of the attention's output projection and a dense MLP's (the two gathers of
+  output gradients it fuses); their launches overlap on two streams (no extra gaps).
 * **Attention** (flash attention, causal): the scores and weighted values of
   ``4 T d / (tp)`` FLOPs per token in forward, of which a causal kernel computes half
   (it skips masked tiles; the MFU convention still counts all of them), at
@@ -241,6 +248,7 @@ class BlockKernels:
     tail: float = 0.0  # of the forward: what runs after its last saved tensor is packed
     cast: float = 0.0  # Float8's casts to fp8 in forward
     cast_bwd: float = 0.0  # and in backward
+    gemm_bwd: float | None = None  # backward's GEMMs where not twice ``gemm`` (async TP)
 
     @property
     def forward(self) -> float:
@@ -248,7 +256,8 @@ class BlockKernels:
 
     @property
     def backward(self) -> float:
-        return 2 * self.gemm + self.attention_bwd + 2 * self.elementwise + self.cast_bwd
+        gemm = 2 * self.gemm if self.gemm_bwd is None else self.gemm_bwd
+        return gemm + self.attention_bwd + 2 * self.elementwise + self.cast_bwd
 
 
 @functools.lru_cache(maxsize=4096)
@@ -267,13 +276,15 @@ def block_kernels(
     device: str = "",
     split: int = 1,
     fp8: Float8 | None = None,
+    pipelined: bool = False,
 ) -> BlockKernels:
     """Forward kernels of one block (dense, or a MoE block with ``moe``) for ``tokens``
     tokens of one rank (the microbatch, after context parallelism), its matrices split
     ``tp`` ways, run by the stack ``kernels`` (``sp``: sequence parallelism, the norms
     and residuals on ``tokens / tp``; ``split``: the tp ranks a MoE block's routed rows are
     cut among, each running its chunk through whole experts; ``fp8``: the block's linears
-    as Float8Linears, module docstring)."""
+    as Float8Linears; ``pipelined``: torch's async TP runs its fused GEMMs one row chunk
+    at a time, module docstring)."""
     d, f = model.d_model, model.ffn_hidden
     q, kv = model.q_width, model.kv_width
     n = tokens
@@ -313,10 +324,28 @@ def block_kernels(
             return gemm_seconds(m, nn, kk, fp8.peak, low_prof, element, operand=1)
         return gemm_seconds(m, nn, kk, peak, prof, element)
 
+    # torch's async TP (module docstring): the fused GEMMs run as tp GEMMs of n / tp rows
+    # each; forward: every tp-split GEMM of the attention (q, k, v, o) and of a dense MLP;
+    # backward: the input-gradient GEMMs of o and of a dense MLP's output projection.
+    chunks = tp if pipelined and tp > 1 else 1
+    fused = 4 if moe else len(gemms)
+
+    def run(i: int, m: float, nn: float, kk: float, fp8_gemm: bool) -> float:
+        if i < fused and chunks > 1:
+            return chunks * timed(m / chunks, nn, kk, fp8_gemm)
+        return timed(m, nn, kk, fp8_gemm)
+
     # The MLP's output GEMM packs its saved input before it runs; nothing after it saves
     # a tensor (the residual addition saves none). MoE blocks: not analysed, 0.
-    last = 0.0 if moe else timed(n, d, f / tp, fp8 is not None)
-    gemm = sum(timed(m, nn, kk, x) for (m, nn, kk), x in zip(gemms, low, strict=True))
+    last = 0.0 if moe else run(fused - 1, n, d, f / tp, fp8 is not None)
+    gemm = sum(run(i, *g, x) for i, (g, x) in enumerate(zip(gemms, low, strict=True)))
+    gemm_bwd = None
+    if chunks > 1:
+        whole = sum(timed(*g, x) for g, x in zip(gemms, low, strict=True))
+        grads = [(n, q / tp, d, low[3])] + ([] if moe else [(n, f / tp, d, low[-1])])
+        gemm_bwd = 2 * whole + sum(
+            chunks * timed(m / chunks, nn, kk, x) - timed(m, nn, kk, x) for m, nn, kk, x in grads
+        )
     elements = sum(nn * kk * (m / n) for m, nn, kk in gemms)
     cast = cast_bwd = 0.0
     launches = kernels.kernels
@@ -395,6 +424,7 @@ def block_kernels(
         last,
         cast,
         cast_bwd,
+        gemm_bwd,
     )
 
 
