@@ -486,12 +486,22 @@ def test_torch_async_tp_fuses_forward_and_backward_gathers_not_backward_reductio
 
     model, work = preset("llama3-8b"), Workload(8192, 64)
     layout = Layout(dp_shard=8, tp=8, ac="full")
-    whole = tp_exposed(model, layout, work, H100, 1.0, "none")
-    assert tp_exposed(model, layout, work, H100, 1.0, "async") == (0.0, 0.0)
-    assert tp_exposed(model, layout, work, H100, 1.0, "micro-pipeline") == (0.0, whole[1] / 2)
+    long = (1.0, 1.0, 1.0, 1.0)  # GEMMs after each collective, longer than it
+    whole = tp_exposed(model, layout, work, H100, long, "none")
+    assert tp_exposed(model, layout, work, H100, long, "async") == (0.0, 0.0)
+    assert tp_exposed(model, layout, work, H100, long, "micro-pipeline") == (0.0, whole[1] / 2)
     no_sp = dataclasses.replace(layout, sequence_parallel=False)
-    none = tp_exposed(model, no_sp, work, H100, 1.0, "none")
-    assert tp_exposed(model, no_sp, work, H100, 1.0, "micro-pipeline") == none
+    none = tp_exposed(model, no_sp, work, H100, long, "none")
+    assert tp_exposed(model, no_sp, work, H100, long, "micro-pipeline") == none
+    # Each collective hides behind its own GEMMs only: attention's projections shorter
+    # than their collectives expose the difference, however long the MLP's GEMMs are.
+    one = whole[1] / 4  # one collective
+    short = (0.25 * one, 0.5 * one, 1.0, 1.0)
+    fwd, bwd = tp_exposed(model, layout, work, H100, short, "micro-pipeline")
+    assert fwd == pytest.approx(0.75 * one + 0.5 * one)
+    assert bwd == pytest.approx(2 * one + 0.5 * one)  # reductions whole, o's gather's rest
+    fwd, bwd = tp_exposed(model, layout, work, H100, short, "async")
+    assert (fwd, bwd) == (pytest.approx(1.25 * one), pytest.approx(1.25 * one))
     rank = layout_shape(model, layout).ranks[0]
 
     def times(overlap: str) -> tuple[float, float, float]:

@@ -175,7 +175,7 @@ RECORDED_10240 = {
         "pp=16 dp_replicate=4 dp_shard=40 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
     ],
     "n": 869,
-    "digest": "c87f55a4542ff7b4",
+    "digest": "fb22ab8c38467242",
 }
 
 _COLD_SEARCH = """

@@ -9,9 +9,16 @@ by side, one per NIC).
 
 **Tensor parallelism**: ``tp_overlap="none"`` (plait's recipe, the default: torch's TP
 collectives run synchronously in the compute stream) exposes them whole; ``"async"``
-(Megatron's TP communication overlap) exposes per block only what exceeds the GEMMs they
-are decomposed into; ``"micro-pipeline"`` (torch's async TP as torchtitan runs it:
-``torch/_inductor/fx_passes/micro_pipeline_tp.py``) the same in forward, but in backward
+(Megatron's TP communication overlap) exposes of each collective what exceeds the GEMMs it
+is decomposed into: in forward the attention's input gather its q, k and v GEMMs, the
+output projection's reduce-scatter that projection, the MLP's gather its input GEMMs and
+its reduce-scatter its output GEMM; in backward the gathers of output gradients the
+input-gradient GEMMs they feed and the reductions of input gradients the input
+projections' weight-gradient GEMMs (each priced as its forward GEMM). So a block whose
+attention projections are short (a small model at a high tp) exposes part of its
+attention's collectives however long its MLP runs; ``"micro-pipeline"`` (torch's async
+TP as torchtitan runs it: ``torch/_inductor/fx_passes/micro_pipeline_tp.py``) the same in
+forward, but in backward
 only the two all-gathers (of the output gradients, each feeding one matmul) are fused:
 the two reduce-scatters of the input gradients reduce sums of several matmuls (q, k and v;
 the MLP's input GEMMs), which the pass does not fuse (it needs one producer matmul), so
@@ -47,6 +54,8 @@ and load all-reduce. Under tensor parallelism the chunks' outputs are all-gather
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from plait.layout import CP, EFSDP, EP, PP, TP
 from plait.plan.comm import (
     _span,
@@ -55,7 +64,6 @@ from plait.plan.comm import (
     ep_span,
     link_bandwidth,
     tp_bytes_per_block,
-    tp_forward_bytes,
     tp_gather_bytes,
 )
 from plait.plan.shards import (
@@ -111,29 +119,43 @@ def tp_exposed(
     layout: Layout,
     work: Workload,
     device: DeviceSpec,
-    gemm: float,
+    fused: Sequence[float],
     overlap: str,
     fp8_gathers: bool = False,
 ) -> tuple[float, float]:
     """Seconds tensor parallelism's collectives expose in one block's forward and backward
-    for one microbatch (module docstring): whole, or with ``overlap`` ``"async"`` beyond
-    the block's forward GEMMs ``gemm`` (the backward's: twice that), or with
-    ``"micro-pipeline"`` backward's reduce-scatters whole and its all-gathers beyond
-    ``gemm`` (module docstring). ``fp8_gathers``
-    (``Software.float8_tp_gather``): the forward's two all-gathers move 1 byte per element,
-    its two reduce-scatters and the backward's four exchanges the compute dtype's."""
-    t_fwd = t_bwd = 0.0
-    if layout.tp > 1:
-        t_bwd = t_fwd = link_seconds(tp_bytes_per_block(model, layout, work), TP, layout, device, 4)
-        if fp8_gathers:
-            forward = tp_forward_bytes(model, layout, work, fp8_gathers)
-            t_fwd = link_seconds(forward, TP, layout, device, 4)
-    if overlap == "async" and device.overlap:
-        return max(0.0, t_fwd - gemm), max(0.0, t_bwd - 2 * gemm)
-    if overlap == "micro-pipeline" and device.overlap and layout.sequence_parallel:
-        # all-reduces (no sequence parallelism) are not fused; backward: half the bytes
-        return max(0.0, t_fwd - gemm), t_bwd / 2 + max(0.0, t_bwd / 2 - gemm)
-    return t_fwd, t_bwd
+    for one microbatch (module docstring): whole, or with ``overlap`` ``"async"`` each
+    beyond the GEMMs it is decomposed into, or with ``"micro-pipeline"`` the same in
+    forward and backward's reduce-scatters whole. ``fused``: the forward's GEMMs after
+    each of the four collectives (attention's input gather, its output reduction, the
+    MLP's input gather and output reduction: ``roofline.BlockKernels.fused``); backward's
+    gathers feed the input-gradient GEMMs of the two output projections and its
+    reductions follow the input projections' (priced as their forward GEMMs).
+    ``fp8_gathers`` (``Software.float8_tp_gather``): the forward's two all-gathers move 1
+    byte per element, its two reduce-scatters and the backward's four exchanges the
+    compute dtype's."""
+    if layout.tp == 1:
+        return 0.0, 0.0
+    one = tp_bytes_per_block(model, layout, work) / 4  # one collective's bytes
+    reduce = link_seconds(one, TP, layout, device, 1)
+    gather = reduce
+    if fp8_gathers:
+        gather = link_seconds(one / compute_bytes(work), TP, layout, device, 1)
+    t_fwd, t_bwd = 2 * (gather + reduce), 4 * reduce
+    sp = layout.sequence_parallel
+    if overlap not in ("async", "micro-pipeline") or not device.overlap:
+        return t_fwd, t_bwd
+    if overlap == "micro-pipeline" and not sp:  # all-reduces are not fused
+        return t_fwd, t_bwd
+    attn_in, attn_out, mlp_in, mlp_out = fused
+    fwd = sum(
+        max(0.0, c - g)
+        for c, g in ((gather, attn_in), (reduce, attn_out), (gather, mlp_in), (reduce, mlp_out))
+    )
+    gathers = max(0.0, reduce - attn_out) + max(0.0, reduce - mlp_out)
+    if overlap == "micro-pipeline":  # backward's reductions of sums of matmuls stay whole
+        return fwd, 2 * reduce + gathers
+    return fwd, gathers + max(0.0, reduce - attn_in) + max(0.0, reduce - mlp_in)
 
 
 def moe_exchanges(

@@ -70,15 +70,15 @@ __all__ = [
     "stack_scale",
 ]
 
-EFFICIENCY = 0.8435
+EFFICIENCY = 0.8444
 """The sustained fraction: every roofline kernel time is divided by it (fitted by
 :mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
 
 STACK_SCALE: dict[str, float] = {
-    "torchtitan": 1.0437,
-    "megatron-2021": 1.0648,
-    "megatron-core": 1.1418,
-    "llm-foundry": 0.9223,
+    "torchtitan": 1.0427,
+    "megatron-2021": 1.0637,
+    "megatron-core": 1.1529,
+    "llm-foundry": 0.9213,
 }
 """Per software stack (:data:`plait.plan.stacks.STACKS`), the factor its sustained
 fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
@@ -132,7 +132,9 @@ class KernelTimes:
     fwd: float
     bwd: float  # without recomputation
     recompute: float
-    gemm_fwd: float  # of fwd: the GEMMs (what async TP hides collectives behind)
+    # of fwd: the GEMMs after each of TP's four collectives (what async TP hides them
+    # behind; roofline.BlockKernels.fused)
+    fused: tuple[float, ...]
     attention_fwd: float  # of fwd: attention (what a ring's shifts run beside)
     head_fwd: float
     head_bwd: float
@@ -165,8 +167,9 @@ def kernel_times(
         forward = n * 2 * p.block_matmul / rate + attention
         recompute = {"none": 0.0, "selective": attention, "full": forward}[layout.ac]
         head = n * 2 * model.vocab * model.d_model / tp / rate if load.head else 0.0
+        quarter = (forward - attention) / 4
         return KernelTimes(
-            forward, 2 * forward, recompute, forward - attention, attention, head, 2 * head
+            forward, 2 * forward, recompute, (quarter,) * 4, attention, head, 2 * head
         )
     e = compute_bytes(work)
     kernels = stack(software.kernels)
@@ -180,7 +183,8 @@ def kernel_times(
     if p.moe_blocks:
         kinds.append((p.moe_blocks, True))
     early = kernels.early_stop if software.ac_early_stop is None else software.ac_early_stop
-    fwd = bwd = gemm = attn = redo = full = 0.0
+    fwd = bwd = attn = redo = full = 0.0
+    fused = [0.0] * 4
     launches = 0.0
     for count, moe in kinds:
         k = block_kernels(
@@ -203,7 +207,7 @@ def kernel_times(
         share = count / p.blocks
         fwd += share * k.forward
         bwd += share * k.backward
-        gemm += share * k.gemm
+        fused = [a + share * b for a, b in zip(fused, k.fused, strict=True)]
         attn += share * k.attention_fwd
         launches += share * k.launches
         full += share * (k.forward - (k.tail if early else 0.0))
@@ -236,7 +240,7 @@ def kernel_times(
         fwd / s + gap + host,
         bwd / s + 2 * (gap + host),
         recompute / s + redo_gap + redo_host,
-        gemm / s,
+        tuple(x / s for x in fused),
         attn / s,
         head_f / s,
         head_b / s,

@@ -126,7 +126,7 @@ def _passes(
     ``ends``: how many of the embedding and the head the rank holds."""
     recomputing = layout.ac != "none"
     tp_fwd, tp_bwd = tp_exposed(
-        model, layout, work, device, k.gemm_fwd, software.tp_overlap, software.float8_tp_gather
+        model, layout, work, device, k.fused, software.tp_overlap, software.float8_tp_gather
     )
     passes = tp_fwd if recomputing else 0.0
     fwd, bwd = k.fwd + tp_fwd, k.bwd + k.recompute + tp_bwd + passes

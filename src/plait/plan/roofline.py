@@ -249,6 +249,10 @@ class BlockKernels:
     cast: float = 0.0  # Float8's casts to fp8 in forward
     cast_bwd: float = 0.0  # and in backward
     gemm_bwd: float | None = None  # backward's GEMMs where not twice ``gemm`` (async TP)
+    # of ``gemm``: the GEMMs after each of tensor parallelism's four forward collectives
+    # (attention's input gather: q, k, v; its output reduction: o; the MLP's input gather:
+    # its input GEMMs and a MoE's router; its output reduction: the output GEMMs)
+    fused: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     @property
     def forward(self) -> float:
@@ -294,6 +298,7 @@ def block_kernels(
         (n, kv / tp, d),  # v
         (n, d, q / tp),  # o
     ]
+    group = [0, 0, 0, 1]  # the TP collective each follows or feeds (BlockKernels.fused)
     low = [True] * len(gemms)  # which GEMMs a Float8Linear runs (q, k, v, o, MLP, shared)
     if moe:
         e, h, k = model.experts, model.expert_hidden, model.top_k
@@ -302,15 +307,18 @@ def block_kernels(
         # routed rows, through whole experts (plait.plan.shards' module docstring).
         rows = n * k / e / split
         gemms += [(rows, h, d), (rows, h, d), (rows, d, h)] * e
+        group += [2] + [2, 2, 3] * e
         low += [False] * (1 + 3 * e)  # the router and the routed experts stay high
         if model.shared_experts:
             s = h * model.shared_experts / tp
             gemms += [(n, s, d), (n, s, d), (n, d, s)]
+            group += [2, 2, 3]
             low += [True] * 3
         width = k * h / split + h * model.shared_experts / tp
     else:
         mlp = [(n, f / tp, d), (n, d, f / tp)]
         gemms += [(n, f / tp, d), *mlp] if model.gated else mlp
+        group += [2] * (len(gemms) - 5) + [3]
         low = [True] * len(gemms)
         width = f / tp
     if fp8 is None:
@@ -328,17 +336,21 @@ def block_kernels(
     # each; forward: every tp-split GEMM of the attention (q, k, v, o) and of a dense MLP;
     # backward: the input-gradient GEMMs of o and of a dense MLP's output projection.
     chunks = tp if pipelined and tp > 1 else 1
-    fused = 4 if moe else len(gemms)
+    chunked = 4 if moe else len(gemms)  # the first ones
 
     def run(i: int, m: float, nn: float, kk: float, fp8_gemm: bool) -> float:
-        if i < fused and chunks > 1:
+        if i < chunked and chunks > 1:
             return chunks * timed(m / chunks, nn, kk, fp8_gemm)
         return timed(m, nn, kk, fp8_gemm)
 
     # The MLP's output GEMM packs its saved input before it runs; nothing after it saves
     # a tensor (the residual addition saves none). MoE blocks: not analysed, 0.
-    last = 0.0 if moe else run(fused - 1, n, d, f / tp, fp8 is not None)
-    gemm = sum(run(i, *g, x) for i, (g, x) in enumerate(zip(gemms, low, strict=True)))
+    last = 0.0 if moe else run(chunked - 1, n, d, f / tp, fp8 is not None)
+    times = [run(i, *g, x) for i, (g, x) in enumerate(zip(gemms, low, strict=True))]
+    gemm = sum(times)
+    fused = [0.0] * 4
+    for t, which in zip(times, group, strict=True):
+        fused[which] += t
     gemm_bwd = None
     if chunks > 1:
         whole = sum(timed(*g, x) for g, x in zip(gemms, low, strict=True))
@@ -425,6 +437,7 @@ def block_kernels(
         cast,
         cast_bwd,
         gemm_bwd,
+        (fused[0], fused[1], fused[2], fused[3]),
     )
 
 
