@@ -66,7 +66,8 @@ def test_deadlock_times_out_and_next_test_runs_on_healthy_workers() -> None:
     with pytest.raises(RankTimeout) as info:
         run_on_ranks(2, _deadlock, timeout=3)
     elapsed = time.monotonic() - start
-    assert elapsed < 15, f"timeout took {elapsed:.1f}s to report"
+    # a 3 s deadline reports, however slow the machine, long before a hang would end
+    assert elapsed < 45, f"timeout took {elapsed:.1f}s to report"
     message = str(info.value)
     assert "within its 3 s deadline" in message
     assert "_deadlock" in message  # the stuck rank's stack names the function
