@@ -262,8 +262,10 @@ def test_float8_tp_gathers_move_fp8_in_the_forward_only() -> None:
     with pytest.raises(ValueError, match="float8_tp_gather needs float8='tensorwise'"):
         Software("torchtitan", float8="rowwise", float8_tp_gather=True)
     layout = Layout(dp_shard=8, tp=8, ac="full")
-    fwd, bwd = tp_exposed(MODEL, layout, WORK, H100, (0.0,) * 4, "none")
-    fp8_fwd, fp8_bwd = tp_exposed(MODEL, layout, WORK, H100, (0.0,) * 4, "none", fp8_gathers=True)
+    fwd, bwd, _ = tp_exposed(MODEL, layout, WORK, H100, (0.0,) * 4, "none")
+    fp8_fwd, fp8_bwd, _ = tp_exposed(
+        MODEL, layout, WORK, H100, (0.0,) * 4, "none", fp8_gathers=True
+    )
     nbytes = tp_bytes_per_block(MODEL, layout, WORK)
     assert fp8_bwd == bwd
     assert fwd - fp8_fwd == pytest.approx(nbytes / 4 / H100.intra_node_bw)

@@ -487,21 +487,32 @@ def test_torch_async_tp_fuses_forward_and_backward_gathers_not_backward_reductio
     model, work = preset("llama3-8b"), Workload(8192, 64)
     layout = Layout(dp_shard=8, tp=8, ac="full")
     long = (1.0, 1.0, 1.0, 1.0)  # GEMMs after each collective, longer than it
-    whole = tp_exposed(model, layout, work, H100, long, "none")
-    assert tp_exposed(model, layout, work, H100, long, "async") == (0.0, 0.0)
-    assert tp_exposed(model, layout, work, H100, long, "micro-pipeline") == (0.0, whole[1] / 2)
+
+    def exposed(lay: Layout, fused: tuple[float, ...], overlap: str) -> tuple[float, float]:
+        fwd, bwd, _ = tp_exposed(model, lay, work, H100, fused, overlap)
+        return fwd, bwd
+
+    whole = exposed(layout, long, "none")
+    assert exposed(layout, long, "async") == (0.0, 0.0)
+    assert exposed(layout, long, "micro-pipeline") == (0.0, whole[1] / 2)
     no_sp = dataclasses.replace(layout, sequence_parallel=False)
-    none = tp_exposed(model, no_sp, work, H100, long, "none")
-    assert tp_exposed(model, no_sp, work, H100, long, "micro-pipeline") == none
+    assert exposed(no_sp, long, "micro-pipeline") == exposed(no_sp, long, "none")
     # Each collective hides behind its own GEMMs only: attention's projections shorter
     # than their collectives expose the difference, however long the MLP's GEMMs are.
     one = whole[1] / 4  # one collective
     short = (0.25 * one, 0.5 * one, 1.0, 1.0)
-    fwd, bwd = tp_exposed(model, layout, work, H100, short, "micro-pipeline")
+    fwd, bwd = exposed(layout, short, "micro-pipeline")
     assert fwd == pytest.approx(0.75 * one + 0.5 * one)
     assert bwd == pytest.approx(2 * one + 0.5 * one)  # reductions whole, o's gather's rest
-    fwd, bwd = tp_exposed(model, layout, work, H100, short, "async")
+    fwd, bwd = exposed(layout, short, "async")
     assert (fwd, bwd) == (pytest.approx(1.25 * one), pytest.approx(1.25 * one))
+    # What a recompute that keeps the reduce-scatters' outputs repeats: the gathers alone
+    # (without sequence parallelism the all-reduces, whole).
+    assert tp_exposed(model, layout, work, H100, short, "micro-pipeline")[2] == pytest.approx(
+        0.75 * one
+    )
+    assert tp_exposed(model, layout, work, H100, long, "none")[2] == pytest.approx(2 * one)
+    assert tp_exposed(model, no_sp, work, H100, long, "none")[2] == exposed(no_sp, long, "none")[0]
     rank = layout_shape(model, layout).ranks[0]
 
     def times(overlap: str) -> tuple[float, float, float]:
@@ -573,3 +584,30 @@ def test_torch_async_tp_runs_its_fused_gemms_one_row_chunk_at_a_time() -> None:
     assert chunked.attention_fwd == plain.attention_fwd
     assert chunked.elementwise == plain.elementwise
     assert block(True, tp=1) == block(False, tp=1)  # nothing to chunk without tp
+
+
+def test_torchtitan_selective_recompute_repeats_only_tps_gathers() -> None:
+    """torchtitan's op-level selective checkpointing saves reduce-scatter outputs
+    (``torchtitan/distributed/activation_checkpoint.py``): its recompute reruns TP's two
+    all-gathers, plait's and a full checkpoint's the whole forward exchange."""
+    from plait.plan.comm_time import tp_exposed
+    from plait.plan.compute_time import kernel_times
+    from plait.plan.rank_time import _passes
+    from plait.plan.shards import rank_params
+
+    model, work = preset("llama3-8b"), Workload(8192, 64)
+    layout = Layout(dp_shard=8, tp=8, ac="selective")
+    rank = layout_shape(model, layout).ranks[0]
+    params = rank_params(model, layout, rank)
+    titan, plait_sw = Software("torchtitan"), Software("plait")
+    k = kernel_times(model, layout, work, H100, rank, 1.0, titan, 0.0)
+    fwd, bwd, gathers = tp_exposed(model, layout, work, H100, k.fused, "none")
+    assert 0 < gathers < fwd
+    kept = _passes(model, layout, work, H100, k, params, 0, titan)
+    rerun = _passes(model, layout, work, H100, k, params, 0, plait_sw)
+    assert kept.fwd == rerun.fwd == pytest.approx(k.fwd + fwd)
+    assert kept.bwd == pytest.approx(k.bwd + k.recompute + bwd + gathers)
+    assert rerun.bwd == pytest.approx(k.bwd + k.recompute + bwd + fwd)
+    full = dataclasses.replace(layout, ac="full")
+    whole = _passes(model, full, work, H100, k, params, 0, titan)
+    assert whole.bwd == pytest.approx(rerun.bwd)

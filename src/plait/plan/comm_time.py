@@ -40,7 +40,10 @@ causal load balancing makes the ranks' shares equal). Its key/value exchange per
   kernels run at the same rate beside the transfers and that no shift waits on one
   another.
 
-Recomputation (``--ac full`` or ``selective``) repeats the forward's exchange. ``fully_shard``
+Recomputation (``--ac full`` or ``selective``) repeats the forward's exchange, but for
+torchtitan's selective policy, which saves the reduce-scatters' outputs (its
+``activation_checkpoint.py``): that recompute repeats tensor parallelism's all-gathers
+only (without sequence parallelism its all-reduces, which nothing saves). ``fully_shard``
 shards over ``dp_shard x cp`` and its collectives have that many ranks.
 
 **Mixture of experts.** A MoE block's expert-parallel all-to-alls (of its tp chunk of the
@@ -122,9 +125,12 @@ def tp_exposed(
     fused: Sequence[float],
     overlap: str,
     fp8_gathers: bool = False,
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Seconds tensor parallelism's collectives expose in one block's forward and backward
-    for one microbatch (module docstring): whole, or with ``overlap`` ``"async"`` each
+    for one microbatch, and of the forward's all-gathers alone (what a recompute that keeps
+    the reduce-scatters' outputs repeats: torchtitan's selective checkpointing; without
+    sequence parallelism the forward's all-reduces, which it repeats whole) (module
+    docstring): whole, or with ``overlap`` ``"async"`` each
     beyond the GEMMs it is decomposed into, or with ``"micro-pipeline"`` the same in
     forward and backward's reduce-scatters whole. ``fused``: the forward's GEMMs after
     each of the four collectives (attention's input gather, its output reduction, the
@@ -135,7 +141,7 @@ def tp_exposed(
     byte per element, its two reduce-scatters and the backward's four exchanges the
     compute dtype's."""
     if layout.tp == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     one = tp_bytes_per_block(model, layout, work) / 4  # one collective's bytes
     reduce = link_seconds(one, TP, layout, device, 1)
     gather = reduce
@@ -144,18 +150,17 @@ def tp_exposed(
     t_fwd, t_bwd = 2 * (gather + reduce), 4 * reduce
     sp = layout.sequence_parallel
     if overlap not in ("async", "micro-pipeline") or not device.overlap:
-        return t_fwd, t_bwd
+        return t_fwd, t_bwd, 2 * gather if sp else t_fwd
     if overlap == "micro-pipeline" and not sp:  # all-reduces are not fused
-        return t_fwd, t_bwd
+        return t_fwd, t_bwd, t_fwd
     attn_in, attn_out, mlp_in, mlp_out = fused
-    fwd = sum(
-        max(0.0, c - g)
-        for c, g in ((gather, attn_in), (reduce, attn_out), (gather, mlp_in), (reduce, mlp_out))
-    )
-    gathers = max(0.0, reduce - attn_out) + max(0.0, reduce - mlp_out)
+    gathers = max(0.0, gather - attn_in) + max(0.0, gather - mlp_in)
+    back = max(0.0, reduce - attn_out) + max(0.0, reduce - mlp_out)
+    fwd = gathers + back
+    again = gathers if sp else fwd
     if overlap == "micro-pipeline":  # backward's reductions of sums of matmuls stay whole
-        return fwd, 2 * reduce + gathers
-    return fwd, gathers + max(0.0, reduce - attn_in) + max(0.0, reduce - mlp_in)
+        return fwd, 2 * reduce + back, again
+    return fwd, back + max(0.0, reduce - attn_in) + max(0.0, reduce - mlp_in), again
 
 
 def moe_exchanges(

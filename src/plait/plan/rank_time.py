@@ -77,6 +77,7 @@ from plait.plan.spec import (
     zero_ranks,
     zero_stage,
 )
+from plait.plan.stacks import stack
 
 __all__ = ["RankTimes", "rank_times"]
 
@@ -125,10 +126,17 @@ def _passes(
     (:mod:`plait.plan.comm_time`), a checkpoint's recompute repeating the forward's;
     ``ends``: how many of the embedding and the head the rank holds."""
     recomputing = layout.ac != "none"
-    tp_fwd, tp_bwd = tp_exposed(
+    # torchtitan's selective checkpointing saves the reduce-scatters' outputs
+    # (torchtitan/distributed/activation_checkpoint.py, since April 2024): its recompute
+    # repeats TP's all-gathers only. (It saves all-to-alls too, since 2025; the MoE
+    # exchanges below are repeated whole, their tp gather with them.)
+    keeps_reductions = (
+        layout.ac == "selective" and stack(software.kernels).selective == "torchtitan"
+    )
+    tp_fwd, tp_bwd, tp_gathers = tp_exposed(
         model, layout, work, device, k.fused, software.tp_overlap, software.float8_tp_gather
     )
-    passes = tp_fwd if recomputing else 0.0
+    passes = 0.0 if not recomputing else tp_gathers if keeps_reductions else tp_fwd
     fwd, bwd = k.fwd + tp_fwd, k.bwd + k.recompute + tp_bwd + passes
     if layout.cp > 1:  # attention's exchange
         cp_fwd, cp_bwd = cp_exposed(model, layout, work, device, k.attention_fwd)
