@@ -725,10 +725,16 @@ def _foundry(
     tokens: float,
     ac: bool,
     params: int,
+    source: str = _FOUNDRY_SRC,
+    sharding: str = "FULL_SHARD",
 ) -> PublishedRun:
+    """One row of llm-foundry's benchmark README (``source``, formatted with the table's
+    title): its columns as the table lists them; ``sharding``: FSDP's strategy
+    (``SHARD_GRAD_OP`` keeps the gathered parameters from forward to backward)."""
     layers, d, heads = _MPT[size]
     dev, mem, pure = {
         "H100 80GB BF16": ("h100", 80, False),
+        "H100 80GB BF16 (Large Scale, >= 128 GPUs)": ("h100", 80, False),
         "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": ("a100", 80, False),
         "A100 40GB with 1600 Gbps node-node interconnect (RoCE)": ("a100-40gb", 40, True),
     }[table]
@@ -740,6 +746,10 @@ def _foundry(
     )
     if pure:
         notes += ("bf16 PURE: FSDP gathers and reduces in bf16 (fp32 sharded parameters kept)",)
+    if sharding == "SHARD_GRAD_OP":
+        notes += ("SHARD_GRAD_OP: parameters stay gathered from forward to backward",)
+    elif sharding != "FULL_SHARD":
+        raise ValueError(f"MPT-{size}: sharding strategy {sharding!r} is not modelled")
     if ac:
         notes += (
             (
@@ -752,14 +762,19 @@ def _foundry(
     return PublishedRun(
         name=f"llm-foundry {dev} MPT-{size.upper()} seq {seq:,}, {gpus} GPUs",
         code_base=FOUNDRY,
-        source=_FOUNDRY_SRC.format(table=table),
+        source=source.format(table=table),
         role="validation",
         series="",
         size=size.upper(),
         device=dev,
         memory_gib=mem,
         model=gpt(layers, heads, d, seq, vocab=50368, tied=True),
-        layout=Layout(dp_shard=gpus, microbatches=accum, ac="full" if ac else "none"),
+        layout=Layout(
+            dp_shard=gpus,
+            microbatches=accum,
+            ac="full" if ac else "none",
+            reshard_after_forward=sharding == "FULL_SHARD",
+        ),
         work=Workload(seq, batch),
         metric="tokens",
         value=tokens,
