@@ -126,20 +126,20 @@ def tp_exposed(
     overlap: str,
     fp8_gathers: bool = False,
 ) -> tuple[float, float, float]:
-    """Seconds tensor parallelism's collectives expose in one block's forward and backward
-    for one microbatch, and of the forward's all-gathers alone (what a recompute that keeps
-    the reduce-scatters' outputs repeats: torchtitan's selective checkpointing; without
-    sequence parallelism the forward's all-reduces, which it repeats whole) (module
-    docstring): whole, or with ``overlap`` ``"async"`` each
-    beyond the GEMMs it is decomposed into, or with ``"micro-pipeline"`` the same in
-    forward and backward's reduce-scatters whole. ``fused``: the forward's GEMMs after
-    each of the four collectives (attention's input gather, its output reduction, the
-    MLP's input gather and output reduction: ``roofline.BlockKernels.fused``); backward's
-    gathers feed the input-gradient GEMMs of the two output projections and its
-    reductions follow the input projections' (priced as their forward GEMMs).
-    ``fp8_gathers`` (``Software.float8_tp_gather``): the forward's two all-gathers move 1
-    byte per element, its two reduce-scatters and the backward's four exchanges the
-    compute dtype's."""
+    """Seconds tensor parallelism's collectives expose in one block for one microbatch
+    (module docstring): ``(forward, backward, again)``, ``again`` what a recompute that
+    keeps the reduce-scatters' outputs repeats (torchtitan's selective checkpointing): the
+    forward's all-gathers, or without sequence parallelism its all-reduces, whole.
+
+    Exposed whole, or with ``overlap`` ``"async"`` each collective beyond the GEMMs it is
+    decomposed into, or with ``"micro-pipeline"`` the same but backward's reduce-scatters
+    whole. ``fused``: the forward's GEMMs after each of the four collectives (attention's
+    input gather, its output reduction, the MLP's input gather and output reduction:
+    ``roofline.BlockKernels.fused``); backward's gathers feed the input-gradient GEMMs of
+    the two output projections and its reductions follow the input projections' (priced as
+    their forward GEMMs). ``fp8_gathers`` (``Software.float8_tp_gather``): the forward's
+    two all-gathers move 1 byte per element, its two reduce-scatters and the backward's
+    four exchanges the compute dtype's."""
     if layout.tp == 1:
         return 0.0, 0.0, 0.0
     one = tp_bytes_per_block(model, layout, work) / 4  # one collective's bytes
