@@ -239,7 +239,10 @@ class BlockKernels:
     """One block, one microbatch, one rank, forward: seconds by kind (before the
     sustained fraction). Backward: ``2 gemm + attention_bwd + 2 elementwise``."""
 
-    gemm: float
+    # The forward's GEMMs by the tensor-parallel collective each follows or feeds:
+    # attention's input gather (q, k, v), its output reduction (o), the MLP's input gather
+    # (its input GEMMs, a MoE's router) and its output reduction (the output GEMMs).
+    fused: tuple[float, float, float, float]
     attention_fwd: float
     attention_bwd: float
     elementwise: float
@@ -249,10 +252,11 @@ class BlockKernels:
     cast: float = 0.0  # Float8's casts to fp8 in forward
     cast_bwd: float = 0.0  # and in backward
     gemm_bwd: float | None = None  # backward's GEMMs where not twice ``gemm`` (async TP)
-    # of ``gemm``: the GEMMs after each of tensor parallelism's four forward collectives
-    # (attention's input gather: q, k, v; its output reduction: o; the MLP's input gather:
-    # its input GEMMs and a MoE's router; its output reduction: the output GEMMs)
-    fused: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+    @property
+    def gemm(self) -> float:
+        """The forward's GEMMs."""
+        return sum(self.fused)
 
     @property
     def forward(self) -> float:
@@ -346,11 +350,9 @@ def block_kernels(
     # The MLP's output GEMM packs its saved input before it runs; nothing after it saves
     # a tensor (the residual addition saves none). MoE blocks: not analysed, 0.
     last = 0.0 if moe else run(chunked - 1, n, d, f / tp, fp8 is not None)
-    times = [run(i, *g, x) for i, (g, x) in enumerate(zip(gemms, low, strict=True))]
-    gemm = sum(times)
     fused = [0.0] * 4
-    for t, which in zip(times, group, strict=True):
-        fused[which] += t
+    for i, (g, x, which) in enumerate(zip(gemms, low, group, strict=True)):
+        fused[which] += run(i, *g, x)
     gemm_bwd = None
     if chunks > 1:
         whole = sum(timed(*g, x) for g, x in zip(gemms, low, strict=True))
@@ -427,7 +429,7 @@ def block_kernels(
     if not moe:
         last += elementwise_seconds(n * residual * d / split, prof)
     return BlockKernels(
-        gemm,
+        (fused[0], fused[1], fused[2], fused[3]),
         attn_fwd,
         attn_bwd,
         elementwise_seconds(n * per_token, prof),
@@ -437,7 +439,6 @@ def block_kernels(
         cast,
         cast_bwd,
         gemm_bwd,
-        (fused[0], fused[1], fused[2], fused[3]),
     )
 
 
