@@ -119,6 +119,7 @@ __all__ = [
     "link_bandwidth",
     "ring",
     "tp_bytes_per_block",
+    "tp_collective_bytes",
     "tp_forward_bytes",
     "tp_gather_bytes",
     "tp_gather_passes",
@@ -235,12 +236,21 @@ def tp_bytes_per_block(model: ModelSpec, layout: Layout, work: Workload) -> floa
     return 4 * ring("all_gather", layout.tp) * n * model.d_model * e  # 2 AG + 2 RS (or 2 AR)
 
 
+def tp_collective_bytes(
+    model: ModelSpec, layout: Layout, work: Workload, fp8_gathers: bool = False
+) -> tuple[float, float]:
+    """Bytes one rank sends in one of a block's forward all-gathers and in one of its
+    reduce-scatters (a quarter of :func:`tp_bytes_per_block` each), the gather at 1 byte
+    per element with ``fp8_gathers`` (``Software.float8_tp_gather``)."""
+    one = tp_bytes_per_block(model, layout, work) / 4
+    return (one / compute_bytes(work) if fp8_gathers else one), one
+
+
 def tp_forward_bytes(model: ModelSpec, layout: Layout, work: Workload, fp8_gathers: bool) -> float:
-    """Bytes one rank sends in one block's forward for one microbatch: as backward's
-    (:func:`tp_bytes_per_block`), or with ``fp8_gathers`` (``Software.float8_tp_gather``)
-    its two all-gathers at 1 byte per element."""
-    nbytes = tp_bytes_per_block(model, layout, work)
-    return nbytes * (2 / compute_bytes(work) + 2) / 4 if fp8_gathers else nbytes
+    """Bytes one rank sends in one block's forward for one microbatch: its two all-gathers
+    and two reduce-scatters (:func:`tp_collective_bytes`)."""
+    gather, reduce = tp_collective_bytes(model, layout, work, fp8_gathers)
+    return 2 * (gather + reduce)
 
 
 @dataclass(frozen=True)
@@ -374,9 +384,8 @@ def communication(
         passes = 3 if layout.ac != "none" else 2  # forward, backward, recomputed forward
         ends = int(load.embedding) + int(load.head)  # embedding / head exchanges
         block_bytes = tp_bytes_per_block(model, layout, work)
-        forward = tp_forward_bytes(
-            model, layout, work, software.float8_tp_gather
-        )  # and a recompute's
+        # the forward's (and a recompute's)
+        forward = tp_forward_bytes(model, layout, work, software.float8_tp_gather)
         blocks = (passes - 1) * forward + block_bytes  # the forwards, then backward
         tp_bytes = m * (load.layers * blocks + ends * block_bytes / 2)
         op = "all_gather+reduce_scatter" if layout.sequence_parallel else "all_reduce"

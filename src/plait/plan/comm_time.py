@@ -66,7 +66,7 @@ from plait.plan.comm import (
     cp_traffic,
     ep_span,
     link_bandwidth,
-    tp_bytes_per_block,
+    tp_collective_bytes,
     tp_gather_bytes,
 )
 from plait.plan.shards import (
@@ -142,11 +142,9 @@ def tp_exposed(
     four exchanges the compute dtype's."""
     if layout.tp == 1:
         return 0.0, 0.0, 0.0
-    one = tp_bytes_per_block(model, layout, work) / 4  # one collective's bytes
-    reduce = link_seconds(one, TP, layout, device, 1)
-    gather = reduce
-    if fp8_gathers:
-        gather = link_seconds(one / compute_bytes(work), TP, layout, device, 1)
+    gather_bytes, reduce_bytes = tp_collective_bytes(model, layout, work, fp8_gathers)
+    gather = link_seconds(gather_bytes, TP, layout, device, 1)
+    reduce = link_seconds(reduce_bytes, TP, layout, device, 1)
     t_fwd, t_bwd = 2 * (gather + reduce), 4 * reduce
     sp = layout.sequence_parallel
     if overlap not in ("async", "micro-pipeline") or not device.overlap:
