@@ -342,24 +342,24 @@ def block_kernels(
     chunks = tp if pipelined and tp > 1 else 1
     chunked = 4 if moe else len(gemms)  # the first ones
 
-    def run(i: int, m: float, nn: float, kk: float, fp8_gemm: bool) -> float:
-        if i < chunked and chunks > 1:
-            return chunks * timed(m / chunks, nn, kk, fp8_gemm)
-        return timed(m, nn, kk, fp8_gemm)
+    def pieces(m: float, nn: float, kk: float, fp8_gemm: bool) -> float:
+        return chunks * timed(m / chunks, nn, kk, fp8_gemm)
 
+    whole = [timed(*g, x) for g, x in zip(gemms, low, strict=True)]
+    times = [
+        pieces(*g, x) if i < chunked and chunks > 1 else t
+        for i, (g, x, t) in enumerate(zip(gemms, low, whole, strict=True))
+    ]
     # The MLP's output GEMM packs its saved input before it runs; nothing after it saves
     # a tensor (the residual addition saves none). MoE blocks: not analysed, 0.
-    last = 0.0 if moe else run(chunked - 1, n, d, f / tp, fp8 is not None)
+    last = 0.0 if moe else times[-1]
     fused = [0.0] * 4
-    for i, (g, x, which) in enumerate(zip(gemms, low, group, strict=True)):
-        fused[which] += run(i, *g, x)
+    for t, which in zip(times, group, strict=True):
+        fused[which] += t
     gemm_bwd = None
     if chunks > 1:
-        whole = sum(timed(*g, x) for g, x in zip(gemms, low, strict=True))
         grads = [(n, q / tp, d, low[3])] + ([] if moe else [(n, f / tp, d, low[-1])])
-        gemm_bwd = 2 * whole + sum(
-            chunks * timed(m / chunks, nn, kk, x) - timed(m, nn, kk, x) for m, nn, kk, x in grads
-        )
+        gemm_bwd = 2 * sum(whole) + sum(pieces(*g) - timed(*g) for g in grads)
     elements = sum(nn * kk * (m / n) for m, nn, kk in gemms)
     cast = cast_bwd = 0.0
     launches = kernels.kernels
