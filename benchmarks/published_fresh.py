@@ -65,7 +65,7 @@ import argparse
 import dataclasses
 
 from benchmarks.plan_published import Row, published_table
-from benchmarks.published_holdout import _foundry, format_holdout
+from benchmarks.published_holdout import format_holdout, foundry_run
 from benchmarks.published_runs import (
     LIT_GPT,
     MEGATRON,
@@ -754,7 +754,7 @@ def _scale(
     """One row of the table (no gradient accumulation in any of them): 1B and 3B under
     SHARD_GRAD_OP, the others FULL_SHARD, as the table says."""
     sharding = "SHARD_GRAD_OP" if size in ("1b", "3b") else "FULL_SHARD"
-    return _foundry(
+    return foundry_run(
         _SCALE, size, 2048, gpus, mfu, micro, 1, batch, tokens, ac, params, _SCALE_SRC, sharding
     )
 

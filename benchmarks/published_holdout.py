@@ -55,6 +55,7 @@ __all__ = [
     "NEMO_RUNS",
     "TITAN_A100_RUNS",
     "format_holdout",
+    "foundry_run",
     "holdout_table",
     "main",
 ]
@@ -713,7 +714,7 @@ _FOUNDRY_SRC = (
 )
 
 
-def _foundry(
+def foundry_run(
     table: str,
     size: str,
     seq: int,
@@ -791,16 +792,16 @@ _H = "H100 80GB BF16"
 _A80 = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
 _A40 = "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"
 FOUNDRY_HOLDOUT = (
-    _foundry(_H, "7b", 8192, 8, 37.14, 8, 2, 128, 6935, True, 6684024832),
-    _foundry(_H, "13b", 4096, 8, 41.6, 10, 3, 240, 4717, True, 12864440320),
-    _foundry(_H, "3b", 8192, 8, 40.31, 3, 6, 144, 16578, False, 2667566080),
-    _foundry(_H, "1b", 32768, 8, 33.54, 1, 4, 32, 12025, False, 1378865152),
-    _foundry(_H, "30b", 8192, 8, 29.92, 1, 21, 168, 1384, True, 30019254272),
-    _foundry(_H, "70b", 2048, 32, 36.15, 2, 16, 1024, 882, True, 64862437376),
-    _foundry(_A80, "7b", 8192, 8, 54.47, 8, 2, 128, 3206, True, 6684024832),
-    _foundry(_A80, "3b", 8192, 8, 59.34, 3, 6, 144, 7695, False, 2667566080),
-    _foundry(_A80, "13b", 32768, 8, 51.69, 1, 3, 24, 1016, True, 13011240960),
-    _foundry(_A40, "7b", 8192, 8, 49.04, 3, 4, 96, 2887, True, 6684024832),
+    foundry_run(_H, "7b", 8192, 8, 37.14, 8, 2, 128, 6935, True, 6684024832),
+    foundry_run(_H, "13b", 4096, 8, 41.6, 10, 3, 240, 4717, True, 12864440320),
+    foundry_run(_H, "3b", 8192, 8, 40.31, 3, 6, 144, 16578, False, 2667566080),
+    foundry_run(_H, "1b", 32768, 8, 33.54, 1, 4, 32, 12025, False, 1378865152),
+    foundry_run(_H, "30b", 8192, 8, 29.92, 1, 21, 168, 1384, True, 30019254272),
+    foundry_run(_H, "70b", 2048, 32, 36.15, 2, 16, 1024, 882, True, 64862437376),
+    foundry_run(_A80, "7b", 8192, 8, 54.47, 8, 2, 128, 3206, True, 6684024832),
+    foundry_run(_A80, "3b", 8192, 8, 59.34, 3, 6, 144, 7695, False, 2667566080),
+    foundry_run(_A80, "13b", 32768, 8, 51.69, 1, 3, 24, 1016, True, 13011240960),
+    foundry_run(_A40, "7b", 8192, 8, 49.04, 3, 4, 96, 2887, True, 6684024832),
 )
 
 # --- torch.compile / Float8 runs (counted since the planner prices both), and listed, not
