@@ -29,7 +29,12 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   FlashAttention-2 (FlashAttention-2's paper puts it 1.3-1.5x faster forward and 2x
   backward than that kernel on the A100; priced at those ratios, on the H100 too, and
   the scales refitted, the tables' 32k-65k rows come to 0.81-0.87 but their 8k rows fall
-  from 0.98-1.09 to 0.87-0.92: not adopted);
+  from 0.98-1.09 to 0.87-0.92: not adopted; on the A100 alone, the paper's device, they
+  flatten that table's trend with sequence length, 512 to 65,536 tokens, to 0.86-0.94,
+  but below its calibration row, and through the Hopper scale fitted on the pair they move
+  torchtitan's and fms-fsdp's A100 rows up 4%: not adopted either. The H100 table (the
+  same sweep script and torch 2.1 image, ``h100new.csv`` before f2c13009a) would need
+  about half of those ratios, which no cited figure gives);
 * ``plait`` / ``torchtitan``: 38 kernels (the fp32 RMSNorm alone is 8). torchtitan's
   selective checkpointing (its ``op`` policy) saves attention and every second matmul,
   recomputing the other matmuls and the memory-bound work.
