@@ -65,12 +65,13 @@ import argparse
 import dataclasses
 
 from benchmarks.plan_published import Row, published_table
-from benchmarks.published_holdout import format_holdout, foundry_run
+from benchmarks.published_holdout import format_holdout
 from benchmarks.published_runs import (
     LIT_GPT,
     MEGATRON,
     MEGATRON_DEEPSPEED,
     PublishedRun,
+    foundry_run,
     grand_teton_run,
 )
 from plait.plan.models import gpt
@@ -755,7 +756,19 @@ def _scale(
     SHARD_GRAD_OP, the others FULL_SHARD, as the table says."""
     sharding = "SHARD_GRAD_OP" if size in ("1b", "3b") else "FULL_SHARD"
     return foundry_run(
-        _SCALE, size, 2048, gpus, mfu, micro, 1, batch, tokens, ac, params, _SCALE_SRC, sharding
+        _SCALE,
+        size,
+        2048,
+        gpus,
+        mfu,
+        micro,
+        1,
+        batch,
+        tokens,
+        ac,
+        params,
+        source=_SCALE_SRC,
+        sharding=sharding,
     )
 
 

@@ -30,15 +30,13 @@ import statistics
 
 from benchmarks.plan_published import Row, published_table
 from benchmarks.published_runs import (
-    _FOUNDRY_NOTES,
-    _MPT,
     AUTOMODEL,
     FMS_FSDP,
-    FOUNDRY,
     MAXTEXT,
     NEMO,
     TORCHTITAN,
     PublishedRun,
+    foundry_run,
     grand_teton_run,
     tokens_per_s,
 )
@@ -55,7 +53,6 @@ __all__ = [
     "NEMO_RUNS",
     "TITAN_A100_RUNS",
     "format_holdout",
-    "foundry_run",
     "holdout_table",
     "main",
 ]
@@ -708,85 +705,6 @@ TITAN_A100_RUNS = (
 )
 
 # --- llm-foundry: rows of the same README not in issue 28's set --------------------------
-
-_FOUNDRY_SRC = (
-    "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 061f2c7c, table '{table}'"
-)
-
-
-def foundry_run(
-    table: str,
-    size: str,
-    seq: int,
-    gpus: int,
-    mfu: float,
-    micro: int,
-    accum: int,
-    batch: int,
-    tokens: float,
-    ac: bool,
-    params: int,
-    source: str = _FOUNDRY_SRC,
-    sharding: str = "FULL_SHARD",
-) -> PublishedRun:
-    """One row of llm-foundry's benchmark README (``source``, formatted with the table's
-    title): its columns as the table lists them; ``sharding``: FSDP's strategy
-    (``SHARD_GRAD_OP`` keeps the gathered parameters from forward to backward)."""
-    layers, d, heads = _MPT[size]
-    dev, mem, pure = {
-        "H100 80GB BF16": ("h100", 80, False),
-        "H100 80GB BF16 (Large Scale, >= 128 GPUs)": ("h100", 80, False),
-        "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": ("a100", 80, False),
-        "A100 40GB with 1600 Gbps node-node interconnect (RoCE)": ("a100-40gb", 40, True),
-    }[table]
-    if gpus * micro * accum != batch:
-        raise ValueError(f"MPT-{size} seq {seq}: {gpus} x {micro} x {accum} != {batch}")
-    notes: tuple[str, ...] = (
-        *_FOUNDRY_NOTES,
-        f"learned positions of seq {seq} (NumParams {params:,} matches)",
-    )
-    if pure:
-        notes += ("bf16 PURE: FSDP gathers and reduces in bf16 (fp32 sharded parameters kept)",)
-    if sharding == "SHARD_GRAD_OP":
-        notes += ("SHARD_GRAD_OP: parameters stay gathered from forward to backward",)
-    elif sharding != "FULL_SHARD":
-        raise ValueError(f"MPT-{size}: sharding strategy {sharding!r} is not modelled")
-    if ac:
-        notes += (
-            (
-                "torch 1.13 (bf16 PURE table, in the README since May 2023): the "
-                "non-reentrant checkpoint reruns the whole block"
-            )
-            if pure
-            else "non-reentrant checkpoint of torch >= 2.1 (as issue 28's H100 / A100 rows)",
-        )
-    return PublishedRun(
-        name=f"llm-foundry {dev} MPT-{size.upper()} seq {seq:,}, {gpus} GPUs",
-        code_base=FOUNDRY,
-        source=source.format(table=table),
-        role="validation",
-        series="",
-        size=size.upper(),
-        device=dev,
-        memory_gib=mem,
-        model=gpt(layers, heads, d, seq, vocab=50368, tied=True),
-        layout=Layout(
-            dp_shard=gpus,
-            microbatches=accum,
-            ac="full" if ac else "none",
-            reshard_after_forward=sharding == "FULL_SHARD",
-        ),
-        work=Workload(seq, batch),
-        metric="tokens",
-        value=tokens,
-        flops="mosaic",
-        dp_flavour="FSDP",
-        stated_mfu=mfu / 100,
-        params=params,
-        notes=notes,
-        software=Software("llm-foundry", ac_early_stop=False if pure else None),
-    )
-
 
 _H = "H100 80GB BF16"
 _A80 = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"

@@ -52,6 +52,7 @@ __all__ = [
     "TORCHTITAN",
     "VALIDATION",
     "PublishedRun",
+    "foundry_run",
     "grand_teton_run",
     "plait_mfu",
     "published_flops_per_token",
@@ -327,11 +328,13 @@ MEGATRON_H100 = (
 
 # --- llm-foundry (MosaicML MPT) with FSDP ------------------------------------------------
 
-_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 061f2c7c, table '{table}'"
+_FOUNDRY_SOURCE = (
+    "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 061f2c7c, table '{table}'"
+)
 _FOUNDRY_NOTES = (
     "MPT: GELU 4h, biases, LayerNorm, tied embeddings, vocab 50,368, learned positions "
     "(shape checked against the table's NumParams)",
-    "FSDP FULL_SHARD; activation checkpointing True = full",
+    "FSDP; activation checkpointing True = full",
     "kernels: flash attention (flash-attn 2 / triton), low-precision LayerNorm, eager GELU "
     "and residual additions (llm-foundry's MPT defaults)",
 )
@@ -344,11 +347,20 @@ _MPT = {
     "30b": (48, 7168, 56),
     "70b": (80, 8192, 64),
 }
+#: The README's tables by title: device preset, memory (GB), bf16 PURE (the A100 40 GB
+#: table's runs gather and reduce in bf16), inter-node network as the title states it.
+_FOUNDRY_TABLES = {
+    "H100 80GB BF16": ("h100", 80, False, ""),
+    "H100 80GB BF16 (Large Scale, >= 128 GPUs)": ("h100", 80, False, ""),
+    "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": ("a100", 80, False, "RoCE"),
+    "A100 40GB with 1600 Gbps node-node interconnect (RoCE)": ("a100-40gb", 40, True, "RoCE"),
+}
 
 
-def _foundry(
+def foundry_run(
     table: str,
     size: str,
+    seq: int,
     gpus: int,
     mfu: float,
     micro: int,
@@ -357,23 +369,40 @@ def _foundry(
     tokens: float,
     ac: bool,
     params: int,
+    *,
+    source: str = _FOUNDRY_SOURCE,
+    sharding: str = "FULL_SHARD",
+    name: str = "",
     role: str = "validation",
-    pure: bool = False,
+    series: str = "",
 ) -> PublishedRun:
+    """One row of llm-foundry's benchmark README (``source``, formatted with the table's
+    title ``table``): its columns as the table lists them; ``sharding``: FSDP's strategy
+    (``SHARD_GRAD_OP`` keeps the gathered parameters from forward to backward); ``name``
+    (default: device, size, sequence and GPUs), ``role`` and ``series`` as
+    :class:`PublishedRun`'s."""
     layers, d, heads = _MPT[size]
-    dev, mem = {
-        "H100 80GB BF16": ("h100", 80),
-        "A100 80GB": ("a100", 80),
-        "A100 40GB": ("a100", 40),
-    }[table]
-    notes: tuple[str, ...] = _FOUNDRY_NOTES
+    dev, mem, pure, network = _FOUNDRY_TABLES[table]
+    if gpus * micro * accum != batch:
+        raise ValueError(f"MPT-{size} seq {seq}: {gpus} x {micro} x {accum} != {batch}")
+    notes: tuple[str, ...] = (
+        *_FOUNDRY_NOTES,
+        f"learned positions of seq {seq} (NumParams {params:,} matches)",
+        "1,600 Gb/s per node RoCE (source): 25 GB/s per GPU, the a100 preset"
+        if network
+        else "inter-node network not stated (preset 50 GB/s per GPU)",
+    )
     if pure:
         notes += ("bf16 PURE: FSDP gathers and reduces in bf16 (fp32 sharded parameters kept)",)
+    if sharding == "SHARD_GRAD_OP":
+        notes += ("SHARD_GRAD_OP: parameters stay gathered from forward to backward",)
+    elif sharding != "FULL_SHARD":
+        raise ValueError(f"MPT-{size}: sharding strategy {sharding!r} is not modelled")
     if ac:  # the runs' images: scripts/train/benchmarking/h100new.md at beb8dee6
         notes += (
             (
-                "torch 1.13 (table in the README since May 2023, before torch 2.1): the "
-                "non-reentrant checkpoint reruns the whole block"
+                "torch 1.13 (bf16 PURE table, in the README since May 2023, before torch "
+                "2.1): the non-reentrant checkpoint reruns the whole block"
             )
             if pure
             else (
@@ -381,22 +410,23 @@ def _foundry(
                 "non-reentrant checkpoint stops its recompute early, before the MLP's output GEMM"
             ),
         )
-    if table == "H100 80GB BF16":
-        notes += ("inter-node network not stated (preset 50 GB/s per GPU)",)
-    else:
-        notes += ("1,600 Gb/s per node RoCE (source): 25 GB/s per GPU, the a100 preset",)
     return PublishedRun(
-        name=f"llm-foundry {table.split(' BF16')[0]} MPT-{size.upper()}",
+        name=name or f"llm-foundry {dev} MPT-{size.upper()} seq {seq:,}, {gpus} GPUs",
         code_base=FOUNDRY,
-        source=_FOUNDRY.format(table=table),
+        source=source.format(table=table),
         role=role,
-        series=f"llm-foundry {table.split(' BF16')[0]} seq 2048",
+        series=series,
         size=size.upper(),
         device=dev,
         memory_gib=mem,
-        model=gpt(layers, heads, d, 2048, vocab=50368, tied=True),
-        layout=Layout(dp_shard=gpus, microbatches=accum, ac="full" if ac else "none"),
-        work=Workload(2048, batch),
+        model=gpt(layers, heads, d, seq, vocab=50368, tied=True),
+        layout=Layout(
+            dp_shard=gpus,
+            microbatches=accum,
+            ac="full" if ac else "none",
+            reshard_after_forward=sharding == "FULL_SHARD",
+        ),
+        work=Workload(seq, batch),
         metric="tokens",
         value=tokens,
         flops="mosaic",
@@ -408,25 +438,58 @@ def _foundry(
     )
 
 
+def _fitting(
+    table: str,
+    size: str,
+    gpus: int,
+    mfu: float,
+    micro: int,
+    accum: int,
+    batch: int,
+    tokens: float,
+    ac: bool,
+    params: int,
+    role: str = "validation",
+) -> PublishedRun:
+    """A row of issue 28's set: sequence 2,048, named by the table's GPU and memory."""
+    gpu = table[:9]  # "H100 80GB", "A100 80GB", "A100 40GB"
+    return foundry_run(
+        table,
+        size,
+        2048,
+        gpus,
+        mfu,
+        micro,
+        accum,
+        batch,
+        tokens,
+        ac,
+        params,
+        name=f"llm-foundry {gpu} MPT-{size.upper()}",
+        role=role,
+        series=f"llm-foundry {gpu} seq 2048",
+    )
+
+
 _H = "H100 80GB BF16"
-_A80 = "A100 80GB"
-_A40 = "A100 40GB"
+_A80 = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+_A40 = "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"
 FOUNDRY_RUNS = (
-    _foundry(_H, "1b", 64, 40.85, 20, 1, 1280, 44402, False, 1315950592),
-    _foundry(_H, "3b", 64, 40.8, 6, 3, 1152, 22525, False, 2651837440),
-    _foundry(_H, "7b", 8, 46.44, 6, 1, 48, 10643, False, 6658859008, role="calibration"),
-    _foundry(_H, "13b", 64, 39.86, 2, 1, 128, 4800, False, 12853954560),
-    _foundry(_H, "30b", 32, 43.92, 14, 3, 1344, 2308, True, 29975214080),
-    _foundry(_H, "70b", 64, 42.57, 8, 4, 2048, 1039, True, 64862437376),
-    _foundry(_A80, "1b", 8, 59.86, 14, 4, 448, 20513, False, 1315950592),
-    _foundry(_A80, "3b", 8, 62.11, 10, 2, 160, 10811, False, 2651837440),
-    _foundry(_A80, "7b", 8, 64.23, 6, 2, 96, 4641, False, 6658859008),
-    _foundry(_A80, "13b", 8, 59.57, 2, 3, 48, 2262, False, 12853954560, role="calibration"),
-    _foundry(_A80, "30b", 8, 55.3, 3, 21, 504, 916, True, 29975214080),
-    _foundry(_A40, "7b", 128, 50.14, 18, 1, 2304, 3623, True, 6658859008, pure=True),
-    _foundry(_A40, "13b", 128, 51.93, 16, 1, 2048, 1972, True, 12853954560, pure=True),
-    _foundry(_A40, "30b", 128, 52.25, 6, 1, 768, 865, True, 29975214080, pure=True),
-    _foundry(_A40, "70b", 128, 48.91, 4, 1, 512, 376, True, 64862437376, pure=True),
+    _fitting(_H, "1b", 64, 40.85, 20, 1, 1280, 44402, False, 1315950592),
+    _fitting(_H, "3b", 64, 40.8, 6, 3, 1152, 22525, False, 2651837440),
+    _fitting(_H, "7b", 8, 46.44, 6, 1, 48, 10643, False, 6658859008, role="calibration"),
+    _fitting(_H, "13b", 64, 39.86, 2, 1, 128, 4800, False, 12853954560),
+    _fitting(_H, "30b", 32, 43.92, 14, 3, 1344, 2308, True, 29975214080),
+    _fitting(_H, "70b", 64, 42.57, 8, 4, 2048, 1039, True, 64862437376),
+    _fitting(_A80, "1b", 8, 59.86, 14, 4, 448, 20513, False, 1315950592),
+    _fitting(_A80, "3b", 8, 62.11, 10, 2, 160, 10811, False, 2651837440),
+    _fitting(_A80, "7b", 8, 64.23, 6, 2, 96, 4641, False, 6658859008),
+    _fitting(_A80, "13b", 8, 59.57, 2, 3, 48, 2262, False, 12853954560, role="calibration"),
+    _fitting(_A80, "30b", 8, 55.3, 3, 21, 504, 916, True, 29975214080),
+    _fitting(_A40, "7b", 128, 50.14, 18, 1, 2304, 3623, True, 6658859008),
+    _fitting(_A40, "13b", 128, 51.93, 16, 1, 2048, 1972, True, 12853954560),
+    _fitting(_A40, "30b", 128, 52.25, 6, 1, 768, 865, True, 29975214080),
+    _fitting(_A40, "70b", 128, 48.91, 4, 1, 512, 376, True, 64862437376),
 )
 
 # --- torchtitan, Llama 3.1 on H100 (96 GB) -----------------------------------------------
