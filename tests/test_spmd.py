@@ -207,7 +207,9 @@ def test_survivors_name_a_killed_rank(tmp_path: Path, checking: bool) -> None:
         run_on_ranks(2, _killed, str(report), checking, timeout=60, leaves_group_broken=True)
     outcome, seconds = json.loads(report.read_text())
     assert outcome.startswith("RankLostError") and "rank(s) [1] did not answer" in outcome
-    assert seconds < 4  # the harness gives survivors 5 s after a death to report
+    # The message says the fault timeout (1 s) fired, and the report exists: it came within
+    # the harness's grace after the death (5 s); the bound only rules out a hang.
+    assert seconds < PROMPT
 
 
 # --- pipelines --------------------------------------------------------------------------------

@@ -41,6 +41,11 @@ from train_helpers import forbid_launch, run_train
 FLAGS = "--nproc 2 --device cpu --seq-len 32 --n-layer 2 --n-head 2 --d-model 32 "
 FLAGS += "--batch-size 4 --steps 4 --ckpt-every 2 --eval-every 0 --eval-batches 1"
 
+#: Seconds from a dead or raising worker to the command's exit that still count as "at
+#: once": below the default fault timeout (30 s), which a run that waited for its collectives
+#: to time out would take, with room for a slow, loaded machine (here it takes 1-3 s).
+PROMPT = 25.0
+
 
 class Finished:
     def __init__(self, done: subprocess.CompletedProcess[str], ended: float, marker: str):
@@ -101,7 +106,7 @@ def test_killed_worker_fails_the_run_and_resume_continues_exactly(tmp_path: Path
     assert killed.returncode == 1, killed.stderr
     assert "worker 1 failed (exit code -9): killed by SIGKILL" in killed.stderr
     assert f"the last checkpoint is {run}/checkpoints/step_000002" in killed.stderr
-    assert killed.seconds_after_fault() < 10
+    assert killed.seconds_after_fault() < PROMPT
     _assert_no_process_left(killed.marker)
     # Its checkpoint is intact and loadable; no half-written one is published.
     assert [p.name for p in list_checkpoints(run)] == ["step_000002"]
@@ -125,7 +130,7 @@ def test_raising_worker_shows_its_traceback(tmp_path: Path) -> None:
     assert "worker 1 failed (exit code 1): RuntimeError: plait: test fault" in raised.stderr
     assert "Traceback (most recent call last)" in raised.stderr
     assert 'faults.py", line' in raised.stderr  # the frame that raised
-    assert raised.seconds_after_fault() < 10
+    assert raised.seconds_after_fault() < PROMPT
     _assert_no_process_left(raised.marker)
 
 
@@ -137,7 +142,7 @@ def test_hung_worker_fails_the_run_within_the_fault_timeout(tmp_path: Path) -> N
     # Rank 0's collective times out (3 s), it waits 3 s for rank 1 to report, names it.
     assert "worker 0 failed" in hung.stderr and "RankLostError" in hung.stderr
     assert "rank(s) [1] did not answer within 3 s" in hung.stderr
-    assert 6 < hung.seconds_after_fault() < 6 + 10
+    assert 6 < hung.seconds_after_fault() < 6 + PROMPT  # not the 180 s hang of no timeout
     _assert_no_process_left(hung.marker)
 
 
