@@ -14,7 +14,9 @@ timeout (:func:`plait.train.checkpointing.checkpoint_group`).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -40,6 +42,12 @@ __all__ = ["LAUNCHER_PID", "default_run_dir", "threads_per_worker", "usable_core
 LAUNCHER_PID = "PLAIT_LAUNCHER_PID"
 _MAX_PATH = 4096
 _PR_SET_PDEATHSIG = 1  # prctl(2)
+
+# The launcher's fork server imports this module before forking any worker
+# (plait.train.launch) and exits after the launcher: like the command
+# (plait.cli.freeze_at_exit), it skips the last garbage collections over torch's objects.
+# Workers end with os._exit, which runs no exit handler.
+atexit.register(gc.freeze)
 
 
 def default_run_dir() -> str:
