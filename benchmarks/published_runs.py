@@ -36,6 +36,7 @@ statistics.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from plait.plan.devices import compute_peak, device
 from plait.plan.models import flops_per_token, gpt, preset
@@ -438,37 +439,12 @@ def foundry_run(
     )
 
 
-def _fitting(
-    table: str,
-    size: str,
-    gpus: int,
-    mfu: float,
-    micro: int,
-    accum: int,
-    batch: int,
-    tokens: float,
-    ac: bool,
-    params: int,
-    role: str = "validation",
-) -> PublishedRun:
-    """A row of issue 28's set: sequence 2,048, named by the table's GPU and memory."""
+def _fitting(table: str, size: str, *columns: Any, role: str = "validation") -> PublishedRun:
+    """A row of issue 28's set: sequence 2,048, named by the table's GPU and memory;
+    ``columns`` as :func:`foundry_run`'s after the sequence."""
     gpu = table[:9]  # "H100 80GB", "A100 80GB", "A100 40GB"
-    return foundry_run(
-        table,
-        size,
-        2048,
-        gpus,
-        mfu,
-        micro,
-        accum,
-        batch,
-        tokens,
-        ac,
-        params,
-        name=f"llm-foundry {gpu} MPT-{size.upper()}",
-        role=role,
-        series=f"llm-foundry {gpu} seq 2048",
-    )
+    name, series = f"llm-foundry {gpu} MPT-{size.upper()}", f"llm-foundry {gpu} seq 2048"
+    return foundry_run(table, size, 2048, *columns, name=name, role=role, series=series)
 
 
 _H = "H100 80GB BF16"
