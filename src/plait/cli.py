@@ -11,29 +11,17 @@ model imports no torch, and neither does the command on that path.
 from __future__ import annotations
 
 import argparse
-import atexit
-import functools
-import gc
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from plait.plan import cli as plan_cli
+from plait.train.cores import freeze_at_exit
 
 if TYPE_CHECKING:
     from plait.train.config import TrainConfig
 
-__all__ = ["freeze_at_exit", "main"]
-
-
-@functools.cache
-def freeze_at_exit() -> None:
-    """Have this process skip the interpreter's last garbage collections when it exits:
-    after torch's import they traverse every object it made, about a second of CPU for
-    nothing (what is left is freed by reference counts, and plait closes its files and
-    loggers itself). Registers :func:`gc.freeze` with :mod:`atexit` once: it runs after
-    the exit handlers registered later (loggers flush in theirs)."""
-    atexit.register(gc.freeze)
+__all__ = ["main"]
 
 
 def _plan(cfg: TrainConfig) -> str:

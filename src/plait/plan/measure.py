@@ -38,9 +38,7 @@ compute share the same cores, so communication does not hide behind compute).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
 import json
 import multiprocessing
 import os
@@ -56,7 +54,7 @@ import torch.distributed as dist
 from plait.plan.devices import device
 from plait.plan.models import attention_flops_per_token, gpt, param_counts
 from plait.plan.spec import DeviceSpec, ModelSpec
-from plait.train.cores import threads_per_worker, usable_cores
+from plait.train.cores import freeze_at_exit, threads_per_worker, usable_cores
 
 __all__ = ["Shapes", "measure_counts", "measure_cpu", "measure_for"]
 
@@ -214,10 +212,7 @@ def _comm_rates(shapes: Shapes, world: int, repeats: int) -> tuple[float, float]
 
 
 def _worker(rank: int, world: int, port: int, shapes: Shapes, repeats: int, out: str) -> None:
-    # A spawned interpreter ends through the interpreter's exit, whose last collections
-    # over torch's objects cost about a second that the parent waits for: skip them (as
-    # plait.cli.freeze_at_exit does for the command).
-    atexit.register(gc.freeze)
+    freeze_at_exit()  # a spawned interpreter's exit, which the parent waits for
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_worker(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)

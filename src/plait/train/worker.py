@@ -14,9 +14,7 @@ timeout (:func:`plait.train.checkpointing.checkpoint_group`).
 
 from __future__ import annotations
 
-import atexit
 import ctypes
-import gc
 import json
 import os
 import signal
@@ -32,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from plait import spmd
 from plait.mesh import collective_device
 from plait.train.config import ExecutionConfig, RunConfig, TrainConfig, from_mapping
-from plait.train.cores import threads_per_worker, usable_cores
+from plait.train.cores import freeze_at_exit, threads_per_worker, usable_cores
 from plait.train.loop import TrainResult, train
 
 __all__ = ["LAUNCHER_PID", "default_run_dir", "threads_per_worker", "usable_cores", "worker_main"]
@@ -44,10 +42,8 @@ _MAX_PATH = 4096
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 # The launcher's fork server imports this module before forking any worker
-# (plait.train.launch) and exits after the launcher: like the command
-# (plait.cli.freeze_at_exit), it skips the last garbage collections over torch's objects.
-# Workers end with os._exit, which runs no exit handler.
-atexit.register(gc.freeze)
+# (plait.train.launch) and exits after the launcher.
+freeze_at_exit()
 
 
 def default_run_dir() -> str:
