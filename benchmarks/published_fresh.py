@@ -67,6 +67,7 @@ import dataclasses
 from benchmarks.plan_published import Row, published_table
 from benchmarks.published_holdout import format_holdout
 from benchmarks.published_runs import (
+    FOUNDRY_H100_SCALE,
     LIT_GPT,
     MEGATRON,
     MEGATRON_DEEPSPEED,
@@ -742,7 +743,6 @@ predictions were seen)."""
 
 # --- llm-foundry, its large-scale H100 table (January 2024) -------------------------------
 
-_SCALE = "H100 80GB BF16 (Large Scale, >= 128 GPUs)"
 _SCALE_SRC = (
     "mosaicml/llm-foundry scripts/train/benchmarking/README.md at 5e85bd62 (January 2024), "
     "table '{table}'"
@@ -756,7 +756,7 @@ def _scale(
     SHARD_GRAD_OP, the others FULL_SHARD, as the table says."""
     sharding = "SHARD_GRAD_OP" if size in ("1b", "3b") else "FULL_SHARD"
     return foundry_run(
-        _SCALE,
+        FOUNDRY_H100_SCALE,
         size,
         2048,
         gpus,

@@ -32,6 +32,9 @@ from benchmarks.plan_published import Row, published_table
 from benchmarks.published_runs import (
     AUTOMODEL,
     FMS_FSDP,
+    FOUNDRY_A100_40,
+    FOUNDRY_A100_80,
+    FOUNDRY_H100,
     MAXTEXT,
     NEMO,
     TORCHTITAN,
@@ -706,9 +709,7 @@ TITAN_A100_RUNS = (
 
 # --- llm-foundry: rows of the same README not in issue 28's set --------------------------
 
-_H = "H100 80GB BF16"
-_A80 = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
-_A40 = "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"
+_H, _A80, _A40 = FOUNDRY_H100, FOUNDRY_A100_80, FOUNDRY_A100_40
 FOUNDRY_HOLDOUT = (
     foundry_run(_H, "7b", 8192, 8, 37.14, 8, 2, 128, 6935, True, 6684024832),
     foundry_run(_H, "13b", 4096, 8, 41.6, 10, 3, 240, 4717, True, 12864440320),

@@ -47,6 +47,10 @@ __all__ = [
     "CODE_BASES",
     "FLOP_COUNTS",
     "FOUNDRY",
+    "FOUNDRY_A100_40",
+    "FOUNDRY_A100_80",
+    "FOUNDRY_H100",
+    "FOUNDRY_H100_SCALE",
     "LLAMA3",
     "MEGATRON",
     "RUNS",
@@ -348,13 +352,18 @@ _MPT = {
     "30b": (48, 7168, 56),
     "70b": (80, 8192, 64),
 }
-#: The README's tables by title: device preset, memory (GB), bf16 PURE (the A100 40 GB
-#: table's runs gather and reduce in bf16), inter-node network as the title states it.
+#: The README's tables' titles.
+FOUNDRY_H100 = "H100 80GB BF16"
+FOUNDRY_H100_SCALE = "H100 80GB BF16 (Large Scale, >= 128 GPUs)"
+FOUNDRY_A100_80 = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+FOUNDRY_A100_40 = "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"
+#: By title: device preset, memory (GB), bf16 PURE (the A100 40 GB table's runs gather and
+#: reduce in bf16), inter-node network as the title states it.
 _FOUNDRY_TABLES = {
-    "H100 80GB BF16": ("h100", 80, False, ""),
-    "H100 80GB BF16 (Large Scale, >= 128 GPUs)": ("h100", 80, False, ""),
-    "A100 80GB with 1600 Gbps node-node interconnect (RoCE)": ("a100", 80, False, "RoCE"),
-    "A100 40GB with 1600 Gbps node-node interconnect (RoCE)": ("a100-40gb", 40, True, "RoCE"),
+    FOUNDRY_H100: ("h100", 80, False, ""),
+    FOUNDRY_H100_SCALE: ("h100", 80, False, ""),
+    FOUNDRY_A100_80: ("a100", 80, False, "RoCE"),
+    FOUNDRY_A100_40: ("a100-40gb", 40, True, "RoCE"),
 }
 
 
@@ -447,9 +456,7 @@ def _fitting(table: str, size: str, *columns: Any, role: str = "validation") -> 
     return foundry_run(table, size, 2048, *columns, name=name, role=role, series=series)
 
 
-_H = "H100 80GB BF16"
-_A80 = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
-_A40 = "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"
+_H, _A80, _A40 = FOUNDRY_H100, FOUNDRY_A100_80, FOUNDRY_A100_40
 FOUNDRY_RUNS = (
     _fitting(_H, "1b", 64, 40.85, 20, 1, 1280, 44402, False, 1315950592),
     _fitting(_H, "3b", 64, 40.8, 6, 3, 1152, 22525, False, 2651837440),
