@@ -142,12 +142,15 @@ def test_mfu_conversion_matches_the_sources_own_mfu() -> None:
             assert plait_mfu(run) == pytest.approx(run.stated_mfu, rel=0.02, abs=0.006), run.name
 
 
+#: llm-foundry's rows of every set (they carry its NumParams and MFU columns).
+FOUNDRY_ROWS = [run for run in (*RUNS, *HOLDOUT, *FRESH) if run.flops == "mosaic"]
+
+
 def test_mosaic_flop_count_reproduces_its_mfu() -> None:
     """llm-foundry's MFU is ``(6 NumParams + 12 L d T) x tokens/s`` over its peak: the
     transcribed NumParams and tokens/s give the printed MFU."""
-    foundry = [r for r in (*RUNS, *HOLDOUT, *FRESH) if r.flops == "mosaic"]
-    assert len(foundry) >= 28
-    for run in foundry:
+    assert len(FOUNDRY_ROWS) >= 28
+    for run in FOUNDRY_ROWS:
         peak = compute_peak(device(run.device), "bf16")
         mfu = published_flops_per_token(run) * tokens_per_s(run) / peak
         assert mfu == pytest.approx(run.stated_mfu, rel=0.005), run.name
@@ -158,14 +161,12 @@ def _total_params(run: PublishedRun) -> int:
 
 
 def test_shapes_give_the_published_parameter_counts() -> None:
-    held_out = [run for run in (*HOLDOUT, *FRESH) if run.flops == "mosaic"]
+    held_out = [run for run in FOUNDRY_ROWS if run not in RUNS]
     assert len(held_out) >= 28  # llm-foundry's held-out and large-scale rows
-    for run in held_out:  # the table's NumParams column, exactly
+    for run in FOUNDRY_ROWS:  # the table's NumParams column, exactly: MPT, learned positions
         assert _total_params(run) == run.params, run.name
     for run in RUNS:
-        if run.flops == "mosaic":  # exact: MPT with its learned positions
-            assert _total_params(run) == run.params, run.name
-        elif run.code_base == MEGATRON:  # "1.7B", "1T": the size the source names
+        if run.code_base == MEGATRON:  # "1.7B", "1T": the size the source names
             size = float(run.size[:-1]) * (1e12 if run.size.endswith("T") else 1e9)
             assert _total_params(run) == pytest.approx(size, rel=0.05), run.name
 
