@@ -50,6 +50,7 @@ REAL_RUNS = [
     (4, {"dp_replicate": 2, "dp_shard": 2}),
     (2, {"dp_replicate": 2, "dp_shard": 1}),
     (2, {"dp_replicate": 2, "dp_shard": 1, "mp": "bf16"}),
+    (2, {"dp_replicate": 2, "dp_shard": 1, "microbatches": 2}),
     (4, {"pp": 2, "dp_shard": 2}),
     (4, {"pp": 2, "dp_shard": 2, "schedule": "Interleaved1F1B", "microbatches": 4}),
     (2, {"dp_shard": 2, "ac": "full"}),

@@ -151,6 +151,24 @@ def test_sharded_accumulation_keeps_no_unsharded_gradients() -> None:
     assert foundry.total / GIB < 0.9 * 80
 
 
+@pytest.mark.parametrize(
+    ("recipe", "layout"),
+    [("foundry", {"dp_shard": 8}), ("megatron", {"dp_shard": 8}), ("plait", {"dp_replicate": 8})],
+)
+def test_accumulated_gradients_are_alive_through_the_next_microbatch(
+    recipe: str, layout: dict[str, int]
+) -> None:
+    # Gradients accumulated where they live (in their shards, or without fully_shard) are
+    # all alive through the second microbatch's backward: the peak grows by them, once.
+    # (Counting them only at the step's end left them out of every backward moment.)
+    mpt = gpt(24, 16, 2048, 16384, vocab=50368, tied=True)
+    keeps = RECIPE_KEEPS[recipe]
+    one = predict_memory(mpt, Layout(**layout), Workload(16384, 8), keeps=keeps)
+    two = predict_memory(mpt, Layout(**layout, microbatches=2), Workload(16384, 16), keeps=keeps)
+    assert "accumulated_grads" not in two.extra
+    assert two.total == pytest.approx(one.total + two.grads, rel=1e-9)
+
+
 def test_llama3_recipe_frees_stage_outputs_and_thins_end_stages() -> None:
     l405 = preset("llama3-405b")
     layout = Layout(dp_shard=128, tp=8, pp=16, microbatches=16, reshard_after_forward=False)

@@ -174,8 +174,8 @@ RECORDED_10240 = {
         "pp=16 dp_replicate=2 dp_shard=80 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
         "pp=16 dp_replicate=4 dp_shard=40 tp=4 InterleavedZeroBubblex7 mb=64 ac=full",
     ],
-    "n": 869,
-    "digest": "fb22ab8c38467242",
+    "n": 861,
+    "digest": "2fa4e65d406e8a26",
 }
 
 _COLD_SEARCH = """

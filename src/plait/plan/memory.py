@@ -350,18 +350,20 @@ def _not_at_peak(
     accumulated gradients (the most in flight from then on); a block's backward
     (:func:`_block_backward`); the end (gradients, staging)."""
     held = _held_grads(r, states, extra)
+    # fully_shard's unsharded accumulation is a part of its own; otherwise the held
+    # gradients are ``grads`` themselves (ZeRO's buffer, gradients accumulated in their
+    # shards or without fully_shard), counted once.
+    accumulated = extra.get("accumulated_grads", 0.0)
     logits = extra.get("logits", 0.0)
     after = saved.per_microbatch * r.load.in_flight_after_backward
     moments = (
         saved.activations + logits + (held if r.zero else 0.0) - resharded,
         after + logits + held - resharded,
         _block_backward(r, saved, extra, held),
-        (0.0 if r.zero else states.grads) + states.buffers + held,
+        states.grads + states.buffers + accumulated,
     )
     counted = saved.activations + logits + extra.get("recompute", 0.0) + states.grads
-    counted += states.buffers
-    counted += 0.0 if r.zero else held  # under ZeRO, held is grads: counted once
-    counted += extra.get("cp_attention", 0.0)
+    counted += states.buffers + accumulated + extra.get("cp_attention", 0.0)
     return max(moments) - counted
 
 
