@@ -7,9 +7,11 @@ wall time)::
 
 Each repeat trains, through the ``plait`` command, the calibration run (2 workers,
 ``--dp-shard 2``) and each target run (4 workers: ``--dp-shard 4``, ``--dp-replicate 2
---dp-shard 2``, ``--dp-shard 2 --tp 2``), interleaved, then calibrates from that repeat's
-2-worker run as ``plait plan --calibrate`` does (this machine measured at 2 and 4 workers,
-the factor and the memory offset fitted: :mod:`plait.plan.calibrate`) and predicts each
+--dp-shard 2``, ``--dp-shard 2 --tp 2``, pipelines of 2 stages over ``--dp-shard 2`` under
+1F1B and interleaved 1F1B with 4 microbatches, and of 4 stages alone with 8), interleaved,
+then calibrates from that repeat's 2-worker run as ``plait plan --calibrate`` does (this
+machine measured at 2 and 4 workers, the factor and the memory offset fitted:
+:mod:`plait.plan.calibrate`) and predicts each
 target's own resolved configuration (``plan_of_config``: the layout exactly as it ran).
 The report gives, per target, the medians over repeats of the measured and predicted step
 time and peak memory (the largest rank's) and of ``predicted / measured - 1``, and the
@@ -38,7 +40,14 @@ TARGETS = {
     "dp_shard=4": ["--dp-shard", "4"],
     "dp_replicate=2 x dp_shard=2": ["--dp-replicate", "2", "--dp-shard", "2"],
     "dp_shard=2 x tp=2": ["--dp-shard", "2", "--tp", "2"],
-}
+    "pp=2 x dp_shard=2, 1F1B, 4 microbatches": [
+        "--pp", "2", "--dp-shard", "2", "--microbatches", "4",
+    ],
+    "pp=2 x dp_shard=2, Interleaved1F1B, 4 microbatches": [
+        "--pp", "2", "--dp-shard", "2", "--schedule", "Interleaved1F1B", "--microbatches", "4",
+    ],
+    "pp=4, 1F1B, 8 microbatches": ["--pp", "4", "--dp-shard", "1", "--microbatches", "8"],
+}  # fmt: skip
 _MIB = 2.0**20
 
 

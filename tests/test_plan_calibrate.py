@@ -131,6 +131,24 @@ def test_every_rate_and_fixed_cost_scales() -> None:
         assert slower == pytest.approx(2.5 * plain), layout
 
 
+@pytest.mark.parametrize(("pp", "passes"), [(1, 4), (2, 1)])
+def test_fully_shard_host_work_is_per_microbatch_but_once_per_step_in_a_pipeline(
+    pp: int, passes: int
+) -> None:
+    # A unit's host work (hooks, parameter swaps, buffer copies) comes with each gather and
+    # reduction: per microbatch without a pipeline, once per step under one (plait's
+    # schedules gather and reduce a stage once). On CPU runs (benchmarks/plan_calibrate.py)
+    # charging it per microbatch put pp 2 x dp_shard 2 at +58% of its measured step time.
+    model, work = gpt(4, 4, 256, 512), Workload(512, 16, "fp32")
+    layout = Layout(dp_shard=2, pp=pp, microbatches=4)
+    times = [
+        evaluate(model, layout, work, dataclasses.replace(device("cpu"), unit_overhead=u))
+        for u in (0.0, 1.0)
+    ]
+    units = (4 // pp) + 1  # the busiest stage's blocks and the root unit
+    assert times[1].timing.host - times[0].timing.host == pytest.approx(passes * units)
+
+
 def test_a_gpu_run_is_matched_though_its_memory_bound_kernels_do_not_scale() -> None:
     gpu = TrainConfig(
         n_layer=8, n_head=16, d_model=2048, seq_len=4096, batch_size=64, nproc=8, dp_shard=8,

@@ -35,7 +35,11 @@ the cores that compute), nothing is hidden: every collective's time adds to the 
 memory-bound pass over parameters, gradients and both moments), plus the step's two scalar
 all-reduces (gradient norm, loss); under ``fully_shard``, the measured ``unit_overhead``
 per unit and microbatch (hooks, DTensor parameters, buffer copies: host time that a tiny
-model shows when compute and bytes are nothing). Datasheet presets have no such figures:
+model shows when compute and bytes are nothing), under a pipeline per unit once per step
+(plait's schedules gather and reduce each stage once: ``add_fsdp_actions``; charged per
+microbatch, pp 2 x dp_shard 2 on 4 CPU workers was predicted 46-58% slower than measured,
+once per step -16% to +3%: ``benchmarks/plan_calibrate.py``, medians over repeats).
+Datasheet presets have no such figures:
 on roofline devices the AdamW step is memory-bound traffic over the rank's shard
 (:data:`~plait.plan.roofline.OPTIMIZER_BYTES`), host work is not modelled beyond the
 gaps between kernels (:data:`~plait.plan.roofline.KERNEL_GAP`).
@@ -241,10 +245,12 @@ def _update_seconds(layout: Layout, device: DeviceSpec, elements: float) -> floa
 
 def _host_seconds(layout: Layout, device: DeviceSpec, p: RankParams) -> float:
     """The optimizer step, and ``fully_shard``'s host work per unit (measured devices;
-    else 0)."""
+    else 0): per microbatch, but under a pipeline once per step, as plait's schedules
+    gather and reduce each stage once (``add_fsdp_actions``)."""
     host = _update_seconds(layout, device, p.total)
     if fsdp_ranks(layout) > 1:
-        host += layout.microbatches * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
+        passes = 1 if layout.pp > 1 else layout.microbatches
+        host += passes * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
     return host
 
 
