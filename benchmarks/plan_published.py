@@ -74,8 +74,13 @@ _GIB = 2.0**30
 
 
 def planner_device(run: PublishedRun) -> DeviceSpec:
-    """``run``'s device preset with the published GPU's memory."""
-    return override(device(run.device), memory=run.memory_gib * _GIB)
+    """``run``'s device preset with the published GPU's memory and, where the source states
+    it, its network (``node_network_gbps`` over the node's GPUs)."""
+    spec = override(device(run.device), memory=run.memory_gib * _GIB)
+    if run.node_network_gbps:
+        per_gpu = run.node_network_gbps * 1e9 / 8 / spec.gpus_per_node  # bytes/s
+        spec = override(spec, inter_node_bw=per_gpu)
+    return spec
 
 
 #: Each code base's activation recipe (``plait.plan.memory.RECIPE_KEEPS``).

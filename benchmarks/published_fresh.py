@@ -16,7 +16,11 @@ prediction by a near-constant 13-25 ms per block and micro-batch on the busiest 
 block fits and a factor on the kernels does not. Its *value* comes from the production row
 alone; MT-NLG's three rows (another cluster, Selene) test it: 1.25-1.31 before, 0.94-0.99
 after. So the Megatron-DeepSpeed rows are no longer untouched: they test one constant's
-value, not its form.
+value, not its form. On 2026-11-29 the BigScience rows (and the calibration row) were
+given the network their source states, 4 x 100 Gb/s Omni-Path per node, where the a100
+preset's 25 GB/s per GPU had been kept (docs/plan.md, "Calibration"): the constant refitted
+from 4.8 to 4.2 ms, the BigScience rows moved from 0.87-1.06 to 0.90-1.06, MT-NLG's from
+0.94-0.99 to 0.97-1.01.
 
 torchtitan's June 2025 async TP rows were added after that and evaluated once as they
 came (median 0.15 of their own: Float8 under TP 8 under-predicted, 0.84-0.86, async TP
@@ -105,7 +109,7 @@ _BS_README = (
 )
 _BS_NOTES = (
     "48-node Jean Zay partition: DGX-like nodes of 8 A100 80GB (NVLink), 4 x 100 Gb/s "
-    "Omni-Path per node (about 6 GB/s per GPU; the a100 preset's 25 GB/s is kept)",
+    "Omni-Path per node (source): 6.25 GB/s per GPU",
     "Megatron-DeepSpeed of 2022 (bigscience fork): DeepSpeed's pipeline (1F1B-like "
     "TrainSchedule), Megatron-LM tensor parallelism without sequence parallelism, fused "
     "scale-mask-softmax with the scores materialized (no flash attention), dropout 0.1 "
@@ -178,6 +182,7 @@ def _bigscience(
         zero=1,
         notes=(*_BS_NOTES, _BF16 if bf16 else _FP16, *notes),
         software=Software("megatron-deepspeed", grad_reduce_fp32=bf16),
+        node_network_gbps=400,
     )
 
 

@@ -588,10 +588,7 @@ def _fms(
     mfu: float,
     excluded: str = "",
 ) -> PublishedRun:
-    gpus, dev, net = {
-        "A100": (128, "a100", "A100 80G, 400 Gbps (source; per node as read)"),
-        "H100": (96, "h100", "H100 80G, 800 Gbps (source; per node as read)"),
-    }[gpu]
+    gpus, dev, network = {"A100": (128, "a100", 400), "H100": (96, "h100", 800)}[gpu]
     layout = Layout(
         dp_replicate=gpus // 8 if hsdp else 1,
         dp_shard=8 if hsdp else gpus,
@@ -616,11 +613,14 @@ def _fms(
         stated_mfu=mfu,
         notes=(
             *_FMS_NOTES,
-            f"{net}: the planner's preset inter-node bandwidth is kept",
+            f"{gpu} 80G, {network} Gbps (source), read per node (800 Gb/s per H100 would "
+            "take two 400 Gb/s NICs per GPU, which no 2024 H100 node had; llm-foundry's "
+            f"tables state theirs per node too): {network / 64:.4g} GB/s per GPU",
             "MFU as stated (nanoGPT / PaLM count, 989 / 312 TFLOP/s peaks)",
         ),
         excluded=excluded,
         software=Software("torchtitan", grad_reduce_fp32=False),
+        node_network_gbps=network,
     )
 
 

@@ -109,7 +109,8 @@ class PublishedRun:
     beside the layout (its kernels, TP communication overlap, ZeRO's parameter-gather
     overlap: :class:`plait.plan.spec.Software`), as its source states it or, where it
     does not, the code base's defaults of the time (said in ``notes``); never chosen to
-    improve the fit.
+    improve the fit. ``node_network_gbps``: the inter-node network per node the source
+    states, in Gb/s (shared by the node's GPUs); 0 where it states none (the preset's).
     """
 
     name: str
@@ -133,6 +134,7 @@ class PublishedRun:
     notes: tuple[str, ...] = ()
     excluded: str = ""  # why the planner cannot model the run (kept out of statistics)
     software: Software = field(default_factory=Software)
+    node_network_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

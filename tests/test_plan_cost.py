@@ -244,6 +244,7 @@ def test_calibration_runs_match_the_published_table() -> None:
                 run.software,
                 run.zero,
             )
+            assert row.node_network_gbps == run.node_network_gbps, run.name
             assert published.tokens_per_s(row) == pytest.approx(run.tokens_per_s_per_device)
 
 

@@ -72,6 +72,14 @@ def test_every_row_evaluates_at_its_layout(rows: list[Row]) -> None:
         assert planner_device(run).memory == run.memory_gib * GIB
 
 
+def test_a_stated_network_is_shared_by_the_nodes_gpus() -> None:
+    h100 = next(r for r in HOLDOUT if r.name.startswith("fms-fsdp H100"))
+    assert h100.node_network_gbps == 800  # "H100 96 GPUs with 800 Gbps": per node
+    assert planner_device(h100).inter_node_bw == 800e9 / 8 / 8  # 12.5 GB/s per GPU
+    unstated = next(r for r in RUNS if not r.node_network_gbps)
+    assert planner_device(unstated).inter_node_bw == device(unstated.device).inter_node_bw
+
+
 def test_every_row_names_its_source() -> None:
     for run in RUNS:
         assert run.source.strip(), run.name

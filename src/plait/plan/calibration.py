@@ -76,7 +76,8 @@ _GIB = 2.0**30
 
 @dataclass(frozen=True)
 class PublishedRun:
-    """A measured run: model, device preset (and its memory), layout, work, how its tensor
+    """A measured run: model, device preset (and its memory, and the inter-node network per
+    node its source states, in Gb/s: 0 for the preset's), layout, work, how its tensor
     parallelism communicated, and its throughput."""
 
     name: str
@@ -89,6 +90,7 @@ class PublishedRun:
     software: Software = field(default_factory=Software)
     zero: int = 0  # ZeRO stage (a PlanLayout), as benchmarks/plan_published.py runs it
     recipe: str = "plait"
+    node_network_gbps: float = 0.0
 
 
 CALIBRATION_RUN = PublishedRun(
@@ -173,6 +175,7 @@ HOST_RUNS: tuple[PublishedRun, ...] = (
         software=Software("megatron-deepspeed", grad_reduce_fp32=True),
         zero=1,
         recipe="megatron",
+        node_network_gbps=400,  # Jean Zay: 4 x 100 Gb/s Omni-Path per node
     ),
 )
 """The calibration runs that fit a stack's host seconds per block (module docstring)."""
@@ -188,6 +191,8 @@ def predicted(
     stack's ``scale`` and its device generation's scale on top: by default the calibrated
     ones, 1 while fitting them)."""
     dev = override(device(run.device), memory=run.memory_gib * _GIB)
+    if run.node_network_gbps:  # shared by the node's GPUs
+        dev = override(dev, inter_node_bw=run.node_network_gbps * 1e9 / 8 / dev.gpus_per_node)
     layout = run.layout
     if run.zero or run.recipe != "plait":
         fields = {name: getattr(layout, name) for name in LAYOUT_FIELDS}

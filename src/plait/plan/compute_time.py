@@ -85,7 +85,7 @@ fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline 
 list cost or save), fitted on that stack's one calibration run by
 :func:`plait.plan.calibration.calibrate_stacks`; 1 for a stack without one (``plait``)."""
 
-STACK_HOST: dict[str, float] = {"megatron-deepspeed": 0.00477}
+STACK_HOST: dict[str, float] = {"megatron-deepspeed": 0.00424}
 """Per software stack, seconds of host work per block forward that the GPU does not hide
 (backward twice, a full recompute once, a selective one half: as kernel launches count);
 fitted on that stack's one host run by :func:`plait.plan.calibration.calibrate_host`; 0
