@@ -47,7 +47,7 @@ from benchmarks.published_runs import (
 )
 from plait.layout import LAYOUT_FIELDS
 from plait.plan import evaluate
-from plait.plan.devices import device, override
+from plait.plan.devices import device, node_network, override
 from plait.plan.models import param_counts
 from plait.plan.search import describe
 from plait.plan.spec import DeviceSpec, Layout, PlanLayout
@@ -77,10 +77,7 @@ def planner_device(run: PublishedRun) -> DeviceSpec:
     """``run``'s device preset with the published GPU's memory and, where the source states
     it, its network (``node_network_gbps`` over the node's GPUs)."""
     spec = override(device(run.device), memory=run.memory_gib * _GIB)
-    if run.node_network_gbps:
-        per_gpu = run.node_network_gbps * 1e9 / 8 / spec.gpus_per_node  # bytes/s
-        spec = override(spec, inter_node_bw=per_gpu)
-    return spec
+    return node_network(spec, run.node_network_gbps)
 
 
 #: Each code base's activation recipe (``plait.plan.memory.RECIPE_KEEPS``).

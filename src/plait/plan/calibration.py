@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from plait.layout import LAYOUT_FIELDS
 from plait.plan import compute_time
 from plait.plan.compute_time import GENERATIONS, device_scale, stack_scale
-from plait.plan.devices import device, family, override
+from plait.plan.devices import device, family, node_network, override
 from plait.plan.models import gpt, preset
 from plait.plan.schedule import layout_shape
 from plait.plan.spec import Layout, ModelSpec, PlanLayout, Software, Workload
@@ -191,8 +191,7 @@ def predicted(
     stack's ``scale`` and its device generation's scale on top: by default the calibrated
     ones, 1 while fitting them)."""
     dev = override(device(run.device), memory=run.memory_gib * _GIB)
-    if run.node_network_gbps:  # shared by the node's GPUs
-        dev = override(dev, inter_node_bw=run.node_network_gbps * 1e9 / 8 / dev.gpus_per_node)
+    dev = node_network(dev, run.node_network_gbps)  # the network its source states
     layout = run.layout
     if run.zero or run.recipe != "plait":
         fields = {name: getattr(layout, name) for name in LAYOUT_FIELDS}

@@ -60,6 +60,7 @@ __all__ = [
     "family",
     "fp8_peak",
     "memory_bandwidth",
+    "node_network",
     "override",
     "streaming_multiprocessors",
 ]
@@ -128,6 +129,14 @@ def override(spec: DeviceSpec, **values: Any) -> DeviceSpec:
         if value <= 0:
             raise ValueError(f"device {name} must be positive, got {value}")
     return dataclasses.replace(spec, **changes)
+
+
+def node_network(spec: DeviceSpec, gbps: float) -> DeviceSpec:
+    """``spec`` on an inter-node network of ``gbps`` Gb/s per node, shared by the node's
+    ``gpus_per_node`` devices (``inter_node_bw`` is per device); ``spec`` itself for 0."""
+    if not gbps:
+        return spec
+    return override(spec, inter_node_bw=gbps * 1e9 / 8 / spec.gpus_per_node)
 
 
 def compute_peak(spec: DeviceSpec, precision: str) -> float:
