@@ -492,7 +492,12 @@ _TITAN_NOTES = (
 _COMPILE = "torch.compile"
 _FLOAT8 = "Float8"
 _ASYNC_TP = "async TP"
-_PP_DEFAULTS = "microbatches and stages per rank assumed (torchtitan's defaults)"
+_PP_DEFAULTS = (
+    "microbatches and stages per rank not stated: torchtitan's defaults at the benchmark's "
+    "commit 9dec370, 8 microbatches (pipelining_utils.build_pipeline_schedule: the pp "
+    "degree, for every schedule; the option's help says the number of stages) and 2 stages "
+    "per rank for interleaved schedules (generate_split_points)"
+)
 
 
 _TITAN_SPEED = (
@@ -588,7 +593,7 @@ _PP_INTERLEAVED = Layout(
     pp=8,
     schedule="Interleaved1F1B",
     stages_per_rank=2,
-    microbatches=16,
+    microbatches=8,
     ac="full",
 )
 _W8K16 = Workload(8192, 16)
