@@ -30,7 +30,11 @@ which the planner then priced (``Software.float8_tp_gather``); those four rows h
 informed that change. llm-foundry's eighteen large-scale rows were added last, every one
 counted (decided before the first evaluation): median 0.03, worst 0.13 as they came; the
 planner predicts each model's rate flat from 128 to 512 GPUs where the table loses up to
-10% (MPT-1B), so the worst of them is the largest job of the smallest model.
+10% (MPT-1B), so the worst of them is the largest job of the smallest model. torchtitan's
+4-D table of December 2024 (405B at 32k to 256k tokens) came after that, on 2026-11-29,
+every row counted (decided before the first evaluation): 1.05 at 32k without context
+parallelism, 1.22, 1.19 and 1.35 with CP 2, 4 and 8 (64k-256k), over-predicted; its
+stated peak memories are 1.22-1.26x the planner's (a maximum over ranks, as reserved).
 
 Sources:
 
@@ -47,7 +51,9 @@ Sources:
   FSDP x TP 8, compiled, bf16 and Float8, vanilla and async TP);
 * llm-foundry's large-scale H100 table of January 2024 (MPT-1B to 70B on 128, 256 and 512
   GPUs, sequence 2,048; FSDP FULL_SHARD, SHARD_GRAD_OP for 1B and 3B), which its README
-  added after the tables of :mod:`benchmarks.published_holdout`.
+  added after the tables of :mod:`benchmarks.published_holdout`;
+* torchtitan's table 6 of December 2024 (Llama 3.1 405B on 512 Grand Teton H100s, FSDP x
+  CP x TP 8 x PP 8, 1F1B, compiled, Float8, async TP, 32k to 256k tokens).
 
 Rows the planner cannot model (expert parallelism beside Megatron's distributed optimizer,
 1F1B communication overlap) are listed with the reason in ``excluded`` and not counted.
@@ -89,6 +95,7 @@ __all__ = [
     "LIT_GPT_RUNS",
     "MOE_RUNS",
     "MTNLG_RUNS",
+    "TITAN_4D_RUNS",
     "TITAN_ASYNC_TP_RUNS",
     "fresh_table",
     "main",
@@ -746,6 +753,66 @@ TITAN_ASYNC_TP_RUNS = (
 evaluated once as they came (the rowwise rows listed, not counted: decided before their
 predictions were seen)."""
 
+# --- torchtitan, 4-D parallelism on Grand Teton H100s (December 2024) ---------------------
+
+_TITAN_4D = (
+    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md at 820504e2 (results of "
+    "December 2024: torch 1963fc8, torchao eab345c, torchtitan 9dec370), table 6 ('4D "
+    "parallelism (FSDP + TP + PP + CP) + torch.compile + Float8 + AsyncTP + 1F1B. Llama 3.1 "
+    "405B model. 512 GPUs (TP 8, PP8). Local batch size 8. Full activation checkpointing.')"
+)
+_TITAN_4D_NOTES = (
+    "Grand Teton: 8 H100 per host, NVLink, 96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s RDMA per "
+    "GPU (the source): the h100-hbm2e preset",
+    "local batch 8 per data-parallel (FSDP) rank, its CP, TP and PP ranks sharing it; 1F1B "
+    "over 8 microbatches (torchtitan 9dec370's default: the pp degree, "
+    "pipelining_utils.build_pipeline_schedule), so one sequence per microbatch",
+    "context parallelism: torch's context_parallel SDPA with torchtitan 9dec370's default "
+    "rotate method 'allgather' (config_manager.py); fully_shard over FSDP x CP",
+    "torch.compile of the blocks, Float8 tensorwise with Float8 all-gathers and its TP "
+    "inputs gathered in fp8 (the 405B preset's float8 section at 9dec370), async TP: as "
+    "the source's table 5 rows of the same runs (benchmarks/published_runs.py)",
+)
+
+
+def _titan_4d(fsdp: int, cp: int, seq: int, tokens: float) -> PublishedRun:
+    """One row of torchtitan's table 6: Llama 3.1 405B on 512 H100s, TP 8 x PP 8, ``fsdp``
+    x ``cp`` = 8."""
+    layout = Layout(
+        dp_shard=fsdp, cp=cp, cp_method="allgather", tp=8, pp=8, schedule="1F1B",
+        microbatches=8, ac="full",
+    )  # fmt: skip
+    software = Software(
+        "torchtitan",
+        "micro-pipeline",
+        compiled=True,
+        float8="tensorwise",
+        float8_all_gather=True,
+        float8_tp_gather=True,
+    )
+    return grand_teton_run(
+        f"torchtitan H100 Llama 3.1 405B, 512 GPUs, FSDP {fsdp} x CP {cp} x TP 8 x PP 8, "
+        f"seq {seq:,}",
+        _TITAN_4D,
+        "405B",
+        layout,
+        Workload(seq, 8 * fsdp),
+        tokens,
+        software,
+        _TITAN_4D_NOTES,
+    )
+
+
+TITAN_4D_RUNS = (
+    _titan_4d(8, 1, 32768, 76),
+    _titan_4d(4, 2, 65536, 47),
+    _titan_4d(2, 4, 131072, 31),
+    _titan_4d(1, 8, 262144, 16),
+)
+"""torchtitan's table 6 (405B with FSDP, CP, TP and PP, 32k to 256k tokens): added on
+2026-11-29 after every change of that day and evaluated once as they came, every row
+counted (decided before their predictions were seen)."""
+
 # --- llm-foundry, its large-scale H100 table (January 2024) -------------------------------
 
 _SCALE_SRC = (
@@ -807,6 +874,7 @@ FRESH: tuple[PublishedRun, ...] = (
     *MOE_RUNS,
     *TITAN_ASYNC_TP_RUNS,
     *FOUNDRY_SCALE_RUNS,
+    *TITAN_4D_RUNS,
 )
 """Every fresh held-out run: ``"validation"`` but the one calibration row (module
 docstring), none fitted to."""
