@@ -84,6 +84,7 @@ from benchmarks.published_runs import (
     PublishedRun,
     foundry_run,
     grand_teton_run,
+    titan_software,
 )
 from plait.plan.models import gpt
 from plait.plan.spec import Layout, ModelSpec, Software, Workload
@@ -613,6 +614,7 @@ def _qwen3(
         zero=zero,
         notes=(*_QWEN3_NOTES, f"step time {step_s} s, {tflops} TFLOP/s per GPU (source)", *notes),
         excluded=excluded,
+        node_network_gbps=8 * 400,  # 8 x 50 GB/s InfiniBand per node (source)
         software=Software("megatron-core", grad_reduce_fp32=False, ep_inner=ep_inner),
     )
 
@@ -782,14 +784,7 @@ def _titan_4d(fsdp: int, cp: int, seq: int, tokens: float) -> PublishedRun:
         dp_shard=fsdp, cp=cp, cp_method="allgather", tp=8, pp=8, schedule="1F1B",
         microbatches=8, ac="full",
     )  # fmt: skip
-    software = Software(
-        "torchtitan",
-        "micro-pipeline",
-        compiled=True,
-        float8="tensorwise",
-        float8_all_gather=True,
-        float8_tp_gather=True,
-    )
+    software = titan_software(8, compiled=True, float8=True, async_tp=True)
     return grand_teton_run(
         f"torchtitan H100 Llama 3.1 405B, 512 GPUs, FSDP {fsdp} x CP {cp} x TP 8 x PP 8, "
         f"seq {seq:,}",

@@ -515,6 +515,7 @@ NEMO_H200_RUNS = (
         software=Software(
             "megatron-core", "none", param_gather_overlap=True, grad_reduce_fp32=False
         ),
+        node_network_gbps=8 * 400,  # 8 x 400 Gb/s ConnectX-7 RoCE per node (A3 Ultra)
     ),
 )
 
@@ -778,6 +779,7 @@ def _trainy(nodes: int, tokens: float) -> PublishedRun:
             float8_all_gather=True,
             compiled_loss=True,
         ),
+        node_network_gbps=8 * 400,  # 400 Gb/s per GPU (source)
     )
 
 
@@ -827,7 +829,9 @@ EXCLUDED_RUNS = (
             "torch.compile taken as on (the 405B preset of the time sets compile = true and "
             "the row's 'None' names only Float8 and async TP as absent): priced by the "
             "planner's compile model; no Float8, no async TP",
+            "network not stated in this source (the h100-hbm2e preset's 50 GB/s per GPU)",
         ),
+        node_network_gbps=0,
     ),
 )
 

@@ -51,6 +51,7 @@ __all__ = [
     "FOUNDRY_A100_80",
     "FOUNDRY_H100",
     "FOUNDRY_H100_SCALE",
+    "GRAND_TETON_NETWORK_GBPS",
     "LLAMA3",
     "MEGATRON",
     "RUNS",
@@ -61,6 +62,7 @@ __all__ = [
     "grand_teton_run",
     "plait_mfu",
     "published_flops_per_token",
+    "titan_software",
     "tokens_per_s",
 ]
 
@@ -360,12 +362,12 @@ FOUNDRY_H100_SCALE = "H100 80GB BF16 (Large Scale, >= 128 GPUs)"
 FOUNDRY_A100_80 = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
 FOUNDRY_A100_40 = "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"
 #: By title: device preset, memory (GB), bf16 PURE (the A100 40 GB table's runs gather and
-#: reduce in bf16), inter-node network as the title states it.
+#: reduce in bf16), inter-node network per node in Gb/s as the title states it (0: none).
 _FOUNDRY_TABLES = {
-    FOUNDRY_H100: ("h100", 80, False, ""),
-    FOUNDRY_H100_SCALE: ("h100", 80, False, ""),
-    FOUNDRY_A100_80: ("a100", 80, False, "RoCE"),
-    FOUNDRY_A100_40: ("a100-40gb", 40, True, "RoCE"),
+    FOUNDRY_H100: ("h100", 80, False, 0),
+    FOUNDRY_H100_SCALE: ("h100", 80, False, 0),
+    FOUNDRY_A100_80: ("a100", 80, False, 1600),
+    FOUNDRY_A100_40: ("a100-40gb", 40, True, 1600),
 }
 
 
@@ -400,7 +402,7 @@ def foundry_run(
     notes: tuple[str, ...] = (
         *_FOUNDRY_NOTES,
         f"learned positions of seq {seq} (NumParams {params:,} matches)",
-        "1,600 Gb/s per node RoCE (source): 25 GB/s per GPU, the a100 preset"
+        f"{network:,} Gb/s per node RoCE (source): {network / 64:g} GB/s per GPU"
         if network
         else "inter-node network not stated (preset 50 GB/s per GPU)",
     )
@@ -447,6 +449,7 @@ def foundry_run(
         params=params,
         notes=notes,
         software=Software("llm-foundry", ac_early_stop=False if pure else None),
+        node_network_gbps=network,
     )
 
 
@@ -509,6 +512,26 @@ _TITAN_SPEED = (
 )
 
 
+#: Grand Teton's network as torchtitan's benchmark pages state it: 400 Gb/s RDMA per GPU, 8
+#: GPUs per host.
+GRAND_TETON_NETWORK_GBPS = 8 * 400
+
+
+def titan_software(tp: int, *, compiled: bool, float8: bool, async_tp: bool) -> Software:
+    """What a torchtitan run of 2024-2025 does beside its layout (``tp``: its tensor
+    parallelism): torch.compile of the blocks, Float8 as torchtitan's docs/float8.md runs
+    it (tensorwise, Float8 all-gathers, under TP its inputs gathered in fp8) and async TP
+    (:data:`_TITAN_SPEED`), each where the run turned it on."""
+    return Software(
+        "torchtitan",
+        "micro-pipeline" if async_tp else "none",
+        compiled=compiled,
+        float8="tensorwise" if float8 else "none",
+        float8_all_gather=float8,
+        float8_tp_gather=float8 and tp > 1,
+    )
+
+
 def grand_teton_run(
     name: str,
     source: str,
@@ -521,10 +544,12 @@ def grand_teton_run(
     role: str = "validation",
     excluded: str = "",
     stated_mfu: float = 0.0,
+    node_network_gbps: float = GRAND_TETON_NETWORK_GBPS,
 ) -> PublishedRun:
     """A torchtitan run of Llama 3 ``size`` on Meta's Grand Teton H100s (the ``h100-hbm2e``
     preset, 96 GB), under ``fully_shard``, published in tokens/s per GPU: what every
-    torchtitan table of this project shares (this file's, the held-out and fresh sets')."""
+    torchtitan table of this project shares (this file's, the held-out and fresh sets');
+    ``node_network_gbps``: 0 for a source that does not state the network."""
     return PublishedRun(
         name=name,
         code_base=TORCHTITAN,
@@ -545,6 +570,7 @@ def grand_teton_run(
         notes=notes,
         excluded=excluded,
         software=software,
+        node_network_gbps=node_network_gbps,
     )
 
 
@@ -561,14 +587,8 @@ def _titan(
 ) -> PublishedRun:
     """A row of torchtitan's Dec 2024 table; ``speed``: which of torch.compile, Float8 and
     async TP it ran (all priced: :data:`_TITAN_SPEED`)."""
-    float8 = _FLOAT8 in speed
-    software = Software(
-        "torchtitan",
-        "micro-pipeline" if _ASYNC_TP in speed else "none",
-        compiled=_COMPILE in speed,
-        float8="tensorwise" if float8 else "none",
-        float8_all_gather=float8,
-        float8_tp_gather=float8 and layout.tp > 1,
+    software = titan_software(
+        layout.tp, compiled=_COMPILE in speed, float8=_FLOAT8 in speed, async_tp=_ASYNC_TP in speed
     )
     return grand_teton_run(
         f"torchtitan {name}",
@@ -727,6 +747,7 @@ def _llama3(
         stated_mfu=mfu,
         notes=_LLAMA3_NOTES,
         excluded=excluded,
+        node_network_gbps=8 * 400,  # 400 Gb/s RoCE per GPU (section 3.3.1)
     )
 
 

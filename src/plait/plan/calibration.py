@@ -102,6 +102,7 @@ CALIBRATION_RUN = PublishedRun(
     tokens_per_s_per_device=5762.0,
     memory_gib=96.0,
     software=Software("torchtitan"),
+    node_network_gbps=8 * 400,  # 400 Gb/s RDMA per GPU (the source)
 )
 
 CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
@@ -140,6 +141,7 @@ CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
         work=Workload(2048, 48),
         tokens_per_s_per_device=2262.0,
         software=Software("llm-foundry"),
+        node_network_gbps=1600,  # the table's "1600 Gbps node-node interconnect"
     ),
 )
 """The runs ``benchmarks/published_runs.py`` marks ``"calibration"`` that fit the stacks, one
