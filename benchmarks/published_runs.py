@@ -701,7 +701,10 @@ _LLAMA3_NOTES = (
     "all-gather context parallelism, interleaved schedule (section 3.3.2)",
     "batch per DP rank from the table; 2 stages per rank and micro-batch 1 assumed "
     "(V and N not stated); MFU is PaLM's (section 3.3.2): plait's count",
-    "kernels and TP overlap not stated: plait's defaults (eager, synchronous TP)",
+    "kernels and TP overlap not stated: plait's defaults (eager, synchronous TP), but the "
+    "context-parallel all-gather moves K and V at their GQA size ('the communicated K and V "
+    "tensors are much smaller than Q tensor due to the use of GQA', section 3.3.2): "
+    "kv_repeated=False",
 )
 
 
@@ -746,6 +749,7 @@ def _llama3(
         dp_flavour="FSDP",
         stated_mfu=mfu,
         notes=_LLAMA3_NOTES,
+        software=Software(kv_repeated=False),
         excluded=excluded,
         node_network_gbps=8 * 400,  # 400 Gb/s RoCE per GPU (section 3.3.1)
     )

@@ -15,17 +15,23 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from plait.plan import Layout, Workload, evaluate, plan, predict_memory
 from plait.plan.cli import main
 from plait.plan.comm import DP_SHARD_CP, cp_traffic
+from plait.plan.comm_time import cp_exposed, link_seconds
 from plait.plan.devices import device
 from plait.plan.dryrun import dry_run, step_memory
 from plait.plan.memory import activation_elems_per_token
-from plait.plan.models import gpt
+from plait.plan.models import gpt, preset
 from plait.plan.report import cp_per_step
+from plait.plan.spec import Software
+from plait.plan.stacks import STACKS
 from plait.plan.train_plan import config_of_layout, plan_of_config, plan_summary
 from plait.train.config import TrainConfig
+from plait.train.llama.attention import LlamaAttention
+from plait.train.llama.config import LlamaConfig
 from plait.train.resolve import resolve
 
 from harness import run_on_ranks
@@ -239,3 +245,62 @@ def test_train_plan_carries_cp_both_ways() -> None:
     summary = plan_summary(cfg)
     assert "cp=2/ring" in summary
     assert "context parallelism: cp=2 (ring), each rank 512 tokens of each sequence" in summary
+
+
+def test_exchange_moves_the_keys_attention_receives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plait's Llama hands SDPA its keys and values repeated to the query heads (so
+    plait.context exchanges them so): the planner's bytes follow the stack's
+    ``kv_repeated``, and a run whose attention takes grouped keys moves ``heads /
+    kv_heads`` times fewer."""
+    config = LlamaConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+        intermediate_size=128, vocab_size=32,
+    )  # fmt: skip
+    seen: list[tuple[int, int]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+        seen.append((q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    LlamaAttention(config)(torch.randn(2, 8, 64))
+    assert seen == [(4, 4)] and STACKS["plait"].kv_repeated  # repeated: the stack says so
+
+    spec = preset("llama3-8b")  # 32 query heads, 8 key/value heads
+    work = Workload(seq_len=LONG, global_batch=1)
+    n, e = LONG / 4, 2
+    for method in ("allgather", "ring"):
+        layout = Layout(cp=4, cp_method=method)
+        plait_bytes = cp_traffic(spec, layout, work).forward
+        assert plait_bytes == pytest.approx(3 * 2 * n * spec.q_width * e)
+        grouped = cp_traffic(spec, layout, work, Software(kv_repeated=False)).forward
+        assert plait_bytes / grouped == pytest.approx(spec.heads / spec.kv_heads)
+
+
+def test_torch_allgather_shifts_gradients_and_hides_behind_the_first_block() -> None:
+    """torch's context_parallel (torchtitan's stack) gathers again in backward and shifts
+    the fp32 key/value gradients cp times; each gather runs beside the first of the cp
+    attention blocks and each shift beside the next block's backward."""
+    spec = preset("llama3-8b")
+    work = Workload(seq_len=LONG, global_batch=1)
+    layout = Layout(cp=4, cp_method="allgather")
+    titan = Software("torchtitan")
+    n, k, e = LONG / 4, spec.q_width, 2  # torchtitan repeats k, v too
+    t = cp_traffic(spec, layout, work, titan)
+    assert t.forward == pytest.approx(3 * 2 * n * k * e)
+    assert t.backward == pytest.approx(t.forward + 4 * 2 * n * k * 4)
+    assert (t.forward_calls, t.backward_calls) == (1, 5)
+    plait_t = cp_traffic(spec, layout, work)
+    assert plait_t.backward == pytest.approx(plait_t.forward)  # plait's: one reduce-scatter
+
+    gather = link_seconds(t.forward, "cp", layout, H100, 1)
+    shift = link_seconds(4 * 2 * n * k * 4 / 4, "cp", layout, H100, 1)
+    for attention in (0.0, gather * 2, gather * 8):  # none, some, all of it hidden
+        fwd, bwd = cp_exposed(spec, layout, work, H100, attention, titan)
+        step = attention / 4
+        assert fwd == pytest.approx(max(0.0, gather - step))
+        want = max(0.0, gather - 2 * step) + 3 * max(0.0, shift - 2 * step) + shift
+        assert bwd == pytest.approx(want)
+        plain = cp_exposed(spec, layout, work, H100, attention)  # plait's: exposed whole
+        assert plain[0] == pytest.approx(gather) and plain[0] >= fwd

@@ -103,6 +103,7 @@ from plait.plan.spec import (
     zero_ranks,
     zero_stage,
 )
+from plait.plan.stacks import kv_repeated, stack
 
 __all__ = [
     "DP_SHARD_CP",
@@ -265,15 +266,22 @@ class CpTraffic:
     backward_calls: int
 
 
-def cp_traffic(model: ModelSpec, layout: Layout, work: Workload) -> CpTraffic:
-    """The exchange of :mod:`plait.context`'s attention per block and microbatch (zero
-    without context parallelism). ``n``: the rank's tokens (its ``seq_len / cp`` of each
-    sequence), ``k``: the key (and value) width of a tp rank, ``d`` the query width of a
-    tp rank, ``e`` the compute dtype's bytes:
+def cp_traffic(
+    model: ModelSpec, layout: Layout, work: Workload, software: Software | None = None
+) -> CpTraffic:
+    """The exchange of context parallelism's attention per block and microbatch (zero
+    without context parallelism), as ``software`` (default plait's) runs it
+    (:mod:`plait.plan.stacks`, "Context parallelism"). ``n``: the rank's tokens (its
+    ``seq_len / cp`` of each sequence), ``k``: the width of the keys (and values) the
+    attention receives on a tp rank (the query width ``d`` where they were repeated to the
+    query heads, :func:`~plait.plan.stacks.kv_repeated`), ``e`` the compute dtype's
+    bytes:
 
     * ``allgather``: one all-gather of the stacked keys and values (``2 n k e`` from each
       rank, every rank receives the others': ``(cp - 1) 2 n k e`` sent per rank in a ring);
-      backward one reduce-scatter of their gradients, the same bytes.
+      backward one reduce-scatter of their gradients, the same bytes (plait's); torch's
+      gathers them again and shifts their fp32 gradient accumulators round the ring
+      (``cp`` shifts of ``2 n k`` in fp32 beside the gather).
     * ``ring``: ``cp - 1`` shifts of the stacked key/value block (``2 n k e`` each: the same
       bytes as the all-gather); backward the blocks go round again (``cp - 1`` shifts) with
       their gradients' accumulators beside them (``cp`` shifts of ``2 n k`` in fp32, the
@@ -287,15 +295,19 @@ def cp_traffic(model: ModelSpec, layout: Layout, work: Workload) -> CpTraffic:
     cp = layout.cp
     if cp == 1:
         return CpTraffic("", 0.0, 0, 0.0, 0)
+    software = software or Software()
     n, e, tp = microbatch_tokens(layout, work), compute_bytes(work), layout.tp
     d = model.q_width / tp
-    k = model.kv_width / tp
+    k = d if kv_repeated(software) else model.kv_width / tp
     block = 2 * n * k * e  # a rank's stacked keys and values
+    accumulators = cp * 2 * n * k * 4  # backward's fp32 key/value gradients, shifted cp times
     if layout.cp_method == "allgather":
         sent = (cp - 1) * block
+        if stack(software.kernels).context == "torch":
+            return CpTraffic("all_gather+send_recv", sent, 1, sent + accumulators, 1 + cp)
         return CpTraffic("all_gather+reduce_scatter", sent, 1, sent, 1)
     if layout.cp_method == "ring":
-        back = (cp - 1) * block + cp * 2 * n * k * 4  # blocks, then the fp32 accumulators
+        back = (cp - 1) * block + accumulators  # blocks, then the fp32 accumulators
         return CpTraffic("send_recv", (cp - 1) * block, cp - 1, back, 2 * cp - 1)
     if layout.cp_method == "alltoall":
         sent = (2 * d + 2 * k) * n * e * (cp - 1) / cp
@@ -304,11 +316,13 @@ def cp_traffic(model: ModelSpec, layout: Layout, work: Workload) -> CpTraffic:
     raise ValueError(f"--cp-method {layout.cp_method}: not one of allgather, ring, alltoall")
 
 
-def cp_per_step(model: ModelSpec, layout: Layout, work: Workload, layers: int) -> tuple[float, int]:
+def cp_per_step(
+    model: ModelSpec, layout: Layout, work: Workload, layers: int, software: Software | None = None
+) -> tuple[float, int]:
     """Bytes and calls one rank sends in context parallelism's attention over a step, for
     ``layers`` blocks: per block and microbatch the forward, the backward, and the forward
     again when checkpointing recomputes attention."""
-    t = cp_traffic(model, layout, work)
+    t = cp_traffic(model, layout, work, software)
     forwards = 2 if layout.ac != "none" else 1
     per_block = forwards * t.forward + t.backward
     calls = forwards * t.forward_calls + t.backward_calls
@@ -396,8 +410,8 @@ def communication(
         stages = layout.stages_per_rank
         add(PP, "send_recv", 2 * m * stages * hop, 2 * m * stages)
     if layout.cp > 1:
-        cp_bytes, cp_calls = cp_per_step(model, layout, work, load.layers)
-        add(CP, cp_traffic(model, layout, work).op, cp_bytes, cp_calls)
+        cp_bytes, cp_calls = cp_per_step(model, layout, work, load.layers, software)
+        add(CP, cp_traffic(model, layout, work, software).op, cp_bytes, cp_calls)
     if p.moe_blocks:
         _add_moe(add, model, layout, work, p)
     return out

@@ -39,6 +39,12 @@ causal load balancing makes the ranks' shares equal). Its key/value exchange per
   forward's; backward: twice that) is exposed, latencies included. That assumes the
   kernels run at the same rate beside the transfers and that no shift waits on one
   another.
+* torch's ``allgather`` (``Software`` whose stack runs torch's ``context_parallel``:
+  :mod:`plait.plan.stacks`, "Context parallelism"): its all-gather runs beside the first
+  of the ``cp`` attention blocks (``1 / cp`` of the pass's attention, the load balancing
+  giving every block an equal share), in forward and again in backward; each of the
+  backward's ``cp`` shifts of the fp32 key/value gradients beside the next block's
+  backward, the last one exposed whole.
 
 Recomputation (``--ac full`` or ``selective``) repeats the forward's exchange, but for
 torchtitan's selective policy, which saves the reduce-scatters' outputs (its
@@ -76,7 +82,8 @@ from plait.plan.shards import (
     microbatch_tokens,
     routed_tp,
 )
-from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
+from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Software, Workload
+from plait.plan.stacks import stack
 
 __all__ = [
     "cp_exposed",
@@ -181,16 +188,34 @@ def moe_exchanges(
 
 
 def cp_exposed(
-    model: ModelSpec, layout: Layout, work: Workload, device: DeviceSpec, attention: float
+    model: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: DeviceSpec,
+    attention: float,
+    software: Software | None = None,
 ) -> tuple[float, float]:
     """Seconds context parallelism's exchange adds to one block's forward and backward for
-    one microbatch (module docstring); ``attention``: the forward's attention compute,
-    which a ring's shifts run beside (the backward's is twice that)."""
-    t = cp_traffic(model, layout, work)
+    one microbatch (module docstring), as ``software`` (default plait's) runs it;
+    ``attention``: the forward's attention compute, which a ring's shifts run beside (the
+    backward's is twice that)."""
+    software = software or Software()
+    t = cp_traffic(model, layout, work, software)
     fwd = link_seconds(t.forward, CP, layout, device, t.forward_calls)
     bwd = link_seconds(t.backward, CP, layout, device, t.backward_calls)
-    if layout.cp_method == "ring" and device.overlap:
+    if not device.overlap:
+        return fwd, bwd
+    if layout.cp_method == "ring":
         return max(0.0, fwd - attention), max(0.0, bwd - 2 * attention)
+    if layout.cp_method == "allgather" and stack(software.kernels).context == "torch":
+        # torch's: each gather beside the first block's attention (1 / cp of the pass's,
+        # every block an equal share under the causal load balancing), each of the cp
+        # accumulator shifts beside the next block's backward, the last one waited on whole
+        gather = link_seconds(t.forward, CP, layout, device, 1)
+        shift = link_seconds((t.backward - t.forward) / layout.cp, CP, layout, device, 1)
+        step_fwd, step_bwd = attention / layout.cp, 2 * attention / layout.cp
+        bwd = max(0.0, gather - step_bwd) + (layout.cp - 1) * max(0.0, shift - step_bwd) + shift
+        return max(0.0, gather - step_fwd), bwd
     return fwd, bwd
 
 

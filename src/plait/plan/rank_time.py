@@ -143,7 +143,7 @@ def _passes(
     passes = 0.0 if not recomputing else tp_gathers if keeps_reductions else tp_fwd
     fwd, bwd = k.fwd + tp_fwd, k.bwd + k.recompute + tp_bwd + passes
     if layout.cp > 1:  # attention's exchange
-        cp_fwd, cp_bwd = cp_exposed(model, layout, work, device, k.attention_fwd)
+        cp_fwd, cp_bwd = cp_exposed(model, layout, work, device, k.attention_fwd, software)
         fwd += cp_fwd
         bwd += cp_bwd + (cp_fwd if recomputing else 0.0)
     if params.moe_blocks:  # exposed exchanges of the MoE blocks, spread over the rank's blocks

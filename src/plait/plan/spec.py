@@ -192,6 +192,10 @@ class Software:
       full-vocabulary tensor: the compute-dtype logits and, in backward, their gradient
       (memory as a fused cross-entropy, :class:`plait.plan.keeps.Keeps` ``"fused_ce"``).
 
+    Context parallelism: ``kv_repeated``: whether the attention receives keys and values
+    repeated to the query heads, which context parallelism then exchanges at the queries'
+    width (None: the stack's, :data:`plait.plan.stacks.STACKS`).
+
     The default is what ``plait train`` runs.
     """
 
@@ -208,6 +212,7 @@ class Software:
     float8_all_gather: bool = False
     float8_tp_gather: bool = False
     compiled_loss: bool = False
+    kv_repeated: bool | None = None
 
     def __post_init__(self) -> None:
         if self.compiled_loss and not self.compiled:

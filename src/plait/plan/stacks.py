@@ -94,6 +94,24 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   work beside the GEMMs (:attr:`BlockKernels.cast`); their kernels count as launches
   (backward's taken as twice the forward's, as for the rest).
 
+**Context parallelism** (``cp > 1``; :func:`plait.plan.comm.cp_traffic`,
+:func:`plait.plan.comm_time.cp_exposed`). What a context-parallel attention exchanges is
+the keys and values it is handed: ``plait`` and ``torchtitan`` repeat them to the query
+heads before attention (``kv_repeated``: plait's Llama, ``repeat_interleave``;
+torchtitan's Llama at 9dec370, ``repeat_kv`` before ``F.scaled_dot_product_attention``),
+so under grouped-query attention every exchange moves ``heads / kv_heads`` times
+the keys and values a GQA-aware kernel would (Transformer Engine's, Megatron-Core's;
+Meta's all-gather, which its Llama 3 paper states moves the GQA-sized K and V:
+``Software.kv_repeated=False``). And whose attention runs (``context``): ``"plait"``,
+:mod:`plait.context`'s methods; ``"torch"`` (torchtitan), torch's ``context_parallel``
+(``torch.distributed.tensor.experimental``), whose all-gather method differs from
+plait's: the all-gather is issued before the first (local) block's attention and waited
+on after it, and its backward gathers the keys and values again the same way and passes
+their fp32 gradient accumulators round the ring, ``cp`` shifts, each issued after one
+block's backward and waited on after the next (``_templated_ring_attention_backward``:
+its ``dkv_rotater`` always shifts). torch's ring method shifts as plait's ring does.
+Ulysses (``cp_method="alltoall"``) has no torch counterpart and is priced as plait's.
+
 **The loss** over the logits (:data:`LOSS_BYTES`, per vocabulary element of the rank and
 token, forward and backward together, split 1 : 2): ``plait`` / ``torchtitan`` torch's
 eager loss, ``2 e + 28``; ``megatron-core`` and ``megatron-2021`` Megatron's
@@ -126,6 +144,7 @@ __all__ = [
     "cast_cost",
     "compiled",
     "float8",
+    "kv_repeated",
     "stack",
 ]
 
@@ -147,12 +166,25 @@ class Stack:
     early_stop: bool = True  # ``ac="full"`` stops its recompute at the last saved tensor
     fused_residuals: int = 0  # residual additions fused into the norm after them (compile)
     scale_of: str = ""  # the stack whose fitted scale it shares (it runs that one's kernels)
+    kv_repeated: bool = False  # k, v repeated to the query heads before attention
+    context: str = "plait"  # whose context-parallel attention: "plait" or "torch"
 
 
 STACKS: dict[str, Stack] = {
-    "plait": Stack("plait", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "plait"),
+    "plait": Stack(
+        "plait", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "plait", kv_repeated=True
+    ),
     "torchtitan": Stack(
-        "torchtitan", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "torchtitan"
+        "torchtitan",
+        "fa2",
+        "eager-fp32",
+        "eager",
+        "eager-fp32",
+        False,
+        38,
+        "torchtitan",
+        kv_repeated=True,
+        context="torch",
     ),
     "megatron-core": Stack(
         "megatron-core",
@@ -288,3 +320,12 @@ def stack(name: str) -> Stack:
     if name not in STACKS:
         raise ValueError(f"kernels {name!r}: one of {', '.join(STACKS)}")
     return STACKS[name]
+
+
+def kv_repeated(software: Software) -> bool:
+    """Whether ``software``'s attention receives keys and values repeated to the query
+    heads (module docstring, "Context parallelism"): its own ``kv_repeated``, else its
+    stack's."""
+    if software.kv_repeated is not None:
+        return software.kv_repeated
+    return stack(software.kernels).kv_repeated
