@@ -248,10 +248,11 @@ def test_train_plan_carries_cp_both_ways() -> None:
 
 
 def test_exchange_moves_the_keys_attention_receives(monkeypatch: pytest.MonkeyPatch) -> None:
-    """plait's Llama hands SDPA its keys and values repeated to the query heads (so
-    plait.context exchanges them so): the planner's bytes follow the stack's
-    ``kv_repeated``, and a run whose attention takes grouped keys moves ``heads /
-    kv_heads`` times fewer."""
+    """plait's Llama repeats its key/value heads to the query heads before SDPA, but hands
+    them grouped to context parallelism (``repeat_kv`` off, as ``plait train --cp`` sets
+    it), with the same output; torchtitan's Llama repeats them: the planner's bytes follow
+    (``heads / kv_heads`` times more for torchtitan's), and plait's Ulysses expands
+    key/value heads that cp does not divide."""
     config = LlamaConfig(
         hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
         intermediate_size=128, vocab_size=32,
@@ -264,8 +265,12 @@ def test_exchange_moves_the_keys_attention_receives(monkeypatch: pytest.MonkeyPa
         return sdpa(q, k, v, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    LlamaAttention(config)(torch.randn(2, 8, 64))
-    assert seen == [(4, 4)] and STACKS["plait"].kv_repeated  # repeated: the stack says so
+    attention, x = LlamaAttention(config), torch.randn(2, 8, 64)
+    repeated = attention(x)
+    attention.repeat_kv = False
+    torch.testing.assert_close(attention(x), repeated)
+    assert seen == [(4, 4), (4, 1)]
+    assert not STACKS["plait"].kv_repeated and STACKS["torchtitan"].kv_repeated
 
     spec = preset("llama3-8b")  # 32 query heads, 8 key/value heads
     work = Workload(seq_len=LONG, global_batch=1)
@@ -273,9 +278,15 @@ def test_exchange_moves_the_keys_attention_receives(monkeypatch: pytest.MonkeyPa
     for method in ("allgather", "ring"):
         layout = Layout(cp=4, cp_method=method)
         plait_bytes = cp_traffic(spec, layout, work).forward
-        assert plait_bytes == pytest.approx(3 * 2 * n * spec.q_width * e)
-        grouped = cp_traffic(spec, layout, work, Software(kv_repeated=False)).forward
-        assert plait_bytes / grouped == pytest.approx(spec.heads / spec.kv_heads)
+        assert plait_bytes == pytest.approx(3 * 2 * n * spec.kv_width * e)
+        titan = cp_traffic(spec, layout, work, Software("torchtitan")).forward
+        assert titan / plait_bytes == pytest.approx(spec.heads / spec.kv_heads)
+    for cp, k in ((4, spec.kv_width), (16, spec.q_width)):  # 8 kv heads: 16 ranks expand
+        ulysses = cp_traffic(spec, Layout(cp=cp, cp_method="alltoall"), work)
+        tokens = LONG / cp
+        assert ulysses.forward == pytest.approx(
+            (2 * spec.q_width + 2 * k) * tokens * e * (cp - 1) / cp
+        )
 
 
 def test_torch_allgather_shifts_gradients_and_hides_behind_the_first_block() -> None:
@@ -303,4 +314,4 @@ def test_torch_allgather_shifts_gradients_and_hides_behind_the_first_block() -> 
         want = max(0.0, gather - 2 * step) + 3 * max(0.0, shift - 2 * step) + shift
         assert bwd == pytest.approx(want)
         plain = cp_exposed(spec, layout, work, H100, attention)  # plait's: exposed whole
-        assert plain[0] == pytest.approx(gather) and plain[0] >= fwd
+        assert plain[0] == pytest.approx(link_seconds(plait_t.forward, "cp", layout, H100, 1))

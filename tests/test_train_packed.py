@@ -258,10 +258,12 @@ def test_llama_step_matches_one_process(name: str, llama_config: str) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def test_llama_cp2_trains_like_one_process(llama_config: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["ring", "allgather", "alltoall"])
+def test_llama_cp2_trains_like_one_process(method: str, llama_config: str, tmp_path: Path) -> None:
+    """Each method exchanges the grouped key/value heads (2 of 4) its Llama hands it."""
     cfg = TINY.replace(model_config=llama_config, grad_clip=0.5, steps=2)
     expected = run_train(cfg, 1, tmp_path / "one")
-    cp = cfg.replace(cp=2, dp_shard=1, cp_method="ring")
+    cp = cfg.replace(cp=2, dp_shard=1, cp_method=method)
     for result in run_on_ranks(2, train_on_rank, cp, str(tmp_path / "cp2")):
         assert_losses_close(result.losses, expected.losses)
         assert_losses_close(list(result.val_losses.values()), list(expected.val_losses.values()))

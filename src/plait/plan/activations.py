@@ -60,11 +60,12 @@ attention runs backward, after its MLP's backward has freed the MLP's saved valu
 hidden gradient.
 
 plait's Llama (``"plait"`` recipe, a gated model without learned positions:
-:class:`plait.train.llama.Llama`): k and v are repeated to the query heads before
-attention, which saves them so (``2 q / tp`` in place of ``2 k / tp``, ``q`` the query
-width ``heads x head_dim``); each RMSNorm (computed in fp32) saves an fp32 copy of its
-input beside its output, and Qwen3's per-head q and k norms their fp32 copies and outputs
-(:func:`rms_norm_bytes`).
+:class:`plait.train.llama.Llama`): without context parallelism k and v are repeated to
+the query heads before attention, which saves them so (``2 q / tp`` in place of ``2 k /
+tp``, ``q`` the query width ``heads x head_dim``; under it they reach
+:mod:`plait.context` grouped, ``LlamaAttention.repeat_kv``); each RMSNorm (computed in
+fp32) saves an fp32 copy of its input beside its output, and Qwen3's per-head q and k
+norms their fp32 copies and outputs (:func:`rms_norm_bytes`).
 """
 
 from __future__ import annotations
@@ -175,10 +176,8 @@ def activation_elems_per_token(
             )
         cp = cp_saved_elems_per_token(model, layout)
         kv = 2 * k
-        if kind == "plait" and _plait_llama(model) and k < q:
+        if kind == "plait" and _plait_llama(model) and k < q and layout.cp == 1:
             kv = 2 * q  # plait's Llama repeats k, v to the query heads before attention
-            if layout.cp > 1 and layout.cp_method != "ring":
-                cp -= (kv - 2 * k) / tp  # their expanded (not local) k, v are counted there
         linear_inputs = 2 * d / norm if megatron else 2 * d  # saved split, or all-gathered
         return 2 * d / norm + linear_inputs + (q + kv) / tp + q / tp + mlp + cp
     if mode == "selective":

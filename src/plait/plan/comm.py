@@ -289,7 +289,8 @@ def cp_traffic(
     * ``alltoall`` (Ulysses): q, k, v exchanged from a sequence split to a head split and
       the output back, each all-to-all sending ``(cp - 1) / cp`` of the rank's tensor: ``(2
       d + 2 k) n e (cp - 1) / cp``; q, k and v go as one stacked exchange when k is as wide
-      as q (no grouped-query attention), else q and the stacked k, v separately. Backward:
+      as q (no grouped-query attention, or key/value heads expanded to the query heads
+      because cp does not divide them), else q and the stacked k, v separately. Backward:
       the same all-to-alls reversed.
     """
     cp = layout.cp
@@ -299,6 +300,8 @@ def cp_traffic(
     n, e, tp = microbatch_tokens(layout, work), compute_bytes(work), layout.tp
     d = model.q_width / tp
     k = d if kv_repeated(software) else model.kv_width / tp
+    if layout.cp_method == "alltoall" and (model.kv_heads // tp) % cp:
+        k = d  # plait's Ulysses expands key/value heads that cp does not divide
     block = 2 * n * k * e  # a rank's stacked keys and values
     accumulators = cp * 2 * n * k * 4  # backward's fp32 key/value gradients, shifted cp times
     if layout.cp_method == "allgather":

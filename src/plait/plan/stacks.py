@@ -96,13 +96,14 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
 
 **Context parallelism** (``cp > 1``; :func:`plait.plan.comm.cp_traffic`,
 :func:`plait.plan.comm_time.cp_exposed`). What a context-parallel attention exchanges is
-the keys and values it is handed: ``plait`` and ``torchtitan`` repeat them to the query
-heads before attention (``kv_repeated``: plait's Llama, ``repeat_interleave``;
-torchtitan's Llama at 9dec370, ``repeat_kv`` before ``F.scaled_dot_product_attention``),
-so under grouped-query attention every exchange moves ``heads / kv_heads`` times
-the keys and values a GQA-aware kernel would (Transformer Engine's, Megatron-Core's;
-Meta's all-gather, which its Llama 3 paper states moves the GQA-sized K and V:
-``Software.kv_repeated=False``). And whose attention runs (``context``): ``"plait"``,
+the keys and values it is handed: ``torchtitan`` repeats them to the query heads before
+attention (``kv_repeated``: its Llama at 9dec370, ``repeat_kv`` before
+``F.scaled_dot_product_attention``), so under grouped-query attention every exchange
+moves ``heads / kv_heads`` times the keys and values a GQA-aware attention does
+(:mod:`plait.context`, which plait's Llama hands grouped heads under context parallelism;
+Transformer Engine's, Megatron-Core's; Meta's all-gather, which its Llama 3 paper states
+moves the GQA-sized K and V). plait's Ulysses (``alltoall``) expands key/value heads that
+do not divide by ``cp`` before its exchange. And whose attention runs (``context``): ``"plait"``,
 :mod:`plait.context`'s methods; ``"torch"`` (torchtitan), torch's ``context_parallel``
 (``torch.distributed.tensor.experimental``), whose all-gather method differs from
 plait's: the all-gather is issued before the first (local) block's attention and waited
@@ -171,9 +172,7 @@ class Stack:
 
 
 STACKS: dict[str, Stack] = {
-    "plait": Stack(
-        "plait", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "plait", kv_repeated=True
-    ),
+    "plait": Stack("plait", "fa2", "eager-fp32", "eager", "eager-fp32", False, 38, "plait"),
     "torchtitan": Stack(
         "torchtitan",
         "fa2",

@@ -11,6 +11,7 @@ causal attention.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -81,15 +82,19 @@ def causal_attention(
     v: torch.Tensor,
     pack: Packing | None,
     dropout_p: float = 0.0,
+    enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Causal SDPA of ``q``, ``k``, ``v`` ``(B, heads, T, d)``, kept inside documents with
     ``pack``: through its mask, or (rows split by context parallelism, whose attention
     builds no mask of the whole row) through ``packed_documents``, opened here so that
     each call, a checkpointed block's recompute or another pipeline microbatch's included,
-    sees its own documents."""
+    sees its own documents. ``enable_gqa``: ``k`` and ``v`` have fewer heads (SDPA's)."""
+    sdpa = functools.partial(
+        F.scaled_dot_product_attention, dropout_p=dropout_p, enable_gqa=enable_gqa
+    )
     if pack is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        return sdpa(q, k, v, is_causal=True)
     if pack.mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=pack.mask, dropout_p=dropout_p)
+        return sdpa(q, k, v, attn_mask=pack.mask)
     with packed_documents(pack.documents):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        return sdpa(q, k, v, is_causal=True)

@@ -126,6 +126,7 @@ from plait.train.compiled import compile_blocks
 from plait.train.config import ExecutionConfig, TrainConfig
 from plait.train.float8 import convert as float8_linears
 from plait.train.llama import Llama, LlamaBlock
+from plait.train.llama.attention import LlamaAttention
 from plait.train.model import GPT, Block
 
 #: A model ``plait train`` builds: the GPT, or a Llama from a ``config.json``.
@@ -402,6 +403,8 @@ def _context_parallel(
     for block in _blocks(module):
         method = cast(Method, execution.layout.cp_method)
         apply_context_parallel(block.attn, mesh[CP], method=method)
+        if isinstance(block.attn, LlamaAttention):  # exchange grouped keys, not repeated ones
+            block.attn.repeat_kv = False
     module.positions = sequence_positions(seq_len, mesh[CP], device=execution.device)
 
 

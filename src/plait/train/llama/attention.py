@@ -20,7 +20,15 @@ __all__ = ["LlamaAttention"]
 class LlamaAttention(nn.Module):
     """Grouped-query causal self-attention with rotary embeddings. The query and key/value
     head counts come from the projections' output widths (this rank's under tensor
-    parallelism); ``positions`` is set by :class:`~plait.train.llama.Llama`."""
+    parallelism); ``positions`` is set by :class:`~plait.train.llama.Llama`.
+
+    ``repeat_kv``: whether the key/value heads are repeated to the query heads before SDPA
+    (the default), or handed to it grouped with ``enable_gqa``. Context parallelism turns
+    it off (:func:`plait.train.parallelize.parallelize`): :mod:`plait.context` takes
+    grouped heads and exchanges them at their own width, ``heads / kv_heads`` times fewer
+    bytes than repeated ones. Elsewhere they stay repeated, as SDPA's memory-efficient
+    kernel (CUDA, fp32) takes no ``enable_gqa`` and such a call would fall back to the
+    math kernel."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -36,6 +44,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.positions: torch.Tensor | None = None
+        self.repeat_kv = True
 
     def forward(self, x: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
         b, t = x.shape[0], x.shape[1]  # x: (B, T, C)
@@ -55,7 +64,7 @@ class LlamaAttention(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         groups = q.shape[1] // k.shape[1]
-        if groups > 1:  # every kv head serves `groups` consecutive query heads
+        if groups > 1 and self.repeat_kv:  # each kv head serves `groups` consecutive q heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = causal_attention(q, k, v, pack)
+        y = causal_attention(q, k, v, pack, enable_gqa=k.shape[1] != q.shape[1])
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
