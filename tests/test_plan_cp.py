@@ -28,6 +28,7 @@ from plait.plan.models import gpt, preset
 from plait.plan.report import cp_per_step
 from plait.plan.spec import Software
 from plait.plan.stacks import STACKS
+from plait.plan.timing import interference
 from plait.plan.train_plan import config_of_layout, plan_of_config, plan_summary
 from plait.train.config import TrainConfig
 from plait.train.llama.attention import LlamaAttention
@@ -315,3 +316,25 @@ def test_torch_allgather_shifts_gradients_and_hides_behind_the_first_block() -> 
         assert bwd == pytest.approx(want)
         plain = cp_exposed(spec, layout, work, H100, attention)  # plait's: exposed whole
         assert plain[0] == pytest.approx(link_seconds(plait_t.forward, "cp", layout, H100, 1))
+
+
+def test_hidden_exchange_slows_the_attention_beside_it() -> None:
+    """What of a ring's (or torch's all-gather's) exchange attention hides still holds
+    NCCL's thread blocks: ``contention`` of it is added, as for data-parallel collectives;
+    an exchange exposed whole adds nothing more."""
+    spec = preset("llama3-8b")
+    work = Workload(seq_len=LONG, global_batch=1)
+    contention = interference(H100)
+    for method, software in (("ring", Software()), ("allgather", Software("torchtitan"))):
+        layout = Layout(cp=4, cp_method=method)
+        t = cp_traffic(spec, layout, work, software)
+        total = link_seconds(t.forward, "cp", layout, H100, t.forward_calls)
+        attention = total / 2  # hides half of a ring's forward exchange
+        bare = cp_exposed(spec, layout, work, H100, attention, software)
+        slowed = cp_exposed(spec, layout, work, H100, attention, software, contention)
+        assert 0 < bare[0] < total
+        assert slowed[0] == pytest.approx(bare[0] + contention * (total - bare[0]))
+    whole = Layout(cp=4, cp_method="allgather")  # plait's: nothing hidden
+    assert cp_exposed(spec, whole, work, H100, 1.0, None, contention) == cp_exposed(
+        spec, whole, work, H100, 1.0
+    )

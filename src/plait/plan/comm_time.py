@@ -46,6 +46,11 @@ causal load balancing makes the ranks' shares equal). Its key/value exchange per
   backward's ``cp`` shifts of the fp32 key/value gradients beside the next block's
   backward, the last one exposed whole.
 
+What of a context-parallel exchange runs hidden slows the attention beside it, as a
+data-parallel collective does the compute beside it (:mod:`plait.plan.timing`,
+"Interference": NCCL's all-gathers, all-to-alls and sends hold their thread blocks while
+they run).
+
 Recomputation (``--ac full`` or ``selective``) repeats the forward's exchange, but for
 torchtitan's selective policy, which saves the reduce-scatters' outputs (its
 ``activation_checkpoint.py``): that recompute repeats tensor parallelism's all-gathers
@@ -67,6 +72,7 @@ from collections.abc import Sequence
 
 from plait.layout import CP, EFSDP, EP, PP, TP
 from plait.plan.comm import (
+    CpTraffic,
     _span,
     all_to_all_bytes,
     cp_traffic,
@@ -194,15 +200,35 @@ def cp_exposed(
     device: DeviceSpec,
     attention: float,
     software: Software | None = None,
+    contention: float = 0.0,
 ) -> tuple[float, float]:
     """Seconds context parallelism's exchange adds to one block's forward and backward for
-    one microbatch (module docstring), as ``software`` (default plait's) runs it;
-    ``attention``: the forward's attention compute, which a ring's shifts run beside (the
-    backward's is twice that)."""
-    software = software or Software()
+    one microbatch (module docstring), as ``software`` (default plait's) runs it:
+    what is exposed, plus ``contention`` (the fraction of compute a collective beside it
+    takes, :func:`plait.plan.timing.interference`) of what runs hidden; ``attention``: the
+    forward's attention compute, which a ring's shifts run beside (the backward's is twice
+    that)."""
     t = cp_traffic(model, layout, work, software)
     fwd = link_seconds(t.forward, CP, layout, device, t.forward_calls)
     bwd = link_seconds(t.backward, CP, layout, device, t.backward_calls)
+    exposed = _cp_exposed(layout, device, attention, software or Software(), t, fwd, bwd)
+    return (
+        exposed[0] + contention * max(0.0, fwd - exposed[0]),
+        exposed[1] + contention * max(0.0, bwd - exposed[1]),
+    )
+
+
+def _cp_exposed(
+    layout: Layout,
+    device: DeviceSpec,
+    attention: float,
+    software: Software,
+    t: CpTraffic,
+    fwd: float,
+    bwd: float,
+) -> tuple[float, float]:
+    """What of the exchange's ``fwd`` and ``bwd`` seconds (:func:`cp_exposed`) nothing
+    hides."""
     if not device.overlap:
         return fwd, bwd
     if layout.cp_method == "ring":

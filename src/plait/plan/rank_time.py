@@ -125,10 +125,12 @@ def _passes(
     params: RankParams,
     ends: int,
     software: Software,
+    contention: float,
 ) -> _Passes:
     """``k``'s compute plus tensor, context and expert parallelism's exposed exchanges
     (:mod:`plait.plan.comm_time`), a checkpoint's recompute repeating the forward's;
-    ``ends``: how many of the embedding and the head the rank holds."""
+    ``ends``: how many of the embedding and the head the rank holds; ``contention``: the
+    fraction of the attention a context-parallel exchange beside it takes."""
     recomputing = layout.ac != "none"
     # torchtitan's selective checkpointing saves the reduce-scatters' outputs
     # (torchtitan/distributed/activation_checkpoint.py, since April 2024): its recompute
@@ -143,7 +145,9 @@ def _passes(
     passes = 0.0 if not recomputing else tp_gathers if keeps_reductions else tp_fwd
     fwd, bwd = k.fwd + tp_fwd, k.bwd + k.recompute + tp_bwd + passes
     if layout.cp > 1:  # attention's exchange
-        cp_fwd, cp_bwd = cp_exposed(model, layout, work, device, k.attention_fwd, software)
+        cp_fwd, cp_bwd = cp_exposed(
+            model, layout, work, device, k.attention_fwd, software, contention
+        )
         fwd += cp_fwd
         bwd += cp_bwd + (cp_fwd if recomputing else 0.0)
     if params.moe_blocks:  # exposed exchanges of the MoE blocks, spread over the rank's blocks
@@ -330,7 +334,7 @@ def rank_times(
     k, m = kernels, layout.microbatches
     p = padded_params(model, layout, load)  # fully_shard's padded buffers and shards
     ends = int(load.embedding) + int(load.head)
-    passes = _passes(model, layout, work, device, k, p, ends, software)
+    passes = _passes(model, layout, work, device, k, p, ends, software, contention)
     fwd, bwd, head_f, head_b = passes.fwd, passes.bwd, passes.head_fwd, passes.head_bwd
     compute = m * (load.layers * (k.fwd + k.bwd + k.recompute) + k.head_fwd + k.head_bwd)
     dp = _data_parallel(layout, device, work, software)

@@ -15,8 +15,9 @@ parameter gather, a pipeline stage's gathers and reductions) holds
 :data:`COLLECTIVE_CTAS` thread blocks, one per NCCL channel, for as long as it runs; the
 compute beside it runs on the other SMs. Each step adds ``COLLECTIVE_CTAS / SMs`` of the
 time its collectives ran hidden (their total minus what is exposed); a pipeline, of its
-busiest rank's. Not applied to tensor parallelism's overlapped collectives (userbuffers
-and async TP budget their own SMs) nor on measured devices.
+busiest rank's; context parallelism's exchanges, of what of them attention hides
+(:func:`plait.plan.comm_time.cp_exposed`). Not applied to tensor parallelism's overlapped
+collectives (userbuffers and async TP budget their own SMs) nor on measured devices.
 
 Not modelled: ``torch.compile``'s fusions, communication slowing compute down beyond the
 SMs its kernels hold, collective latency growing with group size, data loading, host overheads
