@@ -74,6 +74,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], dict[str, Any], str]] = {
     "pp_1f1b": (2, {}, {"pp": 2}, "aot_eager"),
     "pp_zero_bubble": (2, {}, {"pp": 2, "schedule": "ZBVZeroBubble"}, "aot_eager"),
     "cp_ring": (2, {}, {"cp": 2, "cp_method": "ring"}, "aot_eager"),
+    "llama_cp_allgather": (2, {"model_config": "tiny-llama"}, {"cp": 2}, "aot_eager"),
     "cp_dp_shard": (4, {}, {"cp": 2, "dp_shard": 2}, "aot_eager"),
     "moe_ep2_fully_shard": (2, MOE, {"ep": 2, "dp_shard": 2}, "aot_eager"),
     "moe_ep2_tp2": (4, MOE, {"ep": 2, "dp_shard": 2, "tp": 2}, "aot_eager"),
