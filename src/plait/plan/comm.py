@@ -113,7 +113,6 @@ __all__ = [
     "all_to_all_bytes",
     "all_to_all_passes",
     "communication",
-    "cp_per_step",
     "cp_traffic",
     "ep_span",
     "fsdp_dim",
@@ -257,13 +256,16 @@ def tp_forward_bytes(model: ModelSpec, layout: Layout, work: Workload, fp8_gathe
 @dataclass(frozen=True)
 class CpTraffic:
     """What one rank sends in one block's context-parallel attention for one microbatch:
-    bytes and calls of the forward and of the backward, and the collective's name."""
+    bytes and calls of the forward and of the backward, and the collective's name;
+    ``shift``: the bytes of each of the backward's gradient shifts that run beside a
+    block's attention after its gather (torch's all-gather method; 0 for the others)."""
 
     op: str
     forward: float
     forward_calls: int
     backward: float
     backward_calls: int
+    shift: float = 0.0
 
 
 def cp_traffic(
@@ -303,14 +305,15 @@ def cp_traffic(
     if layout.cp_method == "alltoall" and (model.kv_heads // tp) % cp:
         k = d  # plait's Ulysses expands key/value heads that cp does not divide
     block = 2 * n * k * e  # a rank's stacked keys and values
-    accumulators = cp * 2 * n * k * 4  # backward's fp32 key/value gradients, shifted cp times
+    shift = 2 * n * k * 4  # backward's fp32 key/value gradients, shifted cp times
     if layout.cp_method == "allgather":
         sent = (cp - 1) * block
         if stack(software.kernels).context == "torch":
-            return CpTraffic("all_gather+send_recv", sent, 1, sent + accumulators, 1 + cp)
+            back = sent + cp * shift
+            return CpTraffic("all_gather+send_recv", sent, 1, back, 1 + cp, shift)
         return CpTraffic("all_gather+reduce_scatter", sent, 1, sent, 1)
     if layout.cp_method == "ring":
-        back = (cp - 1) * block + accumulators  # blocks, then the fp32 accumulators
+        back = (cp - 1) * block + cp * shift  # blocks, then the fp32 accumulators
         return CpTraffic("send_recv", (cp - 1) * block, cp - 1, back, 2 * cp - 1)
     if layout.cp_method == "alltoall":
         sent = (2 * d + 2 * k) * n * e * (cp - 1) / cp
@@ -319,13 +322,10 @@ def cp_traffic(
     raise ValueError(f"--cp-method {layout.cp_method}: not one of allgather, ring, alltoall")
 
 
-def cp_per_step(
-    model: ModelSpec, layout: Layout, work: Workload, layers: int, software: Software | None = None
-) -> tuple[float, int]:
-    """Bytes and calls one rank sends in context parallelism's attention over a step, for
-    ``layers`` blocks: per block and microbatch the forward, the backward, and the forward
-    again when checkpointing recomputes attention."""
-    t = cp_traffic(model, layout, work, software)
+def _cp_per_step(t: CpTraffic, layout: Layout, layers: int) -> tuple[float, int]:
+    """Bytes and calls one rank sends in context parallelism's attention (``t`` per block
+    and microbatch) over a step, for ``layers`` blocks: per block and microbatch the
+    forward, the backward, and the forward again when checkpointing recomputes attention."""
     forwards = 2 if layout.ac != "none" else 1
     per_block = forwards * t.forward + t.backward
     calls = forwards * t.forward_calls + t.backward_calls
@@ -413,8 +413,8 @@ def communication(
         stages = layout.stages_per_rank
         add(PP, "send_recv", 2 * m * stages * hop, 2 * m * stages)
     if layout.cp > 1:
-        cp_bytes, cp_calls = cp_per_step(model, layout, work, load.layers, software)
-        add(CP, cp_traffic(model, layout, work, software).op, cp_bytes, cp_calls)
+        t = cp_traffic(model, layout, work, software)
+        add(CP, t.op, *_cp_per_step(t, layout, load.layers))
     if p.moe_blocks:
         _add_moe(add, model, layout, work, p)
     return out

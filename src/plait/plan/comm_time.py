@@ -89,7 +89,6 @@ from plait.plan.shards import (
     routed_tp,
 )
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Software, Workload
-from plait.plan.stacks import stack
 
 __all__ = [
     "cp_exposed",
@@ -211,7 +210,7 @@ def cp_exposed(
     t = cp_traffic(model, layout, work, software)
     fwd = link_seconds(t.forward, CP, layout, device, t.forward_calls)
     bwd = link_seconds(t.backward, CP, layout, device, t.backward_calls)
-    exposed = _cp_exposed(layout, device, attention, software or Software(), t, fwd, bwd)
+    exposed = _cp_exposed(layout, device, attention, t, fwd, bwd)
     return (
         exposed[0] + contention * max(0.0, fwd - exposed[0]),
         exposed[1] + contention * max(0.0, bwd - exposed[1]),
@@ -222,7 +221,6 @@ def _cp_exposed(
     layout: Layout,
     device: DeviceSpec,
     attention: float,
-    software: Software,
     t: CpTraffic,
     fwd: float,
     bwd: float,
@@ -233,12 +231,12 @@ def _cp_exposed(
         return fwd, bwd
     if layout.cp_method == "ring":
         return max(0.0, fwd - attention), max(0.0, bwd - 2 * attention)
-    if layout.cp_method == "allgather" and stack(software.kernels).context == "torch":
-        # torch's: each gather beside the first block's attention (1 / cp of the pass's,
-        # every block an equal share under the causal load balancing), each of the cp
+    if t.shift:  # torch's all-gather method
+        # each gather beside the first block's attention (1 / cp of the pass's, every
+        # block an equal share under the causal load balancing), each of the cp
         # accumulator shifts beside the next block's backward, the last one waited on whole
         gather = link_seconds(t.forward, CP, layout, device, 1)
-        shift = link_seconds((t.backward - t.forward) / layout.cp, CP, layout, device, 1)
+        shift = link_seconds(t.shift, CP, layout, device, 1)
         step_fwd, step_bwd = attention / layout.cp, 2 * attention / layout.cp
         bwd = max(0.0, gather - step_bwd) + (layout.cp - 1) * max(0.0, shift - step_bwd) + shift
         return max(0.0, gather - step_fwd), bwd
