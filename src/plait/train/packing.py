@@ -11,7 +11,7 @@ causal attention.
 
 from __future__ import annotations
 
-import functools
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -89,12 +89,12 @@ def causal_attention(
     builds no mask of the whole row) through ``packed_documents``, opened here so that
     each call, a checkpointed block's recompute or another pipeline microbatch's included,
     sees its own documents. ``enable_gqa``: ``k`` and ``v`` have fewer heads (SDPA's)."""
-    sdpa = functools.partial(
-        F.scaled_dot_product_attention, dropout_p=dropout_p, enable_gqa=enable_gqa
-    )
-    if pack is None:
-        return sdpa(q, k, v, is_causal=True)
-    if pack.mask is not None:
-        return sdpa(q, k, v, attn_mask=pack.mask)
-    with packed_documents(pack.documents):
-        return sdpa(q, k, v, is_causal=True)
+    if pack is not None and pack.mask is not None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=pack.mask, dropout_p=dropout_p, enable_gqa=enable_gqa
+        )
+    documents = packed_documents(pack.documents) if pack is not None else nullcontext()
+    with documents:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa
+        )
