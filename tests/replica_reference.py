@@ -167,6 +167,12 @@ def main() -> None:
 Records = dict[int, tuple[float, int]]  # step -> (loss, groups in the step)
 
 
+def _log(out: Path, group: int, life: int, rank: int) -> Path:
+    """Where the process of ``rank`` in ``group``'s ``life`` writes its stderr: a failing
+    rank's own traceback, quoted when it fails, not lost among its peers' expected ones."""
+    return out / f"g{group}-l{life}-r{rank}.log"
+
+
 def run_groups(
     config: Path, out: Path, kills: Sequence[tuple[int, int]], deadline: float
 ) -> dict[tuple[int, int], Records]:
@@ -189,9 +195,12 @@ def run_groups(
             env.update(RUST_LOG="warn", OMP_NUM_THREADS="1")
             command = [sys.executable, __file__, str(config), str(out / f"g{group}-l{life}.json")]
             command += ["--group", str(group), "--life", str(life), "--deadline", str(deadline)]
-            procs[group, life].append(
-                subprocess.Popen([*command, *flags], env=env, start_new_session=True)
-            )
+            with _log(out, group, life, rank).open("wb") as log:  # the child keeps its copy
+                procs[group, life].append(
+                    subprocess.Popen(
+                        [*command, *flags], env=env, stderr=log, start_new_session=True
+                    )
+                )
 
     holds = [step + 2 for _, step in kills]
 
@@ -213,10 +222,14 @@ def run_groups(
             _kill(procs[1, life])  # its other rank waits in the group's collectives
             start(1, life + 1, *dying(life + 1))
         for key in [(0, 0), (1, len(kills))]:
-            for proc in procs[key]:
+            for rank, proc in enumerate(procs[key]):
                 code = proc.wait(timeout=max(ends - time.monotonic(), 1))
                 if code:
-                    raise RuntimeError(f"the reference's group {key[0]} (life {key[1]}) failed")
+                    tail = _log(out, *key, rank).read_text(errors="replace")[-6000:]
+                    raise RuntimeError(
+                        f"the reference's group {key[0]} (life {key[1]}) failed: its rank "
+                        f"{rank} exited with {code}; the end of its stderr:\n{tail}"
+                    )
     finally:
         _kill([p for ps in procs.values() for p in ps] + [lighthouse])
     found = {}

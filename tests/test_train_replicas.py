@@ -39,7 +39,7 @@ from plait.train.resolve import resolve
 FLAGS = "--device cpu --seq-len 32 --n-layer 2 --n-head 2 --d-model 32 --batch-size 8 "
 FLAGS += "--steps 6 --warmup 1 --eval-every 0 --eval-batches 1 --ckpt-every 0 --grad-clip 0 "
 FLAGS += "--min-lr-ratio 1 "  # a constant rate after warm-up: a longer resumed run has the same
-FLAGS += "--fault-timeout 20 --replica-groups 2 --dp-shard 2 --max-restarts 1"
+FLAGS += "--fault-timeout 60 --replica-groups 2 --dp-shard 2 --max-restarts 1"
 MODEL = TrainConfig(seq_len=32, n_layer=2, n_head=2, d_model=32, vocab_size=256)
 DEADLINE = 240  # seconds a whole run may take (a few, on a loaded machine)
 KILL_STEP, REJOIN_STEP = 3, 5
