@@ -35,10 +35,12 @@ planner predicts each model's rate flat from 128 to 512 GPUs where the table los
 every row counted (decided before the first evaluation): 1.05 at 32k without context
 parallelism, 1.22, 1.19 and 1.35 with CP 2, 4 and 8 (64k-256k), over-predicted; its
 stated peak memories are 1.22-1.26x the planner's (a maximum over ranks, as reserved).
-Those CP rows then informed two changes, each read from the runs' code: the exchange moves
-the keys and values torchtitan's Llama repeats to the query heads, as torch's all-gather
-method runs it (1.19, 1.17, 1.27), and what of it attention hides slows attention as the
-planner's interference rule has it for data-parallel collectives (1.17, 1.14, 1.23).
+Those CP rows then informed three changes, each read from the runs' code: the exchange
+moves the keys and values torchtitan's Llama repeats to the query heads, as torch's
+all-gather method runs it (1.19, 1.17, 1.27); what of it attention hides slows attention as
+the planner's interference rule has it for data-parallel collectives (1.17, 1.14, 1.23);
+and the blocks' fp32 merges and gradient accumulations beside the attention kernels, fused
+by the runs' compiled blocks (1.16, 1.12, 1.21).
 
 Sources:
 

@@ -3,11 +3,13 @@ of the cost model (:mod:`plait.plan.timing`), and its fitted constants.
 
 **Compute** (:mod:`plait.plan.roofline`): each kernel of a block (q, k, v, o and MLP
 GEMMs at their tp split and the microbatch's tokens; flash attention, causal, at its share
-of the sequence; the eager memory-bound norms, residuals, rotary embeddings and
-activations at the HBM bandwidth) and of the head and its loss, priced by the roofline
-with a fraction of the peak that depends on the GEMM's shape; backward twice the GEMMs
-and the memory-bound passes, flash attention's backward its own. Every kernel time is
-divided by ``EFFICIENCY``, the sustained fraction. Checkpointing adds its recomputation:
+of the sequence, and under context parallelism the fp32 merges and gradient accumulations of
+its blocks (:func:`plait.plan.stacks.cp_pass_bytes`); the eager memory-bound norms,
+residuals, rotary embeddings and activations at the HBM bandwidth) and of the head and its
+loss, priced by the roofline with a fraction of the peak that depends on the GEMM's shape;
+backward twice the GEMMs and the memory-bound passes, flash attention's backward its own.
+Every kernel time is divided by ``EFFICIENCY``, the sustained fraction. Checkpointing adds
+its recomputation:
 ``selective`` recomputes attention and the memory-bound work (plait keeps only matmul
 outputs), ``full`` the whole block forward, less what runs after the block's last saved
 tensor where the checkpoint stops early (``Software.ac_early_stop``: the MLP's output
@@ -56,7 +58,7 @@ from plait.plan.roofline import block_kernels, elementwise_seconds, head_kernels
 from plait.plan.schedule import RankLoad
 from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params, routed_tp
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Software, Workload
-from plait.plan.stacks import compiled, float8, stack
+from plait.plan.stacks import compiled, cp_pass_bytes, float8, kv_repeated, stack
 
 __all__ = [
     "DEVICE_SCALE",
@@ -183,6 +185,8 @@ def kernel_times(
     if p.moe_blocks:
         kinds.append((p.moe_blocks, True))
     early = kernels.early_stop if software.ac_early_stop is None else software.ac_early_stop
+    kv_share = 1.0 if kv_repeated(software) else model.kv_width / model.q_width
+    merges = cp_pass_bytes(kernels, layout.cp_method, layout.cp, kv_share, software.compiled)
     fwd = bwd = attn = redo = full = 0.0
     fused = [0.0] * 4
     launches = 0.0
@@ -203,6 +207,7 @@ def kernel_times(
             routed_tp(layout),
             fp8,
             software.tp_overlap == "micro-pipeline" and sp,
+            merges,
         )
         share = count / p.blocks
         fwd += share * k.forward

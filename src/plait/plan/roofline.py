@@ -285,6 +285,7 @@ def block_kernels(
     split: int = 1,
     fp8: Float8 | None = None,
     pipelined: bool = False,
+    cp_bytes: tuple[float, float] = (0.0, 0.0),
 ) -> BlockKernels:
     """Forward kernels of one block (dense, or a MoE block with ``moe``) for ``tokens``
     tokens of one rank (the microbatch, after context parallelism), its matrices split
@@ -292,7 +293,9 @@ def block_kernels(
     and residuals on ``tokens / tp``; ``split``: the tp ranks a MoE block's routed rows are
     cut among, each running its chunk through whole experts; ``fp8``: the block's linears
     as Float8Linears; ``pipelined``: torch's async TP runs its fused GEMMs one row chunk
-    at a time, module docstring)."""
+    at a time, module docstring; ``cp_bytes``: a context-parallel attention's memory-bound
+    passes, forward and backward, per element of its output:
+    :func:`plait.plan.stacks.cp_pass_bytes`)."""
     d, f = model.d_model, model.ffn_hidden
     q, kv = model.q_width, model.kv_width
     n = tokens
@@ -406,6 +409,9 @@ def block_kernels(
         attention = n * 4.0 * seq_len * q / tp / 2  # a causal kernel computes half
         attn_fwd = attention / (fwd_fraction * peak)
         attn_bwd = 2.5 * attention / (bwd_fraction * peak)
+    outputs = n * q / tp  # merged and accumulated beside the kernels under cp
+    attn_fwd += elementwise_seconds(outputs * cp_bytes[0], prof)
+    attn_bwd += elementwise_seconds(outputs * cp_bytes[1], prof)
     split = tp if sp and tp > 1 else 1  # norms and residuals over the sequence shard
     norm = (3 * element + 24) if kernels.norm == "eager-fp32" else 2 * element
     residual = 3 * element + (1 if kernels.dropout else 0)

@@ -113,6 +113,44 @@ block's backward and waited on after the next (``_templated_ring_attention_backw
 its ``dkv_rotater`` always shifts). torch's ring method shifts as plait's ring does.
 Ulysses (``cp_method="alltoall"``) has no torch counterpart and is priced as plait's.
 
+**Block-wise attention's memory-bound passes** (:func:`cp_pass_bytes`, per element of the
+rank's attention output ``n q / tp``, beside the attention kernels; ``r``: key/value
+elements per query element as attention receives them, 1 when repeated). The all-gather
+and ring methods attend the local queries block by block and merge the partial outputs
+in fp32 by their log-sum-exp; backward accumulates the blocks' gradients in fp32. As each
+code runs them (the busiest rank, every block whole; small per-row log-sum-exp tensors
+left out):
+
+* torch's ``context_parallel`` (``_SDPAMerger``, ``_templated_ring_attention`` and its
+  backward), eager: the first block's output cast to fp32 and the result cast back (6
+  bytes each); per later block (``cp - 1``) the cast (6), ``out - block_out`` (12), the
+  sigmoid weight's product (8), the subtraction (12): 38; the ``cat`` of the current keys
+  and values into the next send buffer (``8 r``), made on every step. Backward: fp32
+  zeros and final casts of ``dq``, ``dk``, ``dv`` (``10 + 20 r``); per block ``dq +=``
+  (10), ``dk +=``, ``dv +=`` (``20 r``), their ``cat`` into the shift's buffer (``16 r``),
+  and the keys' ``cat`` again. Under ``torch.compile`` (torchtitan compiles each block
+  with ``fullgraph=True``, the attention inside the graph) each merge is one fused pass
+  (read ``out`` and the block's, write ``out``: 10), the casts fold into the first and
+  last, the all-gather method's unused per-step ``cat`` is dropped, and each step's
+  ``dk``, ``dv`` additions write the shift's buffer directly (``20 r``).
+* Transformer Engine (``megatron-core``, :attr:`Stack.cp_merges` ``"fused"``): its
+  corrections are fused kernels, priced as torch's compiled ones.
+* :mod:`plait.context` (eager, also under ``plait train --compile``: its autograd
+  functions run outside the graph): each merge (:func:`plait.context.blocks.merge`) casts
+  the block (6), weighs both sides (8 + 8), adds (12) and writes the rows back into the
+  accumulator (8): 42 per merged element. The ring merges ``cp + 1/2`` outputs' worth
+  (its own keys' three blocks, then one output's worth per step), from fp32 zeros (4) to
+  the cast back (6), beside ``torch.stack`` of k, v (``8 r``); backward ``dq +=`` over
+  the same (10 each), ``dk``, ``dv +=`` per step (``20 r``), zeros and casts. The
+  all-gather merges two blocks per local chunk (the prefix and the causal diagonal), and
+  copies the gathered keys and values into natural order (``8 r cp``); its backward
+  accumulates into fp32 gradients of the whole sequence's keys and values at the query
+  heads (zeros, additions over ``cp + 1/2`` outputs' worth, casts: ``40 cp``) before the
+  reduce-scatter. Under grouped-query attention (``r < 1``) both expand the keys and values
+  to the query heads (``4 + 4 r`` per step, the ring; once over the gathered sequence,
+  the all-gather) and the ring folds their gradients back each step (as much again).
+* Ulysses (``alltoall``) runs one attention over the whole sequence: none.
+
 **The loss** over the logits (:data:`LOSS_BYTES`, per vocabulary element of the rank and
 token, forward and backward together, split 1 : 2): ``plait`` / ``torchtitan`` torch's
 eager loss, ``2 e + 28``; ``megatron-core`` and ``megatron-2021`` Megatron's
@@ -144,6 +182,7 @@ __all__ = [
     "Stack",
     "cast_cost",
     "compiled",
+    "cp_pass_bytes",
     "float8",
     "kv_repeated",
     "stack",
@@ -169,6 +208,7 @@ class Stack:
     scale_of: str = ""  # the stack whose fitted scale it shares (it runs that one's kernels)
     kv_repeated: bool = False  # k, v repeated to the query heads before attention
     context: str = "plait"  # whose context-parallel attention: "plait" or "torch"
+    cp_merges: str = "eager"  # its block merges: "eager" (compile may fuse) or "fused"
 
 
 STACKS: dict[str, Stack] = {
@@ -196,6 +236,7 @@ STACKS: dict[str, Stack] = {
         "plait",
         "megatron-fp32",
         early_stop=False,
+        cp_merges="fused",
     ),
     "megatron-2021": Stack(
         "megatron-2021",
@@ -328,3 +369,31 @@ def kv_repeated(software: Software) -> bool:
     if software.kv_repeated is not None:
         return software.kv_repeated
     return stack(software.kernels).kv_repeated
+
+
+def cp_pass_bytes(
+    kernels: Stack, method: str, cp: int, kv_share: float, compiled: bool
+) -> tuple[float, float]:
+    """HBM bytes per element of the rank's attention output that a context-parallel
+    attention of ``kernels``' stack moves beside its kernels, ``(forward, backward)`` of one
+    block and microbatch (module docstring, "Block-wise attention's memory-bound passes");
+    ``kv_share``: key/value elements per query element as attention receives them;
+    ``compiled``: the blocks under ``torch.compile``. (0, 0) without context parallelism
+    and for Ulysses."""
+    if cp == 1 or method == "alltoall":
+        return 0.0, 0.0
+    r, later = kv_share, cp - 1
+    torch_cp = kernels.context == "torch"
+    if kernels.cp_merges == "fused" or (torch_cp and compiled):
+        cats = 8 * r * later if torch_cp and method == "ring" else 0.0
+        return 10 * later + cats, cp * (10 + 20 * r) + cats
+    if torch_cp:
+        cats = 8 * r * later
+        return 12 + 38 * later + cats, 10 + 20 * r + cp * (10 + 36 * r) + cats
+    grouped = 4 + 4 * r if r < 1 else 0.0  # expanding to the query heads (folding: as much)
+    if method == "ring":
+        merged = cp + 0.5
+        forward = 10 + 8 * r + 42 * merged + cp * grouped
+        return forward, 10 + 28 * r + 10 * merged + cp * (20 * r + 2 * grouped)
+    forward = 10 + 2 * 42 + 8 * r * (cp + 1) + cp * grouped
+    return forward, 40 + 40 * cp + 8 * r * cp + cp * grouped
