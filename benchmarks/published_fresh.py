@@ -40,7 +40,13 @@ moves the keys and values torchtitan's Llama repeats to the query heads, as torc
 all-gather method runs it (1.19, 1.17, 1.27); what of it attention hides slows attention as
 the planner's interference rule has it for data-parallel collectives (1.17, 1.14, 1.23);
 and the blocks' fp32 merges and gradient accumulations beside the attention kernels, fused
-by the runs' compiled blocks (1.16, 1.12, 1.21).
+by the runs' compiled blocks (1.16, 1.12, 1.21). The same page's table 2 rows with context
+parallelism (8B on 8 GPUs, CP 2, 4 and 8 at 64k to 256k tokens; its CP 1 row is in the
+fitting set, 0.99) were added after those changes, every row counted (decided before the
+first evaluation): 0.92, 1.23 and 1.28 as they came. Their published rates fall faster than
+the attention's FLOPs grow: a token's time at 128k and 256k is 1.4x and 1.5x what a straight
+line through the 32k and 64k rows gives (attention's work per token is linear in the
+sequence), which neither the exchange nor the merges, priced, explain.
 
 Sources:
 
@@ -59,7 +65,8 @@ Sources:
   GPUs, sequence 2,048; FSDP FULL_SHARD, SHARD_GRAD_OP for 1B and 3B), which its README
   added after the tables of :mod:`benchmarks.published_holdout`;
 * torchtitan's table 6 of December 2024 (Llama 3.1 405B on 512 Grand Teton H100s, FSDP x
-  CP x TP 8 x PP 8, 1F1B, compiled, Float8, async TP, 32k to 256k tokens).
+  CP x TP 8 x PP 8, 1F1B, compiled, Float8, async TP, 32k to 256k tokens) and the CP rows
+  of its table 2 (Llama 3.1 8B on 8 of them, FSDP x CP, compiled, Float8, 64k to 256k).
 
 Rows the planner cannot model (expert parallelism beside Megatron's distributed optimizer,
 1F1B communication overlap) are listed with the reason in ``excluded`` and not counted.
@@ -104,6 +111,7 @@ __all__ = [
     "MTNLG_RUNS",
     "TITAN_4D_RUNS",
     "TITAN_ASYNC_TP_RUNS",
+    "TITAN_CP_8B_RUNS",
     "fresh_table",
     "main",
 ]
@@ -814,6 +822,46 @@ TITAN_4D_RUNS = (
 2026-11-29 after every change of that day and evaluated once as they came, every row
 counted (decided before their predictions were seen)."""
 
+_TITAN_CP_8B = (
+    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md at 820504e2 (results of "
+    "December 2024: torch 1963fc8, torchao eab345c, torchtitan 9dec370), table 2 ('FSDP + CP "
+    "+ torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local batch size 1. Full "
+    "activation checkpointing.')"
+)
+_TITAN_CP_8B_NOTES = (
+    _TITAN_4D_NOTES[0],
+    "local batch 1 per data-parallel (FSDP) rank, its CP ranks sharing it",
+    _TITAN_4D_NOTES[2],
+    "torch.compile of the blocks, Float8 tensorwise with Float8 all-gathers: as the "
+    "table's CP 1 row (benchmarks/published_runs.py, T2), in the fitting set",
+)
+
+
+def _titan_cp_8b(fsdp: int, cp: int, seq: int, tokens: float) -> PublishedRun:
+    """One row of torchtitan's table 2 with context parallelism: Llama 3.1 8B on 8 H100s,
+    ``fsdp`` x ``cp`` = 8."""
+    layout = Layout(dp_shard=fsdp, cp=cp, cp_method="allgather", ac="full")
+    return grand_teton_run(
+        f"torchtitan H100 Llama 3.1 8B, 8 GPUs, FSDP {fsdp} x CP {cp}, seq {seq:,}",
+        _TITAN_CP_8B,
+        "8B",
+        layout,
+        Workload(seq, fsdp),
+        tokens,
+        titan_software(1, compiled=True, float8=True, async_tp=False),
+        _TITAN_CP_8B_NOTES,
+    )
+
+
+TITAN_CP_8B_RUNS = (
+    _titan_cp_8b(4, 2, 65536, 2540),
+    _titan_cp_8b(2, 4, 131072, 1071),
+    _titan_cp_8b(1, 8, 262144, 548),
+)
+"""torchtitan's table 2 with context parallelism (8B on 8 GPUs, CP 2 to 8 at 64k to 256k
+tokens; its CP 1 row is in the fitting set): added on 2026-11-29 after every change of that
+day, every row counted (decided before their predictions were seen)."""
+
 # --- llm-foundry, its large-scale H100 table (January 2024) -------------------------------
 
 _SCALE_SRC = (
@@ -876,6 +924,7 @@ FRESH: tuple[PublishedRun, ...] = (
     *TITAN_ASYNC_TP_RUNS,
     *FOUNDRY_SCALE_RUNS,
     *TITAN_4D_RUNS,
+    *TITAN_CP_8B_RUNS,
 )
 """Every fresh held-out run: ``"validation"`` but the one calibration row (module
 docstring), none fitted to."""
