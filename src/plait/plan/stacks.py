@@ -144,11 +144,13 @@ left out):
   the same (10 each), ``dk``, ``dv +=`` per step (``20 r``), zeros and casts. The
   all-gather merges two blocks per local chunk (the prefix and the causal diagonal), and
   copies the gathered keys and values into natural order (``8 r cp``); its backward
-  accumulates into fp32 gradients of the whole sequence's keys and values at the query
-  heads (zeros, additions over ``cp + 1/2`` outputs' worth, casts: ``40 cp``) before the
-  reduce-scatter. Under grouped-query attention (``r < 1``) both expand the keys and values
-  to the query heads (``4 + 4 r`` per step, the ring; once over the gathered sequence,
-  the all-gather) and the ring folds their gradients back each step (as much again).
+  accumulates ``dq`` (zeros, two blocks' additions, the cast: 30) and, into fp32 gradients
+  of the whole sequence's keys and values at the query heads, ``dk`` and ``dv`` (zeros,
+  additions over ``cp + 1/2`` outputs' worth, casts: ``40 cp + 10``), and copies them back
+  out of natural order (``8 r cp``) before the reduce-scatter. Under grouped-query
+  attention (``r < 1``) both expand the keys and values to the query heads (``4 + 4 r``
+  per step, the ring; once over the gathered sequence, the all-gather) and fold their
+  gradients back (as much again; the ring each step).
 * Ulysses (``alltoall``) runs one attention over the whole sequence: none.
 
 **The loss** over the logits (:data:`LOSS_BYTES`, per vocabulary element of the rank and
