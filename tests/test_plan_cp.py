@@ -30,12 +30,14 @@ from plait.plan.models import gpt, preset
 from plait.plan.report import cp_per_step
 from plait.plan.roofline import elementwise_seconds, profile
 from plait.plan.spec import Software
-from plait.plan.stacks import STACKS, cp_pass_bytes
+from plait.plan.stacks import STACKS, compiled, cp_pass_bytes
 from plait.plan.timing import interference
 from plait.plan.train_plan import config_of_layout, plan_of_config, plan_summary
+from plait.train.compiled import compiled_parts
 from plait.train.config import TrainConfig
 from plait.train.llama.attention import LlamaAttention
 from plait.train.llama.config import LlamaConfig
+from plait.train.model import Block, GPTConfig
 from plait.train.resolve import resolve
 
 from harness import run_on_ranks
@@ -409,3 +411,25 @@ def test_block_merges_add_their_bandwidth_time(
     scale = EFFICIENCY * stack_scale("plait") * device_scale(H100)
     per_block = elementwise_seconds(outputs * (fwd + bwd), profile(H100)) / scale
     assert priced - unpriced == pytest.approx(spec.layers * per_block, rel=0.02)
+
+
+def test_plait_compile_runs_context_parallel_attention_eagerly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``plait train --compile`` under cp compiles a block's norms and MLP, not its attention
+    (``plait.train.compiled``); the planner prices that: rope as eager, no residual fused,
+    23 launches, so a step between the eager one and a whole-block compile's."""
+    block = Block(GPTConfig(vocab_size=32, seq_len=16, n_layer=1, n_head=2, d_model=16))
+    assert block.attn not in compiled_parts(block, context_parallel=True)
+    assert compiled_parts(block, context_parallel=False) == [block]
+    part = compiled(STACKS["plait"], attention=False)
+    assert (part.norm, part.activation, part.rope) == ("fused", "fused", "eager-fp32")
+    assert (part.fused_residuals, part.kernels) == (0, 23)
+
+    spec, work = preset("llama3-8b"), Workload(seq_len=LONG, global_batch=1)
+    layout = Layout(cp=2, cp_method="ring", ac="none")
+    eager = evaluate(spec, layout, work, H100).timing.step_time
+    partial = evaluate(spec, layout, work, H100, software=Software(compiled=True))
+    monkeypatch.setattr(compute_time, "compiled", lambda kernels, attention=True: compiled(kernels))
+    whole = evaluate(spec, layout, work, H100, software=Software(compiled=True))
+    assert whole.timing.step_time < partial.timing.step_time < eager

@@ -175,8 +175,8 @@ def kernel_times(
         )
     e = compute_bytes(work)
     kernels = stack(software.kernels)
-    if software.compiled:
-        kernels = compiled(kernels)
+    if software.compiled:  # plait's --compile runs a context-parallel attention eagerly
+        kernels = compiled(kernels, attention=layout.cp == 1 or kernels.name != "plait")
     fp8 = float8(device, software, prof.gemm, prof.k_half)
     sp = layout.sequence_parallel and tp > 1
     kinds = []

@@ -55,7 +55,13 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   fused norms, rope, the activation, the last residual addition: 13 (a stack already
   launching fewer keeps its count). The head is not compiled; the loss is where
   ``Software.compiled_loss`` says (torchtitan's since 2025-04; ``plait train --compile``
-  compiles the blocks only), then priced as ``"fused"`` below.
+  compiles the blocks only), then priced as ``"fused"`` below. ``plait train --compile``
+  under context parallelism compiles a block's norms and its feed-forward network as graphs
+  of their own and runs attention eagerly (:mod:`plait.train.compiled`: its SDPA becomes
+  collectives): the norms and the activation fuse, rope stays as the stack runs it, no
+  residual addition fuses (the block's own forward is no graph), and the forward launches
+  the stack's kernels less those the fusions save (an ``eager-fp32`` norm's 8 become 1,
+  the eager activation's 2 become 1: 23 for ``plait``).
 * ``float8`` (torchao ``Float8Linear`` as torchtitan converts the model, ``"tensorwise"``
   or ``"rowwise"``): every linear of a block (q, k, v, o, the MLP's, a MoE's shared
   experts; not the head, not a MoE's router nor its routed experts, a grouped GEMM)
@@ -290,11 +296,19 @@ COMPILED_KERNELS = 13
 Float8")."""
 
 
-def compiled(kernels: Stack) -> Stack:
+def compiled(kernels: Stack, attention: bool = True) -> Stack:
     """``kernels`` under ``torch.compile`` of each block (module docstring): norms,
     activation and rope fused, the first residual addition fused into the norm after it,
     :data:`COMPILED_KERNELS` launches; attention, GEMMs, the loss and the checkpointing
-    policy unchanged."""
+    policy unchanged. ``attention=False``: the attention runs eagerly outside the graphs
+    (``plait train --compile`` under context parallelism): the norms and the activation
+    fused only."""
+    if not attention:
+        saved = 2 * 7 if kernels.norm == "eager-fp32" else 0  # two norms, 8 kernels to 1
+        saved += 1 if kernels.activation == "eager" else 0  # silu, product: one kernel
+        return dataclasses.replace(
+            kernels, norm="fused", activation="fused", kernels=kernels.kernels - saved
+        )
     return dataclasses.replace(
         kernels,
         norm="fused",
