@@ -103,7 +103,7 @@ from plait.plan.spec import (
     zero_ranks,
     zero_stage,
 )
-from plait.plan.stacks import kv_repeated, stack
+from plait.plan.stacks import kv_share, stack
 
 __all__ = [
     "DP_SHARD_CP",
@@ -276,7 +276,7 @@ def cp_traffic(
     (:mod:`plait.plan.stacks`, "Context parallelism"). ``n``: the rank's tokens (its
     ``seq_len / cp`` of each sequence), ``k``: the width of the keys (and values) the
     attention receives on a tp rank (the query width ``d`` where they were repeated to the
-    query heads, :func:`~plait.plan.stacks.kv_repeated`), ``e`` the compute dtype's
+    query heads, :func:`~plait.plan.stacks.kv_share`), ``e`` the compute dtype's
     bytes:
 
     * ``allgather``: one all-gather of the stacked keys and values (``2 n k e`` from each
@@ -301,7 +301,7 @@ def cp_traffic(
     software = software or Software()
     n, e, tp = microbatch_tokens(layout, work), compute_bytes(work), layout.tp
     d = model.q_width / tp
-    k = d if kv_repeated(software) else model.kv_width / tp
+    k = d * kv_share(model, software)
     if layout.cp_method == "alltoall" and (model.kv_heads // tp) % cp:
         k = d  # plait's Ulysses expands key/value heads that cp does not divide
     block = 2 * n * k * e  # a rank's stacked keys and values

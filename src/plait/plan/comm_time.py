@@ -235,11 +235,10 @@ def _cp_exposed(
         # each gather beside the first block's attention (1 / cp of the pass's, every
         # block an equal share under the causal load balancing), each of the cp
         # accumulator shifts beside the next block's backward, the last one waited on whole
-        gather = link_seconds(t.forward, CP, layout, device, 1)
         shift = link_seconds(t.shift, CP, layout, device, 1)
         step_fwd, step_bwd = attention / layout.cp, 2 * attention / layout.cp
-        bwd = max(0.0, gather - step_bwd) + (layout.cp - 1) * max(0.0, shift - step_bwd) + shift
-        return max(0.0, gather - step_fwd), bwd
+        back = max(0.0, fwd - step_bwd) + (layout.cp - 1) * max(0.0, shift - step_bwd) + shift
+        return max(0.0, fwd - step_fwd), back  # fwd: the gather, one call
     return fwd, bwd
 
 

@@ -58,7 +58,14 @@ from plait.plan.roofline import block_kernels, elementwise_seconds, head_kernels
 from plait.plan.schedule import RankLoad
 from plait.plan.shards import compute_bytes, microbatch_tokens, rank_params, routed_tp
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Software, Workload
-from plait.plan.stacks import compiled, cp_pass_bytes, float8, kv_repeated, stack
+from plait.plan.stacks import (
+    attention_in_graph,
+    compiled,
+    cp_pass_bytes,
+    float8,
+    kv_share,
+    stack,
+)
 
 __all__ = [
     "DEVICE_SCALE",
@@ -175,8 +182,8 @@ def kernel_times(
         )
     e = compute_bytes(work)
     kernels = stack(software.kernels)
-    if software.compiled:  # plait's --compile runs a context-parallel attention eagerly
-        kernels = compiled(kernels, attention=layout.cp == 1 or kernels.name != "plait")
+    if software.compiled:
+        kernels = compiled(kernels, attention=attention_in_graph(kernels, layout.cp))
     fp8 = float8(device, software, prof.gemm, prof.k_half)
     sp = layout.sequence_parallel and tp > 1
     kinds = []
@@ -185,8 +192,8 @@ def kernel_times(
     if p.moe_blocks:
         kinds.append((p.moe_blocks, True))
     early = kernels.early_stop if software.ac_early_stop is None else software.ac_early_stop
-    kv_share = 1.0 if kv_repeated(software) else model.kv_width / model.q_width
-    merges = cp_pass_bytes(kernels, layout.cp_method, layout.cp, kv_share, software.compiled)
+    kv = kv_share(model, software)
+    merges = cp_pass_bytes(kernels, layout.cp_method, layout.cp, kv, software.compiled)
     fwd = bwd = attn = redo = full = 0.0
     fused = [0.0] * 4
     launches = 0.0

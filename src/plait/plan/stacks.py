@@ -177,7 +177,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from plait.plan.devices import family, fp8_peak
-from plait.plan.spec import DeviceSpec, Software
+from plait.plan.spec import DeviceSpec, ModelSpec, Software
 
 __all__ = [
     "ATTENTION",
@@ -188,11 +188,12 @@ __all__ = [
     "STACK_NAMES",
     "Float8",
     "Stack",
+    "attention_in_graph",
     "cast_cost",
     "compiled",
     "cp_pass_bytes",
     "float8",
-    "kv_repeated",
+    "kv_share",
     "stack",
 ]
 
@@ -378,13 +379,22 @@ def stack(name: str) -> Stack:
     return STACKS[name]
 
 
-def kv_repeated(software: Software) -> bool:
-    """Whether ``software``'s attention receives keys and values repeated to the query
-    heads (module docstring, "Context parallelism"): its own ``kv_repeated``, else its
-    stack's."""
-    if software.kv_repeated is not None:
-        return software.kv_repeated
-    return stack(software.kernels).kv_repeated
+def kv_share(model: ModelSpec, software: Software) -> float:
+    """Key/value elements per query element as ``software``'s attention receives them
+    (module docstring, "Context parallelism"): 1 where they are repeated to the query
+    heads (``software.kv_repeated``, else its stack's), else ``kv_width / q_width``."""
+    repeated = software.kv_repeated
+    if repeated is None:
+        repeated = stack(software.kernels).kv_repeated
+    return 1.0 if repeated else model.kv_width / model.q_width
+
+
+def attention_in_graph(kernels: Stack, cp: int) -> bool:
+    """Whether ``torch.compile`` of a block takes in its attention: always without context
+    parallelism; under it torch's ``context_parallel`` (torchtitan compiles each block
+    whole, ``fullgraph=True``), not :mod:`plait.context` (``plait train --compile`` runs it
+    eagerly, :mod:`plait.train.compiled`)."""
+    return cp == 1 or kernels.context == "torch"
 
 
 def cp_pass_bytes(
@@ -400,7 +410,7 @@ def cp_pass_bytes(
         return 0.0, 0.0
     r, later = kv_share, cp - 1
     torch_cp = kernels.context == "torch"
-    if kernels.cp_merges == "fused" or (torch_cp and compiled):
+    if kernels.cp_merges == "fused" or (compiled and attention_in_graph(kernels, cp)):
         cats = 8 * r * later if torch_cp and method == "ring" else 0.0
         return 10 * later + cats, cp * (10 + 20 * r) + cats
     if torch_cp:
