@@ -771,11 +771,16 @@ predictions were seen)."""
 
 # --- torchtitan, 4-D parallelism on Grand Teton H100s (December 2024) ---------------------
 
-_TITAN_4D = (
+_TITAN_PAGE = (
     "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md at 820504e2 (results of "
-    "December 2024: torch 1963fc8, torchao eab345c, torchtitan 9dec370), table 6 ('4D "
-    "parallelism (FSDP + TP + PP + CP) + torch.compile + Float8 + AsyncTP + 1F1B. Llama 3.1 "
-    "405B model. 512 GPUs (TP 8, PP8). Local batch size 8. Full activation checkpointing.')"
+    "December 2024: torch 1963fc8, torchao eab345c, torchtitan 9dec370), table {table} "
+    "('{title}')"
+)
+_TITAN_4D = _TITAN_PAGE.format(
+    table=6,
+    title="4D parallelism (FSDP + TP + PP + CP) + torch.compile + Float8 + AsyncTP + 1F1B. "
+    "Llama 3.1 405B model. 512 GPUs (TP 8, PP8). Local batch size 8. Full activation "
+    "checkpointing.",
 )
 _TITAN_4D_NOTES = (
     "Grand Teton: 8 H100 per host, NVLink, 96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s RDMA per "
@@ -822,11 +827,10 @@ TITAN_4D_RUNS = (
 2026-11-29 after every change of that day and evaluated once as they came, every row
 counted (decided before their predictions were seen)."""
 
-_TITAN_CP_8B = (
-    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md at 820504e2 (results of "
-    "December 2024: torch 1963fc8, torchao eab345c, torchtitan 9dec370), table 2 ('FSDP + CP "
-    "+ torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local batch size 1. Full "
-    "activation checkpointing.')"
+_TITAN_CP_8B = _TITAN_PAGE.format(
+    table=2,
+    title="FSDP + CP + torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local batch size "
+    "1. Full activation checkpointing.",
 )
 _TITAN_CP_8B_NOTES = (
     _TITAN_4D_NOTES[0],
