@@ -26,6 +26,11 @@ leaves the others to run and report:
    eager, with the calls of ``torch._grouped_mm`` per step counted (the grouped-GEMM path
    runs only without autocast, i.e. under ``fully_shard``'s bf16 parameters).
 
+5. ``kernels`` (run after ``fsdp-eager``: half a minute): the planner's roofline against
+   this GPU, kernel by kernel (GEMMs, flash attention, one rank's ring attention under
+   context parallelism 1 to 8, a streaming copy), each beside the seconds ``plait plan``
+   gives it on the matching preset (:mod:`benchmarks.gpu_kernels`).
+
 Context parallelism, pipelines, expert parallelism and multi-rank ``fully_shard`` need two
 or more GPUs: not run here, and the report says so.
 
@@ -66,6 +71,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import gpu_kernels
+
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
@@ -84,6 +91,7 @@ CUDA_TESTS = (
 PART_LIMITS = {
     "tests": 180,
     "fsdp-eager": 150,
+    "kernels": 90,
     "train-eager": 150,
     "fsdp-compile": 240,
     "train-compile": 210,
@@ -630,6 +638,7 @@ def _set_backend(backend: str) -> None:
 
 PARTS: dict[str, Callable[[CheckConfig, PartResult], None]] = {
     "fsdp-eager": lambda cfg, r: run_fsdp(cfg, r, "llama", compiled=False),
+    "kernels": lambda cfg, r: gpu_kernels.measure(cfg.device, r.row, r.notes),
     "train-eager": lambda cfg, r: run_train(cfg, r, "llama", compiled=False),
     "fsdp-compile": lambda cfg, r: run_fsdp(cfg, r, "llama", compiled=True),
     "train-compile": lambda cfg, r: run_train(cfg, r, "llama", compiled=True),
@@ -749,6 +758,8 @@ def markdown(
     if tests is not None:
         lines += _tests_lines(tests) + [""]
     rows = [r for name, res in results.items() if name != "tests" for r in res.rows]
+    kernels = [r for r in rows if r.get("group") == "kernels"]
+    rows = [r for r in rows if r.get("group") != "kernels"]
     torch_rows = {(r["group"], r["mode"]): r for r in rows if r["impl"] == "torch fully_shard"}
     lines += [
         "| model | implementation | mode | step ms | tokens/s | MFU | peak GiB | vs torch | "
@@ -770,6 +781,8 @@ def markdown(
             f"{_cell(None if mfu is None else 100 * mfu, '.1f')}{'%' if mfu is not None else ''} | "
             f"{_cell(r.get('peak_gib'), '.1f')} | {_cell(ratio, '.2f')} | {loss} | {note} |"
         )
+    if kernels:
+        lines += ["", "Kernels against the planner's roofline:", "", *gpu_kernels.markdown(kernels)]
     lines += ["", *_notes(cfg, results, took)]
     return "\n".join(lines)
 

@@ -15,7 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.gpu_check import CUDA_TESTS, missing_test_ids
+from benchmarks.gpu_kernels import Planner, attention_flops, planner_device, ring_blocks
+from plait.plan.compute_time import EFFICIENCY
+from plait.plan.devices import device
+from plait.plan.models import preset
+from plait.plan.roofline import block_kernels, gemm_seconds, profile
+from plait.plan.stacks import stack
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,3 +78,66 @@ def test_cpu_smoke_gives_every_row(tmp_path: Path) -> None:
         if ours is not None:
             assert ours[8] == rows[(model, "torch fully_shard", mode)][8], report
     assert re.search(r"Not run \(they need two or more GPUs\)", report)
+    kernels = _kernel_rows(report)
+    kinds = {kind for kind, _ in kernels}
+    assert kinds == {"gemm", "attention fwd", "attention bwd", "ring fwd", "ring bwd", "stream"}
+    for key, cells in kernels.items():  # measured, no preset to compare with on a CPU
+        assert float(cells[2].replace(",", "")) > 0 and cells[4] == "—", (key, cells)
+
+
+def _kernel_rows(report: str) -> dict[tuple[str, str], list[str]]:
+    """The kernels table's rows by (kernel, shape): their cells."""
+    rows = {}
+    for line in report.split("Kernels against the planner's roofline:")[1].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 6 and cells[0] not in ("kernel", "---"):
+            rows[(cells[0], cells[1])] = cells
+    return rows
+
+
+def test_planner_figures_are_what_the_planner_charges() -> None:
+    # The kernels part compares the GPU with the seconds plait plan gives each kernel: they
+    # must be the cost model's own, not a copy that drifts from it.
+    spec = device("h100")
+    prof = profile(spec)
+    assert prof is not None
+    planner = Planner("h100")
+    model = preset("llama3-8b")
+    seq, width = 8192, model.q_width
+    k = block_kernels(
+        model, 1, seq, seq, 1, 2, False, prof, spec.flops, stack("plait"), False, "h100"
+    )
+    flops = attention_flops(seq, seq, width, causal=True)
+    assert planner.attention(flops, False) * EFFICIENCY == pytest.approx(k.attention_fwd)
+    assert planner.attention(flops, True) * EFFICIENCY == pytest.approx(k.attention_bwd)
+    # One rank of the load-balanced ring does the work the planner charges at cp (its
+    # memory-bound merges apart): 1/cp of the causal sequence's, cp times a cp-th's.
+    tokens = 4096
+    for cp in (2, 4, 8):
+        ring = sum(attention_flops(q, kv, width, c) for q, kv, c in ring_blocks(cp, tokens))
+        at_cp = block_kernels(
+            model,
+            1,
+            tokens,
+            cp * tokens,
+            cp,
+            2,
+            False,
+            prof,
+            spec.flops,
+            stack("plait"),
+            False,
+            "h100",
+        )
+        assert planner.attention(ring, False) * EFFICIENCY == pytest.approx(at_cp.attention_fwd)
+    assert planner.gemm(8192, 4096, 4096) * EFFICIENCY == pytest.approx(
+        gemm_seconds(8192, 4096, 4096, spec.flops, prof, 2)
+    )
+    assert (
+        planner_device("NVIDIA H200") == "h200"
+        and planner_device("NVIDIA H100 80GB HBM3") == "h100"
+    )
+    assert (
+        planner_device("NVIDIA A100-SXM4-40GB") == "a100-40gb"
+        and planner_device("Tesla T4") is None
+    )
