@@ -699,8 +699,12 @@ _LLAMA3_NOTES = (
     "H100 80 GB (700 W), 400 Gb/s RoCE per GPU (section 3.3.1)",
     "FSDP without resharding after forward, no activation checkpointing at 8K, "
     "all-gather context parallelism, interleaved schedule (section 3.3.2)",
-    "batch per DP rank from the table; 2 stages per rank and micro-batch 1 assumed "
-    "(V and N not stated); MFU is PaLM's (section 3.3.2): plait's count",
+    "batch per DP rank from the table, micro-batch 1 assumed (not stated); 8 stages per rank, "
+    "one block each, the first stage's first chunk the embedding alone and the last's last "
+    "chunk the head alone ('one Transformer layer is reduced each from the first and the last "
+    "stages ... the first model chunk on the first stage has only the embedding', section "
+    "3.3.2: chunks of one block, 126 + 2 = 16 x 8; V is not stated otherwise): end_blocks 1; "
+    "MFU is PaLM's (section 3.3.2): plait's count",
     "kernels and TP overlap not stated: plait's defaults (eager, synchronous TP), but the "
     "context-parallel all-gather moves K and V at their GQA size ('the communicated K and V "
     "tensors are much smaller than Q tensor due to the use of GQA', section 3.3.2): "
@@ -726,7 +730,8 @@ def _llama3(
         tp=tp,
         pp=pp,
         schedule="Interleaved1F1B",
-        stages_per_rank=2,
+        stages_per_rank=8,
+        end_blocks=1,
         microbatches=per_dp,
         ac="none",
         reshard_after_forward=False,

@@ -155,11 +155,16 @@ def test_plan_command_refuses_what_it_cannot_dry_run(
 
 
 @pytest.mark.parametrize(
-    ("name", "gpus", "want"),
-    [("tiny-mixtral", 2, "--ep 2"), ("tiny-qwen3", 2, "--dp"), ("llama3-8b", 64, "--dp")],
+    ("name", "gpus", "want", "fixed"),
+    [
+        ("tiny-mixtral", 2, "--ep 2", "--ep 2"),  # a MoE layout, asked for
+        ("tiny-qwen3", 2, "--dp", ""),
+        ("llama3-8b", 64, "--dp", ""),
+        ("llama3-8b", 64, "--end-blocks 1", "--pp 4 --end-blocks 1"),
+    ],
 )
 def test_plan_of_a_preset_prints_the_train_command_that_builds_it(
-    name: str, gpus: int, want: str, capsys: pytest.CaptureFixture[str]
+    name: str, gpus: int, want: str, fixed: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``plait plan --preset`` takes plait train's presets (and the llama3-* names); the
     command it prints builds that very model (``--model-config``, not the GPT's shape
@@ -172,8 +177,8 @@ def test_plan_of_a_preset_prints_the_train_command_that_builds_it(
     from plait.train.hf import with_default_model_config
 
     device_flags = ["--device", "cpu", "--seq-len", "64"] if gpus == 2 else ["--seq-len", "4096"]
-    fixed = want.split() if want.startswith("--ep") else []  # a MoE layout, asked for
-    assert main(["--preset", name, "--gpus", str(gpus), "--top", "1", *device_flags, *fixed]) == 0
+    argv_ = ["--preset", name, "--gpus", str(gpus), "--top", "1", *device_flags, *fixed.split()]
+    assert main(argv_) == 0
     out = capsys.readouterr().out
     command = next(line.strip() for line in out.splitlines() if "plait train" in line)
     source = "llama3.1-8b" if name == "llama3-8b" else name
@@ -187,6 +192,7 @@ def test_plan_of_a_preset_prints_the_train_command_that_builds_it(
     flags.pop("plan", None)
     cfg = resolve(with_default_model_config(build_config(flags)), None)
     assert cfg.model_config == source and cfg.layout.world == gpus
+    assert cfg.layout.end_blocks == (1 if "--end-blocks" in fixed else 0)
 
 
 def test_planner_reads_presets_as_plait_train_builds_them() -> None:

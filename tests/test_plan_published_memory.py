@@ -36,8 +36,9 @@ TITAN_PEAKS = {"torchtitan T1 8B FSDP 8": 82.4, "torchtitan T3 8B FSDP 128": 67.
 #: Rows the memory model cannot yet place within the device, with the reason.
 KNOWN = {
     "Llama 3 405B, 8,192 GPUs, seq 8,192": (
-        "32 microbatches of plait's Interleaved1F1B hold 47 stage-microbatches on rank 0; "
-        "Meta's schedule (its V and N are not stated) holds fewer"
+        "32 microbatches of plait's Interleaved1F1B over 8 one-block stages per rank hold "
+        "143 stage-microbatches on rank 0 (predicted 79 GiB); Meta's schedule, its number of "
+        "consecutive microbatches N tuned (not stated), holds fewer"
     ),
 }
 

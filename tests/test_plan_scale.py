@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from plait.layout import stage_blocks
 from plait.pipeline.actions import Schedule, stage_to_rank
 from plait.pipeline.schedules import SCHEDULES, generate, schedule_spec
 from plait.pipeline.simulate import Simulation, peak_live, simulate
@@ -23,7 +24,6 @@ from plait.plan.schedule import (
     RankLoad,
     _figures,
     _pareto,
-    _split,
     closed_form_makespan,
     pipeline_shape,
 )
@@ -43,7 +43,7 @@ def simulated_shape(layers: int, pp: int, name: str, v: int, m: int) -> Pipeline
     spec = schedule_spec(name)
     n_stages = pp * v
     sched, sim = _simulated(spec.name, pp, v, m)
-    sizes = _split(layers, n_stages)
+    sizes = stage_blocks(layers, n_stages)
     loads = []
     for rank in range(pp):
         mine = [s for s in range(n_stages) if stage_to_rank(s, pp, spec.style) == rank]

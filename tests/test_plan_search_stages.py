@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from plait.layout import Layout
+import dataclasses
+
+import pytest
+
+from plait.layout import Layout, check_stages, stage_blocks
+from plait.pipeline import stage_layers
 from plait.plan.devices import device
 from plait.plan.models import preset
-from plait.plan.search import plan, stages_options
+from plait.plan.schedule import pipeline_shape, pipeline_stages
+from plait.plan.search import evaluate, plan, stages_options
 from plait.plan.spec import Workload
+from plait.train.model import GPT, GPTConfig
 
 
 def test_stages_options_double_up_to_one_block_per_stage() -> None:
@@ -30,3 +37,53 @@ def test_search_finds_more_stages_per_rank() -> None:
     assert found[0].layout.stages_per_rank > 2
     pinned = plan(model, work, h100, 64, pp=8, tp=8, schedule="Interleaved1F1B", stages_per_rank=2)
     assert {c.layout.stages_per_rank for c in pinned} == {2}
+
+
+def test_the_split_with_weighted_ends_is_the_one_plait_train_makes() -> None:
+    # One rule (plait.layout.stage_blocks) for the planner's stages and plait train's cut.
+    gpt = GPT(GPTConfig(n_layer=10, n_head=2, d_model=16, vocab_size=32, seq_len=8))
+    for n_stages, ends in [(2, 0), (4, 1), (5, 1), (4, 2), (12, 1)]:
+        plan_ = stage_layers(gpt, n_stages, layers="blocks", end_blocks=ends)
+        cut = [sum(name.startswith("blocks.") for name in names) for names in plan_]
+        priced = [size for size, _ in pipeline_stages(10, n_stages, "1F1B", 1, ends)]
+        assert cut == priced == stage_blocks(10, n_stages, ends), (n_stages, ends)
+    # Llama 3 405B (section 3.3.2 of its paper): 126 blocks over 16 x 8 stages, the first
+    # chunk the embedding alone, the last the head alone, every other one block.
+    stages = pipeline_stages(126, 16, "Interleaved1F1B", 8, 1)
+    assert [size for size, _ in stages] == [0] + [1] * 126 + [0]
+    assert stages[0][1] == 0 and stages[-1][1] == 15
+    shape = pipeline_shape(126, 16, "Interleaved1F1B", 8, 16, 1)
+    assert {(r.rank, r.layers, r.embedding, r.head) for r in shape.ranks} >= {(0, 7, True, False)}
+    with pytest.raises(ValueError, match="128 pipeline stages but only 126 blocks"):
+        pipeline_stages(126, 16, "Interleaved1F1B", 8)
+    with pytest.raises(ValueError, match="end blocks 3: more than a stage's share"):
+        stage_blocks(4, 4, 3)
+
+
+def test_pipeline_rules_name_the_end_blocks_fix() -> None:
+    shape = preset("llama3-405b").shape(8192)
+    eight = Layout(pp=16, schedule="Interleaved1F1B", stages_per_rank=8)
+    (reason,) = check_stages(shape, eight)
+    assert "or --end-blocks 1 (the embedding and the head as stages of their own)" in reason.message
+    assert check_stages(shape, dataclasses.replace(eight, end_blocks=1)) == []
+    (reason,) = check_stages(shape, dataclasses.replace(eight, stages_per_rank=2, end_blocks=9))
+    assert reason.field == "end_blocks" and "--end-blocks 9" in reason.message
+    (reason,) = check_stages(shape, dataclasses.replace(eight, end_blocks=-1))
+    assert reason.message == "--end-blocks -1: use 0 or more"
+
+
+def test_search_weighs_the_ends_unless_fixed() -> None:
+    model, work, h100 = preset("llama3-70b"), Workload(8192, 64), device("h100")
+    interleaved = Layout(pp=16, schedule="Interleaved1F1B", stages_per_rank=2)
+    assert stages_options(interleaved, 126) == [4, 7]
+    assert stages_options(dataclasses.replace(interleaved, end_blocks=1), 126) == [4, 8]
+    found = plan(model, work, h100, 64, pp=8, tp=8, schedule="Interleaved1F1B")
+    assert {c.layout.end_blocks for c in found} == {0, 1}
+    assert any(c.layout.stages_per_rank == 10 and c.layout.end_blocks for c in found)  # 80 + 2
+    fixed = plan(model, work, h100, 64, pp=8, tp=8, schedule="1F1B", end_blocks=0)
+    assert {c.layout.end_blocks for c in fixed} == {0}
+    pinned = plan(model, work, h100, 64, pp=8, tp=8, schedule="Interleaved1F1B", stages_per_rank=2)
+    assert {c.layout.stages_per_rank for c in pinned} == {2}
+    assert {c.layout.end_blocks for c in pinned} == {0, 1}
+    best = evaluate(model, found[0].layout, work, h100)
+    assert best.timing.step_time == pytest.approx(found[0].timing.step_time)

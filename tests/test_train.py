@@ -63,6 +63,15 @@ COMPOSITIONS: dict[str, dict[str, Any]] = {
     "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2},
     "pp2_dp_shard2_1f1b": {"pp": 2, "dp_shard": 2, "schedule": "1F1B"},
     "pp4_interleaved_1f1b": {"pp": 4, "schedule": "Interleaved1F1B", "n_layer": 8},
+    # 4 stages over 2 blocks, the embedding and the head each weighing one: the first stage
+    # holds the embeddings alone, the last the final norm and head alone.
+    "pp2_interleaved_end_blocks": {
+        "pp": 2,
+        "dp_shard": 2,
+        "schedule": "Interleaved1F1B",
+        "n_layer": 2,
+        "end_blocks": 1,
+    },
     "dp_shard4_ac_full": {"dp_shard": 4, "ac": "full"},
     "dp_shard4_offload_keep_gathered": {
         "dp_shard": 4,
@@ -313,6 +322,12 @@ REFUSED = [
         "runs exactly 1 stage(s) per rank",
     ),
     (["--nproc", "2", "--stages-per-rank", "2"], "needs a pipeline"),
+    (
+        ["--nproc", "2", "--pp", "2", "--schedule", "Interleaved1F1B", "--n-layer", "4"]
+        + ["--end-blocks", "3"],
+        "--end-blocks 3: each end counts as 3 blocks, more than one of the 4 pipeline stages",
+    ),
+    (["--nproc", "2", "--pp", "2", "--end-blocks", "-1"], "--end-blocks -1"),
     (["--nproc", "2", "--dp-replicate", "2", "--cpu-offload"], "--cpu-offload"),
     (["--d-model", "30", "--n-head", "4"], "--d-model 30 is not divisible by --n-head 4"),
     (["--steps", "0"], "--steps 0: must be at least 1"),

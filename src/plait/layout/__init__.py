@@ -61,6 +61,7 @@ from plait.layout.schedule import (
     default_stages_per_rank,
     fewest_microbatches,
     find_schedule,
+    stage_blocks,
 )
 from plait.layout.shape import ModelShape, cp_shard
 from plait.layout.splits import Split, check_cp, check_ep, check_tp, moe_tp_width, tp_splits
@@ -108,5 +109,6 @@ __all__ = [
     "flag",
     "grids",
     "moe_tp_width",
+    "stage_blocks",
     "tp_splits",
 ]

@@ -45,8 +45,11 @@ class Layout:
     ``reshard_after_forward``: as ``fully_shard``'s (``True`` frees parameters between
     forward and backward); ``ep``: expert parallelism, ranks taken from ``dp_shard`` (see
     :data:`~plait.layout.EP`); ``cp``: context parallelism, each sequence split over its
-    ranks, and ``cp_method`` its attention (:data:`~plait.layout.CP_METHODS`). Nothing is
-    checked on construction: :func:`~plait.layout.check` says whether a layout can run.
+    ranks, and ``cp_method`` its attention (:data:`~plait.layout.CP_METHODS`);
+    ``end_blocks``: with a pipeline, the blocks' worth of work the first stage's embedding
+    and the last stage's head each count for when the blocks are split among the stages
+    (:func:`~plait.layout.stage_blocks`; torchtitan's default is 1). Nothing is checked on
+    construction: :func:`~plait.layout.check` says whether a layout can run.
     """
 
     dp_replicate: int = 1
@@ -62,6 +65,7 @@ class Layout:
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
     stages_per_rank: int = 1
+    end_blocks: int = 0
 
     @property
     def sizes(self) -> dict[str, int]:

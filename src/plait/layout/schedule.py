@@ -29,6 +29,7 @@ __all__ = [
     "default_stages_per_rank",
     "fewest_microbatches",
     "find_schedule",
+    "stage_blocks",
 ]
 
 #: Stages per rank of a schedule that interleaves several, unless told otherwise.
@@ -103,16 +104,79 @@ def check_stages_per_rank(
     return []
 
 
+def stage_blocks(blocks: int, n_stages: int, end_blocks: int = 0) -> list[int]:
+    """Blocks per pipeline stage, in order: ``blocks`` and the ends' weight split evenly
+    (earlier stages take one more when they do not divide), where the first stage's
+    embedding and the last stage's head each count as ``end_blocks`` blocks (torchtitan's
+    ``pipeline_parallel_first_stage_less_layers`` and ``..._last_stage_less_layers``, both
+    1 there; Llama 3 405B's 126 blocks over 16 x 8 stages: the first holds the embedding
+    alone, the last the head alone). ValueError when a stage would hold nothing (more
+    stages than blocks and ends) or an end outweighs its stage's share."""
+    if n_stages < 1:
+        raise ValueError(f"{n_stages} pipeline stages: a model runs as 1 or more")
+    if n_stages == 1:
+        return [blocks]
+    units = blocks + 2 * end_blocks
+    if end_blocks < 0 or n_stages > units:
+        raise ValueError(
+            f"{n_stages} pipeline stages but only {blocks} blocks"
+            + (f" and two ends of {end_blocks}" if end_blocks else "")
+            + ": every stage needs at least one"
+        )
+    size, extra = divmod(units, n_stages)
+    sizes = [size + (1 if s < extra else 0) for s in range(n_stages)]
+    sizes[0] -= end_blocks
+    sizes[-1] -= end_blocks
+    if sizes[-1] < 0:  # the last stage's share is the smallest
+        raise ValueError(
+            f"end blocks {end_blocks}: more than a stage's share ({size}) of {blocks} blocks "
+            f"and the two ends over {n_stages} stages"
+        )
+    return sizes
+
+
+def _ends_that_fit(blocks: int, n_stages: int) -> int:
+    """The smallest ``end_blocks`` with which ``blocks`` split into ``n_stages`` (0: none)."""
+    for ends in range(1, n_stages):
+        try:
+            stage_blocks(blocks, n_stages, ends)
+        except ValueError:
+            continue
+        return ends
+    return 0
+
+
 def check_stages(model: ModelShape, layout: Layout) -> list[Reason]:
-    """Every pipeline stage needs at least one block."""
-    n = layout.n_stages
-    if n <= model.layers:
+    """Every pipeline stage needs at least one block, or the embedding or the head
+    (:func:`stage_blocks`)."""
+    n, ends = layout.n_stages, layout.end_blocks
+    if ends < 0:
+        return [Reason("end_blocks", f"--end-blocks {ends}: use 0 or more")]
+    if n == 1:
         return []
+    try:
+        stage_blocks(model.layers, n, ends)
+    except ValueError:
+        pass
+    else:
+        return []
+    if ends and n <= model.layers + 2 * ends:
+        message = (
+            f"--end-blocks {ends}: each end counts as {ends} blocks, more than one of the "
+            f"{n} pipeline stages' share of {model.layers} blocks and both ends: use a smaller "
+            "--end-blocks, or fewer stages"
+        )
+        return [Reason("end_blocks", message)]
     blocks = f"--n-layer {model.layers}" if model.from_flags else str(model.layers)
     fix = f"use --n-layer {n} or more, or fewer stages" if model.from_flags else "use fewer stages"
+    ends_fix = _ends_that_fit(model.layers, n)
+    if ends_fix > ends:  # the embedding and the head as stages of their own
+        fix += f", or --end-blocks {ends_fix} (the embedding and the head as stages of their own)"
+    ends_text = f" and two ends of --end-blocks {ends}" if ends else ""
     message = (
         f"--pp {layout.pp} x {layout.stages_per_rank} stage(s) per rank = {n} pipeline "
-        f"stages, but the model has only {blocks} blocks (a stage needs at least one): {fix}"
+        f"stages, but the model has only {blocks} blocks{ends_text} (a stage needs at least "
+        f"one): {fix}"
     )
     return [Reason(PP, message)]
 

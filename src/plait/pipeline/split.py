@@ -35,6 +35,8 @@ from typing import Any
 
 from torch import nn
 
+from plait.layout.schedule import stage_blocks
+
 __all__ = ["SkippedLayer", "split_model", "stage_layers"]
 
 
@@ -64,11 +66,17 @@ class SkippedLayer(nn.Module):
         return f"{self.layer_name!r} on stage {self.stage}"
 
 
-def stage_layers(model: nn.Module, n_stages: int, *, layers: str | None = None) -> list[list[str]]:
+def stage_layers(
+    model: nn.Module, n_stages: int, *, layers: str | None = None, end_blocks: int = 0
+) -> list[list[str]]:
     """An even plan: the children of the container ``layers`` (default: of ``model``
     itself, e.g. an ``nn.Sequential``) in ``n_stages`` contiguous runs, earlier stages
     taking one more when they do not divide; the model's other children go to the first
-    stage if registered before the container, else to the last.
+    stage if registered before the container, else to the last. ``end_blocks``: what those
+    other children weigh at each end, in layers, so the first and last stages hold that
+    many fewer (:func:`plait.layout.stage_blocks`, torchtitan's
+    ``pipeline_parallel_first_stage_less_layers`` / ``..._last_stage_less_layers``; only
+    with ``layers``): a stage may then hold the embedding or the head alone.
 
     ``stage_layers(gpt, 2, layers="blocks")`` gives
     ``[["tok_emb", "pos_emb", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "head"]]``.
@@ -76,17 +84,19 @@ def stage_layers(model: nn.Module, n_stages: int, *, layers: str | None = None) 
     container = model if layers is None else model.get_submodule(layers)
     prefix = "" if layers is None else f"{layers}."
     names = [prefix + name for name, _ in container.named_children()]
-    if not 1 <= n_stages <= len(names):
+    if end_blocks and layers is None:
+        raise ValueError("end_blocks weighs the layers around the container: pass layers=")
+    try:
+        sizes = stage_blocks(len(names), n_stages, end_blocks)
+    except ValueError as err:
         raise ValueError(
             f"cannot split the {len(names)} layers of {layers or type(model).__name__!r} into "
-            f"{n_stages} stages: every stage needs at least one layer"
-        )
-    size, extra = divmod(len(names), n_stages)
+            f"{n_stages} stages: {err}"
+        ) from None
     plan, start = [], 0
-    for s in range(n_stages):
-        end = start + size + (1 if s < extra else 0)
-        plan.append(names[start:end])
-        start = end
+    for size in sizes:
+        plan.append(names[start : start + size])
+        start += size
     if layers is not None:
         children = [name for name, _ in model.named_children()]
         at = children.index(layers.split(".")[0])

@@ -132,6 +132,8 @@ def describe(layout: Layout) -> str:
         parts.append(f"ep={layout.ep}")
     if layout.pp > 1:
         parts.append(f"{layout.schedule}x{layout.stages_per_rank}")
+        if layout.end_blocks:
+            parts.append(f"ends={layout.end_blocks}")
     if layout.microbatches > 1:
         parts.append(f"mb={layout.microbatches}")
     parts.append(f"ac={layout.ac}")

@@ -71,7 +71,9 @@ def _gpt_size(name: str, what: str) -> Flag:
 
 _LAYOUT_HELP = {
     CP: "context-parallel ranks: each sequence split over them (default: searched "
-    "from --seq-len 16384 on, else 1)"
+    "from --seq-len 16384 on, else 1)",
+    "end_blocks": "with a pipeline: blocks the embedding and the head each count for in "
+    "the split among stages (default: 0, an even split of the blocks)",
 }
 
 #: Per help group (its title), its flags, in ``--help``'s order.
@@ -209,7 +211,7 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
     "layout (plait train's flags; given ones are fixed)": (
         *(
             Flag(name, _LAYOUT_HELP.get(name), int)
-            for name in (*LAYOUT_DIMS, "stages_per_rank", "microbatches")
+            for name in (*LAYOUT_DIMS, "stages_per_rank", "end_blocks", "microbatches")
         ),
         Flag(
             "cp_method",

@@ -97,7 +97,7 @@ from plait.plan.activations import (
 )
 from plait.plan.keeps import RECIPE_KEEPS, Keeps, recipe_keeps
 from plait.plan.memory_rank import MemoryRank, memory_rank
-from plait.plan.schedule import PipelineShape, RankLoad, layout_shape, pipeline_shape
+from plait.plan.schedule import PipelineShape, RankLoad, layout_shape
 from plait.plan.shards import moe_rows, routed_tp
 from plait.plan.spec import (
     DeviceSpec,
@@ -421,9 +421,7 @@ def first_rank_memory(
     :func:`plait.plan.dryrun.pipeline_step`), whether or not it needs the most.
     ValueError for a layout plait's schedules refuse, or where another rank's load
     dominates rank 0's (its load is then not among the shape's ranks)."""
-    shape = pipeline_shape(
-        model.layers, layout.pp, layout.schedule, layout.stages_per_rank, layout.microbatches
-    )
+    shape = layout_shape(model, layout)
     loads = [r for r in shape.ranks if r.rank == 0]
     if not loads:
         raise ValueError("pipeline rank 0 holds less than another rank: not reported")

@@ -102,7 +102,7 @@ def check_pinned(model: ModelSpec, shape: ModelShape, world: World, pinned: Pinn
         raise PlanError(f"--ac {pinned.layout.ac}: the planner models {', '.join(AC_SEARCHED)}")
     if pinned.given("schedule"):
         _refuse(check_schedule(SCHEDULES, pinned.layout.schedule))
-    if pinned.given(PP):
+    if pinned.given(PP) or pinned.layout.end_blocks < 0:
         _refuse(_pipeline_reasons(shape, pinned))
     if pinned.given(EP):
         _refuse(_ep_reasons(shape, world, pinned))

@@ -49,7 +49,7 @@ def pipeline_step(
     ``times_of``: a rank's times for a load; ``contention``: the fraction of compute a
     collective beside it takes."""
     m, pp, v = layout.microbatches, layout.pp, layout.stages_per_rank
-    stages = pipeline_stages(model.layers, pp, layout.schedule, v)
+    stages = pipeline_stages(model.layers, pp, layout.schedule, v, layout.end_blocks)
     times = _stage_times(stages, bool(model.experts), times_of)
     fwd = [size * t.block_fwd + t.head_fwd for (size, _), t in zip(stages, times, strict=True)]
     bwd = [size * t.block_bwd + t.head_bwd for (size, _), t in zip(stages, times, strict=True)]

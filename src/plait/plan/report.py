@@ -110,6 +110,8 @@ def _layout_flags(
         flags.append(f"--ep {layout.ep}")
     if layout.pp > 1:
         flags += [f"--schedule {layout.schedule}", f"--stages-per-rank {layout.stages_per_rank}"]
+        if layout.end_blocks:
+            flags.append(f"--end-blocks {layout.end_blocks}")
     flags += [
         f"--microbatches {layout.microbatches}",
         f"--ac {layout.ac}",

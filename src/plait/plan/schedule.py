@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from plait.layout.schedule import stage_blocks
 from plait.pipeline.actions import Schedule, stage_to_rank
 from plait.pipeline.schedules import generate, schedule_spec
 from plait.pipeline.simulate import DEFAULT_COSTS, peak_live, simulate
@@ -70,11 +71,6 @@ class PipelineShape:
     ranks: tuple[RankLoad, ...]
     makespan: float
     bubble: float
-
-
-def _split(layers: int, n_stages: int) -> list[int]:
-    size, extra = divmod(layers, n_stages)
-    return [size + (1 if s < extra else 0) for s in range(n_stages)]
 
 
 def closed_form_makespan(
@@ -296,8 +292,10 @@ def pipeline_shape(
     schedule: str = "1F1B",
     stages_per_rank: int = 1,
     microbatches: int = 1,
+    end_blocks: int = 0,
 ) -> PipelineShape:
-    """The pipeline ranks' loads and the bubble of ``schedule`` (see the module docstring).
+    """The pipeline ranks' loads and the bubble of ``schedule`` (see the module docstring),
+    the blocks split as :func:`plait.layout.stage_blocks` splits them.
 
     Without a pipeline (``pp == 1``): one rank holding everything, one microbatch in flight
     (gradient accumulation runs microbatches one after another). ValueError (from the
@@ -307,13 +305,8 @@ def pipeline_shape(
         return PipelineShape((RankLoad(0, layers, layers, True, True, 1, 1, 1),), 1.0, 0.0)
     spec = schedule_spec(schedule)
     n_stages = pp * stages_per_rank
-    if n_stages > layers:
-        raise ValueError(
-            f"{pp} x {stages_per_rank} = {n_stages} pipeline stages but only {layers} blocks: "
-            "every stage needs at least one"
-        )
+    sizes = stage_blocks(layers, n_stages, end_blocks)
     figures = _figures(spec.name, pp, n_stages, microbatches)
-    sizes = _split(layers, n_stages)
     held: list[list[int]] = [[] for _ in range(pp)]  # per rank, its stages in order
     for s in range(n_stages):
         held[stage_to_rank(s, pp, spec.style)].append(s)
@@ -337,21 +330,26 @@ def pipeline_shape(
 def layout_shape(model: ModelSpec, layout: Layout) -> PipelineShape:
     """:func:`pipeline_shape` of ``model`` under ``layout``."""
     return pipeline_shape(
-        model.layers, layout.pp, layout.schedule, layout.stages_per_rank, layout.microbatches
+        model.layers,
+        layout.pp,
+        layout.schedule,
+        layout.stages_per_rank,
+        layout.microbatches,
+        layout.end_blocks,
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def pipeline_stages(
-    layers: int, pp: int, schedule: str = "1F1B", stages_per_rank: int = 1
+    layers: int, pp: int, schedule: str = "1F1B", stages_per_rank: int = 1, end_blocks: int = 0
 ) -> tuple[tuple[int, int], ...]:
-    """Per pipeline stage, in order: its blocks (:func:`plait.pipeline.stage_layers`'s
-    split) and the rank that runs it (the schedule's placement: looped or V)."""
+    """Per pipeline stage, in order: its blocks (:func:`plait.layout.stage_blocks`'s split,
+    as :func:`plait.pipeline.stage_layers` makes it) and the rank that runs it (the
+    schedule's placement: looped or V)."""
     n_stages = pp * stages_per_rank
     style = schedule_spec(schedule).style
-    return tuple(
-        (size, stage_to_rank(s, pp, style)) for s, size in enumerate(_split(layers, n_stages))
-    )
+    sizes = stage_blocks(layers, n_stages, end_blocks)
+    return tuple((size, stage_to_rank(s, pp, style)) for s, size in enumerate(sizes))
 
 
 def stage_makespan(

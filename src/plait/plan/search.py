@@ -17,7 +17,8 @@ only from :data:`CP_SEARCH_MIN_SEQ` tokens on and leaving each rank at least
 there), searched with ``ring`` attention; the other methods (``--cp-method``) are then
 tried on the best layouts found (:func:`_other_cp_methods`); interleaved schedules are
 searched at their least stages per rank (2), then the best of them again at every other
-:func:`stages_options` (:func:`_other_stages`). ZeRO data parallelism and Megatron-LM's
+:func:`stages_options` (:func:`_other_stages`), then the best pipelines with the embedding
+and the head weighing a block each (:func:`_weighted_ends`). ZeRO data parallelism and Megatron-LM's
 activations (:class:`~plait.plan.spec.PlanLayout`) only when asked (``zero``, ``recipe``):
 plait train runs neither. Fixed flags pin their field.
 A layout fits when its peak rank's memory is at most ``memory_fraction`` of the
@@ -144,9 +145,9 @@ def _with(layout: Layout, **changes: Any) -> Layout:
 def _layouts(
     shape: ModelShape, work: Workload, world: World, per_node: int, pinned: Pinned
 ) -> Iterator[Layout]:
-    sp = pinned.layout.sequence_parallel
+    sp, ends = pinned.layout.sequence_parallel, pinned.layout.end_blocks
     for grid in grids(pinned.sizes, world.size):
-        base = Layout(sequence_parallel=sp).with_sizes(grid)
+        base = Layout(sequence_parallel=sp, end_blocks=ends).with_sizes(grid)
         assert type(base) is Layout  # what _with copies
         if base.tp > per_node and not pinned.given(TP):
             continue
@@ -235,7 +236,7 @@ def stages_options(layout: Layout, layers: int) -> list[int]:
     if layout.pp == 1 or spec is None or spec.stages_per_rank is not None:
         return []
     least = default_stages_per_rank(spec, layout.pp)
-    most = layers // layout.pp
+    most = (layers + 2 * layout.end_blocks) // layout.pp
     options = {least, most} if most >= least else set()
     v = least * 2
     while v < most:
@@ -253,6 +254,24 @@ def _other_stages(found: list[Candidate], layers: int) -> Iterator[Layout]:
     for layout in tried[:STAGES_RETRIES]:
         for v in stages_options(layout, layers):
             yield dataclasses.replace(layout, stages_per_rank=v)
+
+
+def _weighted_ends(found: list[Candidate], layers: int, stages: bool) -> Iterator[Layout]:
+    """The first :data:`STAGES_RETRIES` pipelined layouts of ``found`` (fastest first)
+    with the embedding and the head weighing a block each (``end_blocks=1``, torchtitan's
+    default: the end stages lighter, and one block per stage reachable with two stages
+    more, as in Llama 3 405B's 126 blocks over 16 x 8), at their own stages per rank and,
+    with ``stages`` (not fixed), the others (:func:`stages_options`). Searched after the
+    other stages per rank, for the same reason."""
+    piped = [c.layout for c in found if c.layout.pp > 1 and c.layout.end_blocks == 0]
+    seen = {c.layout for c in found}  # two layouts' variants may meet (x2 and x7 give x8)
+    for layout in piped[:STAGES_RETRIES]:
+        ended = dataclasses.replace(layout, end_blocks=1)
+        for v in [layout.stages_per_rank, *(stages_options(ended, layers) if stages else [])]:
+            variant = dataclasses.replace(ended, stages_per_rank=v)
+            if variant not in seen:
+                seen.add(variant)
+                yield variant
 
 
 def _options(layout: Layout, pinned: Pinned) -> Iterator[Layout]:
@@ -323,8 +342,12 @@ def plan(
             " GiB): use more or larger devices, a shorter sequence or a smaller batch"
         )
     fitting.sort(key=fastest)
-    if not pinned.given("stages_per_rank"):
+    stages = not pinned.given("stages_per_rank")
+    if stages:
         fitting += pricing.fitting(_other_stages(fitting, model.layers), shape, world)
+        fitting.sort(key=fastest)
+    if not pinned.given("end_blocks"):
+        fitting += pricing.fitting(_weighted_ends(fitting, model.layers, stages), shape, world)
         fitting.sort(key=fastest)
     if not pinned.given("cp_method"):
         fitting += pricing.fitting(_other_cp_methods(fitting), shape, world)

@@ -171,6 +171,11 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
         ("sequence_parallel", "with --tp: norms and activations split by sequence"),
         ("schedule", f"pipeline schedule: {', '.join(SCHEDULES)}"),
         ("stages_per_rank", f"pipeline stages per rank ({_AUTO}: the schedule's)"),
+        (
+            "end_blocks",
+            "with --pp: blocks the embedding and the head each count for in the split of the "
+            "blocks among stages (torchtitan's first/last_stage_less_layers, 1 there)",
+        ),
         ("microbatches", f"per step: pipeline microbatches or accumulation ({_AUTO})"),
         ("ac", "activation checkpointing of each block"),
         ("mp", "compute precision (bf16: fully_shard mixed precision)"),

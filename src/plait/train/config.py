@@ -265,6 +265,7 @@ class TrainConfig:
     sequence_parallel: bool = True  # with tp > 1: norms and activations split by sequence
     schedule: str = "1F1B"
     stages_per_rank: int = 0  # auto: what the schedule holds (1, or 2 for looped schedules)
+    end_blocks: int = 0  # with pp: the embedding and the head each weigh this many blocks
     microbatches: int = 0  # auto: pp * stages_per_rank with a pipeline, else 1
     ac: str = "none"
     mp: str = "fp32"

@@ -202,7 +202,7 @@ def _split(model: Model, layout: Layout, pp_rank: int) -> list[Stage]:
     style = schedule_spec(layout.schedule).style
     mine = stages_of_rank(pp_rank, layout.pp, layout.n_stages, style)
     # Blocks in contiguous runs; the embeddings go with the first, the head with the last.
-    plan = stage_layers(model, layout.n_stages, layers="blocks")
+    plan = stage_layers(model, layout.n_stages, layers="blocks", end_blocks=layout.end_blocks)
     modules = split_model(model, plan, stages=mine)
     if is_tied(model):  # the last stage's copy of the matrix: saved as the embedding's
         for m in modules:

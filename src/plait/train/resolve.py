@@ -258,6 +258,7 @@ _AT_LEAST_ZERO = (  # 0: auto, or off (see TrainConfig)
     "vocab_size",
     rules.DP_SHARD,
     "stages_per_rank",
+    "end_blocks",
     "microbatches",
     "warmup",
     "ckpt_every",
