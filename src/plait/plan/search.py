@@ -18,9 +18,9 @@ there), searched with ``ring`` attention; the other methods (``--cp-method``) ar
 tried on the best layouts found (:func:`_other_cp_methods`); interleaved schedules are
 searched at their least stages per rank (2), then the best of them again at every other
 :func:`stages_options` (:func:`_other_stages`), then the best pipelines with the embedding
-and the head weighing a block each (:func:`_weighted_ends`). ZeRO data parallelism and Megatron-LM's
-activations (:class:`~plait.plan.spec.PlanLayout`) only when asked (``zero``, ``recipe``):
-plait train runs neither. Fixed flags pin their field.
+and the head weighing a block each (:func:`_weighted_ends`). ZeRO data parallelism and
+Megatron-LM's activations (:class:`~plait.plan.spec.PlanLayout`) only when asked (``zero``,
+``recipe``): plait train runs neither. Fixed flags pin their field.
 A layout fits when its peak rank's memory is at most ``memory_fraction`` of the
 device's (the rest: allocator, CUDA context, workspaces). Memory is predicted first and
 timing only for what fits; the pipeline's figures (makespan, bubble, activation peaks)
