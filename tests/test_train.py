@@ -72,6 +72,14 @@ COMPOSITIONS: dict[str, dict[str, Any]] = {
         "n_layer": 2,
         "end_blocks": 1,
     },
+    # The V: rank 0 holds the first and the last stage, so neither block.
+    "pp2_zbv_end_blocks": {
+        "pp": 2,
+        "dp_shard": 2,
+        "schedule": "ZBVZeroBubble",
+        "n_layer": 2,
+        "end_blocks": 1,
+    },
     "dp_shard4_ac_full": {"dp_shard": 4, "ac": "full"},
     "dp_shard4_offload_keep_gathered": {
         "dp_shard": 4,
