@@ -137,6 +137,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp_shard2": {"dp_shard": 2},
     "tp2": {"tp": 2, "dp_shard": 1},
     "pp2": {"pp": 2, "dp_shard": 1, "schedule": "1F1B"},
+    # 4 stages over 4 blocks with the ends weighing one: 1, 2, 1, 0 (a head-only last stage).
+    "pp2_interleaved_end_blocks": {
+        "pp": 2,
+        "dp_shard": 1,
+        "schedule": "Interleaved1F1B",
+        "end_blocks": 1,
+    },
 }
 
 
