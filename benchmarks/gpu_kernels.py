@@ -261,6 +261,8 @@ def measure(device: str, row: Callable[..., dict[str, Any]], notes: list[str]) -
         )
     elif device == "cuda":
         notes.append(f"no plait plan preset for {torch.cuda.get_device_name()}")
+    if device == "cuda":
+        notes.append(f"clocks and power (nvidia-smi): {_power_and_clocks()}")
     for probe in probes(device, planner):
         values: dict[str, Any] = {"group": "kernels", "kind": probe.kind, "shape": probe.shape}
         try:
@@ -280,6 +282,31 @@ def measure(device: str, row: Callable[..., dict[str, Any]], notes: list[str]) -
             planned=probe.planned,
             ratio=ratio,
         )
+
+
+def _power_and_clocks() -> str:
+    """The GPU's power limit and clocks as nvidia-smi reports them (a power cap below the
+    board's TDP lowers the sustained clock, which the planner's presets do not know), or
+    why not."""
+    import subprocess
+
+    fields = "power.limit,power.max_limit,clocks.sm,clocks.max.sm"
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"not read ({type(err).__name__})"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or len(lines) < 2:
+        return f"not read (exit code {done.returncode})"
+    return "; ".join(
+        f"{k.strip()} {v.strip()}"
+        for k, v in zip(lines[0].split(","), lines[1].split(","), strict=False)
+    )
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
