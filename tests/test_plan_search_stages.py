@@ -8,8 +8,10 @@ import pytest
 
 from plait.layout import Layout, check_stages, stage_blocks
 from plait.pipeline import stage_layers
+from plait.plan.cli import main
 from plait.plan.devices import device
 from plait.plan.models import preset
+from plait.plan.report import stage_split
 from plait.plan.schedule import pipeline_shape, pipeline_stages
 from plait.plan.search import evaluate, plan, stages_options
 from plait.plan.spec import Workload
@@ -87,3 +89,16 @@ def test_search_weighs_the_ends_unless_fixed() -> None:
     assert {c.layout.end_blocks for c in pinned} == {0, 1}
     best = evaluate(model, found[0].layout, work, h100)
     assert best.timing.step_time == pytest.approx(found[0].timing.step_time)
+
+
+def test_the_report_shows_the_blocks_of_each_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    llama3 = Layout(pp=16, schedule="Interleaved1F1B", stages_per_rank=8, end_blocks=1)
+    ends = "(the embedding on the first, the head on the last)"
+    assert stage_split(llama3, 126) == f"blocks per stage: 0, 1 x 126, 0 {ends}"
+    assert (
+        stage_split(Layout(pp=4, schedule="1F1B"), 10) == f"blocks per stage: 3 x 2, 2 x 2 {ends}"
+    )
+    flags = ["--preset", "llama3-405b", "--gpus", "8192", "--global-batch", "2048", "--top", "1"]
+    pinned = ["--pp", "16", "--schedule", "InterleavedZeroBubble", "--stages-per-rank", "8"]
+    assert main([*flags, *pinned, "--end-blocks", "1"]) == 0
+    assert f"  blocks per stage: 0, 1 x 126, 0 {ends}" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import math
 import shlex
 from typing import Any
 
-from plait.layout import CP, EP, flag
+from plait.layout import CP, EP, flag, stage_blocks
 from plait.plan.comm import Collective
 from plait.plan.models import flops_per_token, param_counts
 from plait.plan.search import Candidate, describe
@@ -31,6 +31,7 @@ __all__ = [
     "memory_parts",
     "size",
     "speed_flags",
+    "stage_split",
     "to_json",
     "torchrun_command",
     "train_command",
@@ -261,9 +262,10 @@ def format_plan(
     best = candidates[0]
     mem = best.memory
     parts = {**memory_parts(mem), **mem.extra}
+    lines += ["", "best, per rank: " + ", ".join(f"{k} {size(v)}" for k, v in parts.items())]
+    if best.layout.pp > 1:
+        lines.append("  " + stage_split(best.layout, model.layers))
     lines += [
-        "",
-        "best, per rank: " + ", ".join(f"{k} {size(v)}" for k, v in parts.items()),
         "  " + train_command(best.layout, model, work, device, speed),
         "  " + torchrun_command(best.layout, model, work, device, speed),
     ]
@@ -273,3 +275,17 @@ def format_plan(
             "with the same layout flags)"
         )
     return "\n".join(lines)
+
+
+def stage_split(layout: Layout, layers: int) -> str:
+    """The blocks of each pipeline stage in order, runs of equal stages folded:
+    ``blocks per stage: 0, 1 x 126, 0 (the embedding on the first, the head on the last)``."""
+    sizes = stage_blocks(layers, layout.n_stages, layout.end_blocks)
+    runs: list[list[int]] = []  # [size, count]
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    text = ", ".join(f"{size} x {count}" if count > 1 else str(size) for size, count in runs)
+    return f"blocks per stage: {text} (the embedding on the first, the head on the last)"
