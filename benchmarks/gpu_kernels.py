@@ -20,6 +20,10 @@ matching preset (:func:`planner_device`):
   the work grows linearly with ``cp``, and so does the planner's time: a ratio that climbs
   with ``cp`` is a kernel that slows down at long sequences, one candidate for torchtitan's
   published 128k-256k rows being slower than the planner predicts (issue 38);
+* ``ring merges``: torch's own merge of those blocks' outputs (``_SDPAMerger``, eager, as
+  ``context_parallel`` runs it without ``torch.compile``), beside the bytes the planner
+  charges it (:func:`plait.plan.stacks.cp_pass_bytes`); its rate is those bytes over the
+  time measured, to set beside the copy's;
 * ``stream``: a copy of 1 GiB (the bandwidth of the memory-bound passes).
 
 Each figure is the median of ``repeats`` timed calls after one warm-up call. The table's
@@ -161,6 +165,8 @@ def probes(device: str, planner: Planner | None) -> list[Probe]:
     for cp in degrees:
         shape = f"cp {cp}: {ring_tokens:,} of {cp * ring_tokens:,} tokens"
         out += _attention(device, heads, dim, ring_blocks(cp, ring_tokens), shape, planner, "ring")
+        if cp > 1:
+            out.append(_merges(device, heads, dim, cp, ring_tokens, shape, planner))
     nbytes = sizes["stream"]
     src = torch.empty(nbytes // 2, device=device, dtype=dtype).normal_()
     dst = torch.empty_like(src)
@@ -213,6 +219,42 @@ def _attention(
         Probe(f"{kind} fwd", shape, forward, flops, planned=planned(False)),
         Probe(f"{kind} bwd", shape, backward, 2.5 * flops, planned=planned(True)),
     ]
+
+
+def _merges(
+    device: str, heads: int, dim: int, cp: int, tokens: int, shape: str, planner: Planner | None
+) -> Probe:
+    """torch's own merge of one rank's ring blocks (``_SDPAMerger``, eager: fp32 outputs
+    weighted by their log-sum-exp, a half-query block merged into its half), beside the
+    bytes the planner charges it (:func:`plait.plan.stacks.cp_pass_bytes`, torch's eager
+    forward, the key/value copies apart)."""
+    import torch
+
+    blocks = ring_blocks(cp, tokens)
+    parts = [
+        (
+            torch.randn(1, heads, q, dim, device=device, dtype=torch.bfloat16),
+            torch.randn(1, heads, q, device=device, dtype=torch.float32),
+        )
+        for q, _, _ in blocks
+    ]
+
+    def run() -> object:
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _SDPAMerger,
+        )
+
+        merger = _SDPAMerger(convert_to_f32=True, seq_dim=2)
+        for (out, lse), (q, _, _) in zip(parts, blocks, strict=True):
+            merger.step(out, lse, partial=q < tokens)
+        return merger.results()
+
+    from plait.plan.stacks import STACKS, cp_pass_bytes
+
+    per_output, _ = cp_pass_bytes(STACKS["torchtitan"], "allgather", cp, 0.0, compiled=False)
+    nbytes = float(tokens * heads * dim) * per_output
+    planned = None if planner is None else planner.stream(nbytes)
+    return Probe("ring merges", shape, run, 0.0, nbytes, planned)
 
 
 def _flash(device: str) -> Any:

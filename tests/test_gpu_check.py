@@ -10,6 +10,7 @@ timings are noise on a shared CPU and are not checked, only that they exist.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -18,12 +19,19 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_check import CUDA_TESTS, missing_test_ids
-from benchmarks.gpu_kernels import Planner, attention_flops, planner_device, ring_blocks
+from benchmarks.gpu_kernels import (
+    SIZES,
+    Planner,
+    attention_flops,
+    planner_device,
+    probes,
+    ring_blocks,
+)
 from plait.plan.compute_time import EFFICIENCY
 from plait.plan.devices import device
 from plait.plan.models import preset
 from plait.plan.roofline import block_kernels, gemm_seconds, profile
-from plait.plan.stacks import stack
+from plait.plan.stacks import cp_pass_bytes, stack
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +88,15 @@ def test_cpu_smoke_gives_every_row(tmp_path: Path) -> None:
     assert re.search(r"Not run \(they need two or more GPUs\)", report)
     kernels = _kernel_rows(report)
     kinds = {kind for kind, _ in kernels}
-    assert kinds == {"gemm", "attention fwd", "attention bwd", "ring fwd", "ring bwd", "stream"}
+    assert kinds == {
+        "gemm",
+        "attention fwd",
+        "attention bwd",
+        "ring fwd",
+        "ring bwd",
+        "ring merges",
+        "stream",
+    }
     for key, cells in kernels.items():  # measured, no preset to compare with on a CPU
         assert float(cells[2].replace(",", "")) > 0 and cells[4] == "—", (key, cells)
 
@@ -130,6 +146,20 @@ def test_planner_figures_are_what_the_planner_charges() -> None:
             "h100",
         )
         assert planner.attention(ring, False) * EFFICIENCY == pytest.approx(at_cp.attention_fwd)
+    # torch's eager merges of one rank's blocks: what block_kernels adds to attention for
+    # torch's context_parallel outside torch.compile (the key/value copies apart).
+    merges = [p for p in probes("cpu", planner) if p.kind == "ring merges"]
+    assert merges
+    titan = stack("torchtitan")
+    for probe in merges:
+        cp = int(probe.shape.split(":")[0].removeprefix("cp "))
+        tokens, heads, dim = SIZES["cpu"]["ring"][0], *SIZES["cpu"]["attention"][1:]
+        tiny = dataclasses.replace(model, d_model=heads * dim, heads=heads, kv_heads=heads)
+        args = (tiny, 1, tokens, cp * tokens, cp, 2, False, prof, spec.flops, titan, False, "h100")
+        merged = cp_pass_bytes(titan, "allgather", cp, 0.0, compiled=False)
+        plain = block_kernels(*args).attention_fwd
+        charged = block_kernels(*args, cp_bytes=merged).attention_fwd - plain
+        assert probe.planned is not None and probe.planned * EFFICIENCY == pytest.approx(charged)
     assert planner.gemm(8192, 4096, 4096) * EFFICIENCY == pytest.approx(
         gemm_seconds(8192, 4096, 4096, spec.flops, prof, 2)
     )
