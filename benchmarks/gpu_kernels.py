@@ -113,9 +113,11 @@ class Planner:
 
     def attention(self, flops: float, backward: bool) -> float:
         """``flops``: the forward's, counted as the planner counts them (causal: half)."""
-        if backward:
-            return 2.5 * flops / (self.fractions[1] * self.peak) / self.sustained
-        return flops / (self.fractions[0] * self.peak) / self.sustained
+        from plait.plan.roofline import flash_seconds
+
+        return (
+            flash_seconds(flops, self.fractions, self.peak)[1 if backward else 0] / self.sustained
+        )
 
     def stream(self, nbytes: float) -> float:
         from plait.plan.roofline import elementwise_seconds

@@ -118,6 +118,7 @@ __all__ = [
     "attention_fractions",
     "block_kernels",
     "elementwise_seconds",
+    "flash_seconds",
     "gemm_fraction",
     "gemm_seconds",
     "head_kernels",
@@ -232,6 +233,14 @@ def attention_fractions(kernel: str, device: str, prof: KernelProfile) -> tuple[
     """Forward and backward fraction of the peak of the flash ``kernel`` on ``device``
     (the profile's FlashAttention-2 figures where the table has none)."""
     return ATTENTION.get((kernel, family(device)), (prof.attention_fwd, prof.attention_bwd))
+
+
+def flash_seconds(flops: float, fractions: tuple[float, float], peak: float) -> tuple[float, float]:
+    """Forward and backward seconds of a flash attention kernel whose forward computes
+    ``flops`` (a causal kernel's half counted), at the ``(forward, backward)`` fractions of
+    the peak :func:`attention_fractions` gives; backward computes ``2.5 x`` the forward
+    (five matmuls against two; module docstring)."""
+    return flops / (fractions[0] * peak), 2.5 * flops / (fractions[1] * peak)
 
 
 @dataclass(frozen=True)
@@ -405,10 +414,9 @@ def block_kernels(
         softmax = 2 * element + (2 * element + 1 if kernels.dropout else 0)
         scores = heads * seq_len * softmax
     else:
-        fwd_fraction, bwd_fraction = attention_fractions(kernels.attention, device, prof)
+        fractions = attention_fractions(kernels.attention, device, prof)
         attention = n * 4.0 * seq_len * q / tp / 2  # a causal kernel computes half
-        attn_fwd = attention / (fwd_fraction * peak)
-        attn_bwd = 2.5 * attention / (bwd_fraction * peak)
+        attn_fwd, attn_bwd = flash_seconds(attention, fractions, peak)
     outputs = n * q / tp  # merged and accumulated beside the kernels under cp
     attn_fwd += elementwise_seconds(outputs * cp_bytes[0], prof)
     attn_bwd += elementwise_seconds(outputs * cp_bytes[1], prof)

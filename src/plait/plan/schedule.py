@@ -303,13 +303,13 @@ def pipeline_shape(
     """
     if pp == 1:
         return PipelineShape((RankLoad(0, layers, layers, True, True, 1, 1, 1),), 1.0, 0.0)
-    spec = schedule_spec(schedule)
-    n_stages = pp * stages_per_rank
-    sizes = stage_blocks(layers, n_stages, end_blocks)
-    figures = _figures(spec.name, pp, n_stages, microbatches)
+    stages = pipeline_stages(layers, pp, schedule, stages_per_rank, end_blocks)
+    n_stages = len(stages)
+    sizes = [size for size, _ in stages]
+    figures = _figures(schedule_spec(schedule).name, pp, n_stages, microbatches)
     held: list[list[int]] = [[] for _ in range(pp)]  # per rank, its stages in order
-    for s in range(n_stages):
-        held[stage_to_rank(s, pp, spec.style)].append(s)
+    for s, (_, rank) in enumerate(stages):
+        held[rank].append(s)
     loads = []
     for rank, mine in enumerate(held):
         loads.append(
