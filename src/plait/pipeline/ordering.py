@@ -98,17 +98,19 @@ class Order:
     pairs: dict[int, tuple[OverlappedPair, ...]]
 
 
-def generated(name: str, shape: Shape, *, fsdp: bool) -> Order:
+def generated(name: str, shape: Shape, *, fsdp: bool, in_order: bool = False) -> Order:
     """The order of the schedule ``name`` (a key of SCHEDULES), lowered and checked;
-    ``fsdp``: add FSDP actions. Raises ValueError for a shape the schedule cannot run."""
+    ``fsdp``: add FSDP actions; ``in_order``: lowered for a backend that matches messages
+    in posting order (:mod:`~plait.pipeline.lowering`). Raises ValueError for a shape the
+    schedule cannot run."""
     spec = SCHEDULES[name]
     compute = generate(name, shape.n_ranks, shape.n_stages, shape.n_microbatches)
     placement = {s: stage_to_rank(s, shape.n_ranks, spec.style) for s in range(shape.n_stages)}
     pairs = {} if spec.pairs is None else spec.pairs(shape.n_ranks, shape.n_microbatches)
-    return install(compute, placement, shape, fsdp=fsdp, pairs=pairs)
+    return install(compute, placement, shape, fsdp=fsdp, pairs=pairs, in_order=in_order)
 
 
-def forward_only(name: str, shape: Shape, *, fsdp: bool) -> Order:
+def forward_only(name: str, shape: Shape, *, fsdp: bool, in_order: bool = False) -> Order:
     """torch's forward-only order: one stage per rank, every microbatch's forward in turn.
     Raises ValueError (naming ``name``) unless there are as many stages as ranks."""
     if shape.n_stages != shape.n_ranks:
@@ -118,7 +120,8 @@ def forward_only(name: str, shape: Shape, *, fsdp: bool) -> Order:
         )
     m = range(shape.n_microbatches)
     compute = {r: [Action(r, K.FORWARD, i) for i in m] for r in range(shape.n_ranks)}
-    return install(compute, {s: s for s in range(shape.n_stages)}, shape, fsdp=fsdp)
+    placement = {s: s for s in range(shape.n_stages)}
+    return install(compute, placement, shape, fsdp=fsdp, in_order=in_order)
 
 
 def given(
@@ -128,6 +131,7 @@ def given(
     shape: Shape,
     *,
     fsdp: bool,
+    in_order: bool = False,
 ) -> Order:
     """An order handed over as data (rank -> actions), torch's
     ``_prepare_schedule_with_comms``: plait actions or pairs, or objects read by their text
@@ -158,7 +162,7 @@ def given(
     missing = [s for s in range(shape.n_stages) if s not in owners]
     if missing:
         raise ScheduleError(f"{name}: the schedule never runs stages {missing} of {shape.n_stages}")
-    return install(schedule, owners, shape, fsdp=fsdp, pairs=pairs)
+    return install(schedule, owners, shape, fsdp=fsdp, pairs=pairs, in_order=in_order)
 
 
 def check_format(format: str) -> None:
@@ -176,6 +180,7 @@ def install(
     *,
     fsdp: bool,
     pairs: Pairs | None = None,
+    in_order: bool = False,
 ) -> Order:
     """Adopt ``schedule`` (compute-only, or already lowered with communication actions):
     lower it (adding FSDP actions if ``fsdp``), derive the forward-only order, check both,
@@ -191,18 +196,22 @@ def install(
         _check(train, placement, shape)
         simulate(forwards)  # a subsequence of a deadlock-free order: checked all the same
     else:
-        train = _lower(compute, placement, shape, fsdp)
+        train = _lower(compute, placement, shape, fsdp, in_order)
         forwards = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in compute.items()}
-        forwards = _lower(forwards, placement, shape, fsdp)
+        forwards = _lower(forwards, placement, shape, fsdp, in_order)
     checked = {r: tuple(ps) for r, ps in (pairs or {}).items() if ps}
     for rank, rank_pairs in checked.items():
         _check_pairs(rank, compute.get(rank, []), rank_pairs)
     return Order(compute, train, forwards, dict(placement), checked)
 
 
-def _lower(compute: Schedule, placement: Placement, shape: Shape, fsdp: bool) -> Schedule:
+def _lower(
+    compute: Schedule, placement: Placement, shape: Shape, fsdp: bool, in_order: bool
+) -> Schedule:
     """Add communication (and FSDP) actions to ``compute`` and check the result."""
-    schedule = add_communication(compute, shape.n_ranks, placement, shape.n_stages)
+    schedule = add_communication(
+        compute, shape.n_ranks, placement, shape.n_stages, in_order=in_order
+    )
     if fsdp:  # each rank lowers its own FSDP actions: they involve no other rank
         schedule = add_fsdp_actions(schedule)
     _check(schedule, placement, shape)

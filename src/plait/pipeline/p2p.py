@@ -21,7 +21,9 @@ Before any agreement the first message is the header alone. The sender knows eve
 up front and posts all of it at once; the receiver posts the first message's receive
 early (:class:`P2PBatch`) and, when the data is needed, waits for it, then (only on
 change) for the metadata, then for the payload. No extra message in the steady state, and
-no hang when shapes change.
+no hang when shapes change. Where messages match in posting order (below), a change after
+the first agreement travels through the job's key-value store instead (the header message
+still on the link), since the receiver could only post the two extra messages late.
 
 Gradient messages start with the same header (always ``0`` in a normal step). A negative
 header ``-K`` in either kind of message means **abort**: the sender failed in this step,
@@ -37,9 +39,19 @@ A DTensor travels as its local tensor; its layout is part of the activation meta
 (:mod:`plait.pipeline.dtensors`), so a change of layout is a change of metadata too.
 
 Messages are told apart by tags (stage, microbatch, direction, part), so the order of
-operations between two ranks does not matter on gloo. NCCL ignores tags and matches
-messages in posting order; the generated schedules post in matching order in the steady
-state.
+operations between two ranks does not matter on gloo. NCCL (and every backend of device
+tensors) ignores tags and matches the messages between two ranks in posting order, runs a
+communicator's operations one batch after another, and gives one work for a whole batch
+(:func:`matches_in_order`). There the runtime posts every send and receive at its place
+in the schedule, none ahead (the lowering places each receive where its send happens:
+:mod:`plait.pipeline.lowering`). The first activation receive of a microbatch (no
+agreement yet) is *settled* as soon as it is posted, its batch ending with it: the
+runtime waits for the header and receives the metadata and payload at once, so that they
+follow the header at both ends before anything else this rank posts. A later change of
+metadata (a new sequence length, a switch between training and eval) sends the header
+message alone on the link, and the metadata and payload through the job's store
+(:func:`_put_change`): slower, but the receiver never has to post a message out of its
+place. Steady-state transfers are one message, waited for where they are consumed.
 
 Every operation is noted with :func:`plait.spmd.record_p2p` and waited for through
 :func:`plait.spmd.wait`, named by its *owner* (e.g. "gradients of pipeline stage 1
@@ -49,10 +61,8 @@ deadline with a report instead of hanging.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -61,7 +71,19 @@ import torch.distributed as dist
 
 from plait import spmd
 from plait.hooks import traced
-from plait.pipeline.dtensors import DTensorLayout, decode_layout, encode_layout
+from plait.pipeline.wire import (
+    HEADER,
+    Meta,
+    TensorMeta,
+    decode_meta,
+    encode_meta,
+    header_buffer,
+    meta_of,
+    offsets_of,
+    pack,
+    read_header,
+    unpack,
+)
 
 __all__ = [
     "ActivationRecv",
@@ -75,6 +97,7 @@ __all__ = [
     "abort_reason",
     "decode_meta",
     "encode_meta",
+    "matches_in_order",
     "meta_of",
     "prune_sends",
     "publish_abort",
@@ -83,127 +106,11 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    """What a receiver needs to allocate one tensor of a transfer."""
-
-    shape: tuple[int, ...]  # of the local tensor, for a DTensor
-    dtype: torch.dtype
-    requires_grad: bool
-    layout: DTensorLayout | None = None  # a DTensor's, rebuilt by the receiver
-
-
-Meta = tuple[TensorMeta, ...]
-
-# Dtype <-> small integer for the wire; the order is part of the protocol.
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-_ALIGN = 16  # bytes: every tensor of a packed buffer starts at a multiple of this
-_HEADER = _ALIGN  # every message's header: one int64, padded to the alignment
-
-
-def meta_of(
-    tensors: Sequence[torch.Tensor], layouts: Sequence[DTensorLayout | None] | None = None
-) -> Meta:
-    """The metadata of plain tensors; ``layouts`` marks the local tensors of DTensors."""
-    if layouts is None:
-        layouts = [None] * len(tensors)
-    return tuple(
-        TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, layout)
-        for t, layout in zip(tensors, layouts, strict=True)
-    )
-
-
-def encode_meta(meta: Meta) -> torch.Tensor:
-    """``[n, (dtype code, requires_grad, ndim, *shape, is DTensor, *layout) per tensor]``
-    as int64 (the layout encoded by :func:`~plait.pipeline.dtensors.encode_layout`)."""
-    values = [len(meta)]
-    for m in meta:
-        if m.dtype not in _DTYPE_CODE:
-            raise TypeError(f"pipeline stages cannot send tensors of dtype {m.dtype}")
-        values += [_DTYPE_CODE[m.dtype], int(m.requires_grad), len(m.shape), *m.shape]
-        values += [0] if m.layout is None else [1, *encode_layout(m.layout)]
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def decode_meta(encoded: torch.Tensor) -> Meta:
-    values = encoded.tolist()
-    metas, pos = [], 1
-    for _ in range(values[0]):
-        code, requires_grad, ndim = values[pos : pos + 3]
-        shape = tuple(values[pos + 3 : pos + 3 + ndim])
-        pos += 3 + ndim
-        layout = None
-        if values[pos]:
-            layout, pos = decode_layout(values, pos + 1)
-        else:
-            pos += 1
-        metas.append(TensorMeta(shape, _DTYPES[code], bool(requires_grad), layout))
-    return tuple(metas)
-
-
-def _offsets(meta: Meta, start: int) -> tuple[list[int], int]:
-    """Byte offset of each tensor in a packed buffer, and the buffer's size."""
-    offsets, end = [], start
-    for m in meta:
-        offsets.append(end)
-        end += -(-_nbytes(m) // _ALIGN) * _ALIGN
-    return offsets, end
-
-
-def _nbytes(m: TensorMeta) -> int:
-    return m.dtype.itemsize * math.prod(m.shape)
-
-
-def _pack(
-    tensors: Sequence[torch.Tensor], meta: Meta, start: int, device: torch.device
-) -> torch.Tensor:
-    """One byte buffer: ``start`` bytes for a header (holding 0: "as agreed"), then each
-    tensor at its offset."""
-    offsets, size = _offsets(meta, start)
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
-    if start:
-        _write_header(buf, 0)
-    for t, m, off in zip(tensors, meta, offsets, strict=True):
-        _view(buf, m, off).copy_(t.detach())
-    return buf
-
-
-def _unpack(buf: torch.Tensor, meta: Meta, offsets: list[int]) -> list[torch.Tensor]:
-    """Views of ``buf``'s tensors at ``offsets`` (fresh leaves: the caller may set
-    requires_grad)."""
-    return [_view(buf, m, off).detach() for m, off in zip(meta, offsets, strict=True)]
-
-
-def _view(buf: torch.Tensor, m: TensorMeta, offset: int) -> torch.Tensor:
-    return buf[offset : offset + _nbytes(m)].view(m.dtype).view(m.shape)
-
-
-def _header(value: int, size: int, device: torch.device) -> torch.Tensor:
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
-    _write_header(buf, value)
-    return buf
-
-
-def _write_header(buf: torch.Tensor, value: int) -> None:
-    buf[:8].view(torch.int64).fill_(value)
-
-
-def _read_header(buf: torch.Tensor) -> int:
-    return int(buf[:8].view(torch.int64).item())
+def matches_in_order(device: torch.device) -> bool:
+    """Whether the backend moving ``device``'s tensors matches messages in posting order
+    (NCCL and the backends of other accelerators) rather than by tag (gloo, for CPU
+    tensors); module docstring."""
+    return device.type != "cpu"
 
 
 class PipelineAbort(RuntimeError):
@@ -283,27 +190,42 @@ class ActivationRecv(_Recv):
     ) -> None:
         super().__init__(peer, owner, group, device)
         self.agreed, self.tag = agreed, tag
-        self.offsets, size = ([], _HEADER) if agreed is None else _offsets(agreed, _HEADER)
+        self.offsets, size = ([], HEADER) if agreed is None else offsets_of(agreed, HEADER)
         self.part = _Part.HEADER if agreed is None else _Part.PACKED
         self.first = torch.empty(size, dtype=torch.uint8, device=device)
+        self._result: tuple[Meta, list[torch.Tensor]] | None = None
+        self.in_order = False  # set by the batch: a change arrives through the store
 
     def wait(self) -> tuple[Meta, list[torch.Tensor]]:
         """The transfer's metadata and tensors; fetches the follow-up messages on change."""
         with traced("plait.pipeline.recv_wait"):
-            self._wait_posted()
-            length = _read_header(self.first)
-            if length < 0:
-                self._raise_abort(-length)
-            if length == 0:
-                assert self.agreed is not None
-                return self.agreed, _unpack(self.first, self.agreed, self.offsets)
-            encoded = torch.empty(length, dtype=torch.int64, device=self.device)
-            self._receive(encoded, _Part.META)
-            meta = decode_meta(encoded.cpu())
-            offsets, size = _offsets(meta, 0)
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._receive(buf, _Part.NEW_PAYLOAD)
-            return meta, _unpack(buf, meta, offsets)
+            return self.settle()
+
+    def settle(self) -> tuple[Meta, list[torch.Tensor]]:
+        """Wait for the first message and, on change, receive the metadata and payload
+        that follow it; once (later calls give the same result)."""
+        if self._result is not None:
+            return self._result
+        self._wait_posted()
+        length = read_header(self.first)
+        if length < 0:
+            self._raise_abort(-length)
+        if length == 0:
+            assert self.agreed is not None
+            self._result = self.agreed, unpack(self.first, self.agreed, self.offsets)
+            return self._result
+        if self.in_order and self.agreed is not None:
+            meta, buf = _take_change(self.peer, self.tag, self.device)
+            self._result = meta, unpack(buf, meta, offsets_of(meta, 0)[0])
+            return self._result
+        encoded = torch.empty(length, dtype=torch.int64, device=self.device)
+        self._receive(encoded, _Part.META)
+        meta = decode_meta(encoded.cpu())
+        offsets, size = offsets_of(meta, 0)
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._receive(buf, _Part.NEW_PAYLOAD)
+        self._result = meta, unpack(buf, meta, offsets)
+        return self._result
 
 
 class GradientRecv(_Recv):
@@ -320,7 +242,7 @@ class GradientRecv(_Recv):
     ) -> None:
         super().__init__(peer, owner, group, device)
         self.meta, self.tag = meta, tag
-        self.offsets, size = _offsets(meta, _HEADER)
+        self.offsets, size = offsets_of(meta, HEADER)
         self.buf = torch.empty(size, dtype=torch.uint8, device=device)
 
     def wait(self) -> list[torch.Tensor]:
@@ -328,10 +250,10 @@ class GradientRecv(_Recv):
             if not self.meta:
                 return []  # nothing was sent
             self._wait_posted()
-            header = _read_header(self.buf)
+            header = read_header(self.buf)
             if header < 0:
                 self._raise_abort(-header)
-            return _unpack(self.buf, self.meta, self.offsets)
+            return unpack(self.buf, self.meta, self.offsets)
 
 
 SentTensor = tuple[dist.Work, torch.Tensor, str]
@@ -349,9 +271,12 @@ class P2PBatch:
     :func:`wait_sends`).
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, device: torch.device, in_order: bool = False
+    ) -> None:
         self.group = group
         self.device = device
+        self.in_order = in_order  # the backend matches messages in posting order
         self.ops: list[dist.P2POp] = []
         self.recvs: list[_Recv | None] = []  # per op: the receive it completes
         self.whats: list[str] = []  # per op: what it is, for error reports
@@ -384,25 +309,29 @@ class P2PBatch:
         when it says more than their own (DTensor layouts)."""
         meta = meta_of(tensors) if meta is None else meta
         if meta == agreed:
-            buf = _pack(tensors, meta, _HEADER, self.device)
+            buf = pack(tensors, meta, HEADER, self.device)
             self._send(buf, peer, tag + _Part.PACKED, owner)
             return meta
         encoded = encode_meta(meta)
         if agreed is None:
-            header = _header(encoded.numel(), _HEADER, self.device)
+            header = header_buffer(encoded.numel(), HEADER, self.device)
             self._send(header, peer, tag + _Part.HEADER, owner)
         else:  # the size the receiver posted, with "changed" in the header
-            size = _offsets(agreed, _HEADER)[1]
-            header = _header(encoded.numel(), size, self.device)
+            size = offsets_of(agreed, HEADER)[1]
+            header = header_buffer(encoded.numel(), size, self.device)
             self._send(header, peer, tag + _Part.PACKED, owner)
+            if self.in_order:  # the rest goes through the store (module docstring)
+                _put_change(peer, tag, encoded, pack(tensors, meta, 0, torch.device("cpu")))
+                return meta
         self._send(encoded.to(self.device), peer, tag + _Part.META, owner)
-        self._send(_pack(tensors, meta, 0, self.device), peer, tag + _Part.NEW_PAYLOAD, owner)
+        self._send(pack(tensors, meta, 0, self.device), peer, tag + _Part.NEW_PAYLOAD, owner)
         return meta
 
     def recv_activations(
         self, agreed: Meta | None, peer: int, tag: int, owner: str
     ) -> ActivationRecv:
         recv = ActivationRecv(agreed, peer, tag, owner, self.group, self.device)
+        recv.in_order = self.in_order
         self._recv(recv.first, peer, tag + recv.part, recv)
         return recv
 
@@ -410,7 +339,7 @@ class P2PBatch:
         self, tensors: Sequence[torch.Tensor], peer: int, tag: int, owner: str
     ) -> None:
         if tensors:
-            buf = _pack(tensors, meta_of(tensors), _HEADER, self.device)
+            buf = pack(tensors, meta_of(tensors), HEADER, self.device)
             self._send(buf, peer, tag + _Part.PACKED, owner)
 
     def recv_gradients(self, meta: Meta, peer: int, tag: int, owner: str) -> GradientRecv:
@@ -427,9 +356,9 @@ class P2PBatch:
         the metadata of the message the peer posted (header only if None, which gloo
         accepts into any larger buffer); ``first``: the peer posted an activation
         transfer's header alone (no agreement yet)."""
-        size = _HEADER if expected is None else _offsets(expected, _HEADER)[1]
+        size = HEADER if expected is None else offsets_of(expected, HEADER)[1]
         part = _Part.HEADER if first else _Part.PACKED
-        self._send(_header(-key, size, self.device), peer, tag + part, owner)
+        self._send(header_buffer(-key, size, self.device), peer, tag + part, owner)
 
     def post(self) -> list[SentTensor]:
         """Issue every operation in one batch; returns the sends in flight."""
@@ -437,11 +366,9 @@ class P2PBatch:
             return []
         with traced("plait.pipeline.p2p_post"):
             works = dist.batch_isend_irecv(self.ops)
-        if len(works) != len(self.ops):  # a coalescing backend (NCCL): one work for all
-            what = "point-to-point batch: " + "; ".join(self.whats)
-            for work in works:
-                spmd.wait(work, what)
-            return []
+        if len(works) != len(self.ops):  # a coalescing backend (NCCL): one work for all,
+            (work,) = works  # which each operation's waiter waits for
+            works = [work] * len(self.ops)
         sent = []
         for op, recv, what, work in zip(self.ops, self.recvs, self.whats, works, strict=True):
             if recv is not None:
@@ -462,6 +389,42 @@ def publish_abort(reason: str) -> int:
 def abort_reason(key: int) -> str:
     """The reason :func:`publish_abort` put under ``key``."""
     return spmd.default_store().get(_abort_key(key)).decode(errors="replace")
+
+
+_changes: dict[str, int] = {}
+"""Per link and transfer tag: the changes of metadata sent or received so far (both ends
+count alike, so each change has its own key in the store)."""
+
+
+def _change_key(sender: int, receiver: int, tag: int) -> str:
+    link = f"plait/pipeline_change/{sender}->{receiver}/{tag}"
+    n = _changes[link] = _changes.get(link, 0) + 1
+    return f"{link}/{n}"
+
+
+def _put_change(peer: int, tag: int, encoded: torch.Tensor, payload: torch.Tensor) -> None:
+    """Put a changed transfer's metadata and payload (on the CPU) in the job's store for
+    ``peer``: where messages match in posting order, a message the receiver could not
+    post in its place would hang (module docstring)."""
+    size = encoded.numel().to_bytes(8, "little")
+    blob = size + encoded.numpy().tobytes() + payload.numpy().tobytes()
+    key = _change_key(dist.get_rank(), peer, tag)
+    spmd.default_store().set(key, blob)  # type: ignore[arg-type]  # bytes: torch's stub says str
+
+
+def _take_change(peer: int, tag: int, device: torch.device) -> tuple[Meta, torch.Tensor]:
+    """The metadata and payload :func:`_put_change` put for this rank, removed from the
+    store; the payload as a byte buffer on ``device``."""
+    store, key = spmd.default_store(), _change_key(peer, dist.get_rank(), tag)
+    blob = bytearray(store.get(key))
+    store.delete_key(key)
+    n = int.from_bytes(blob[:8], "little")
+    encoded = torch.frombuffer(blob, dtype=torch.int64, offset=8, count=n)
+    start = 8 + 8 * n
+    if start == len(blob):  # a transfer of empty tensors (frombuffer refuses no bytes)
+        return decode_meta(encoded), torch.empty(0, dtype=torch.uint8, device=device)
+    payload = torch.frombuffer(blob, dtype=torch.uint8, offset=start)
+    return decode_meta(encoded), payload.to(device)
 
 
 def _abort_key(key: int) -> str:

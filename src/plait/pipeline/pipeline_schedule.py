@@ -53,6 +53,7 @@ from typing import Any, ClassVar
 import torch
 
 from plait import spmd
+from plait.pipeline import p2p
 from plait.pipeline.actions import OVERLAP_F_B, Schedule
 from plait.pipeline.agreement import Agreement
 from plait.pipeline.custom import CustomFunction
@@ -125,6 +126,8 @@ class PipelineSchedule:
         first = next(iter(self._stages.values()))
         self._shape = Shape(first.group_size, first.num_stages, n_microbatches)
         self._group_rank, self._group, self._device = first.group_rank, first.group, first.device
+        # How the backend matches messages decides where the order places its receives.
+        self._in_order = p2p.matches_in_order(self._device)
         self._syncs = {
             i: sync for i, s in self._stages.items() if (sync := StageGradSync(s.submod)).active
         }
@@ -149,7 +152,7 @@ class PipelineSchedule:
         """This class's order (None: the classes whose order is given later)."""
         if self.name not in SCHEDULES:
             return None
-        return generated(self.name, self._shape, fsdp=bool(self._syncs))
+        return generated(self.name, self._shape, fsdp=bool(self._syncs), in_order=self._in_order)
 
     def _adopt(self, order: Order) -> None:
         """Run ``order`` from now on: check this rank holds exactly its stages, connect them
@@ -182,7 +185,10 @@ class PipelineSchedule:
         :func:`~plait.pipeline.ordering.given` (torch's ``_Action`` lists work too, their
         ``OVERLAP_F_B`` pairs included). Raises ScheduleError (a ValueError) naming the
         rank and action if the order cannot run."""
-        self._adopt(given(self.name, actions, format, self._shape, fsdp=bool(self._syncs)))
+        fsdp = bool(self._syncs)
+        self._adopt(
+            given(self.name, actions, format, self._shape, fsdp=fsdp, in_order=self._in_order)
+        )
 
     def _load_csv(
         self, filename: str | os.PathLike[str], format: CsvFormat = "compute_only"
@@ -290,6 +296,7 @@ class PipelineSchedule:
                 data,
                 agreement=None if agreement is None or agreement.agreed else agreement,
                 custom=custom,
+                in_order=self._in_order,
             )
         spmd.check("end of a pipeline step")
         return self._finish(result, losses, inputs.return_outputs)

@@ -55,6 +55,7 @@ from plait.pipeline.custom import CustomFunction, _PipelineContext
 from plait.pipeline.grad_sync import StageGradSync
 from plait.pipeline.ordering import pair_steps
 from plait.pipeline.p2p import (
+    ActivationRecv,
     P2PBatch,
     PipelineAbort,
     SentTensor,
@@ -122,15 +123,18 @@ def run_actions(
     *,
     agreement: Agreement | None = None,
     custom: CustomRun | None = None,
+    in_order: bool = False,
 ) -> StepResult:
     """Run ``actions`` (this rank's list) over ``stages`` (this rank's, by index).
 
     ``agreement`` (the first run's) is checked once, just before this rank first sends to
     or receives from another rank: its collective comes before every message of the step
     on every rank (NCCL runs a communicator's operations in the order issued). On failure
-    the other ranks are told (module docstring) and the error is raised.
+    the other ranks are told (module docstring) and the error is raised. ``in_order``: the
+    backend matches messages in posting order (:func:`plait.pipeline.p2p.matches_in_order`)
+    and ``actions`` were lowered for it.
     """
-    runner = _Runner(actions, stages, syncs, data, agreement, custom)
+    runner = _Runner(actions, stages, syncs, data, agreement, custom, in_order)
     for stage in stages.values():
         stage.begin_step()
     for sync in syncs.values():
@@ -155,7 +159,7 @@ def run_actions(
         remaining = [*runner.pending, *(a for s in steps[done:] for a in _actions_of(s))]
         failed_here = isinstance(error, Exception)  # not an interrupt
         if runner.messaged or (agreement is None and failed_here):
-            abort_step(remaining, stages, error)  # the neighbours are in the step
+            abort_step(remaining, stages, error, in_order)  # the neighbours are in the step
         elif runner.agreement is not None and failed_here:
             runner.agreement.report_failure(error)  # they wait in the agreement
         # else: the agreement itself failed, on every rank alike: nothing is pending
@@ -186,7 +190,10 @@ def _finish_sends(sent: list[SentTensor]) -> None:
 
 
 def abort_step(
-    remaining: Sequence[Action], stages: Mapping[int, PipelineStage], error: BaseException
+    remaining: Sequence[Action],
+    stages: Mapping[int, PipelineStage],
+    error: BaseException,
+    in_order: bool,
 ) -> None:
     """Tell each neighbour waiting for one of ``remaining`` (this rank's actions not yet
     posted, in order) that this rank's step failed with ``error``: an abort replaces the
@@ -195,8 +202,8 @@ def abort_step(
 
     Which sends: on a backend that matches messages by tag (gloo) every remaining one,
     since the peer posts receives ahead and may be waiting for any of them (which one
-    depends on timing); on one that matches in order (NCCL) the first to each peer, which
-    is the receive the peer waits for next.
+    depends on timing); on one that matches in order (``in_order``: NCCL) the first to
+    each peer, which is the receive the peer waits for next.
     """
     any_stage = next(iter(stages.values()))
     try:
@@ -205,7 +212,6 @@ def abort_step(
         else:
             where = f"pipeline rank {any_stage.group_rank} (global rank {dist.get_rank()})"
             key, skip = publish_abort(f"{where} failed: {type(error).__name__}: {error}"), set()
-        in_order = dist.get_backend(any_stage.group) == "nccl"
         told: set[int] = set()
         batch = P2PBatch(any_stage.group, any_stage.device)
         for action in remaining:
@@ -239,6 +245,7 @@ class _Runner:
         data: StepData,
         agreement: Agreement | None,
         custom: CustomRun | None,
+        in_order: bool,
     ) -> None:
         self.stages = stages
         self.syncs = syncs
@@ -270,7 +277,9 @@ class _Runner:
         self.recvs = [a for s in self.steps for a in _actions_of(s) if a.kind in _RECVS]
         self.posted = 0  # self.recvs[:posted] have been posted
         self.reached = 0  # receive actions the schedule has reached
-        self.ahead = _AHEAD_PER_STAGE * len(stages)
+        # Where messages match in posting order, no receive is posted ahead (flush).
+        self.in_order = in_order
+        self.ahead = 0 if self.in_order else _AHEAD_PER_STAGE * len(stages)
 
     def run(self, action: Action) -> None:
         """Queue a communication action; run any other, or its custom function."""
@@ -350,17 +359,24 @@ class _Runner:
 
         Receives are posted in schedule order (so every pair of ranks sees its messages
         in the same order) and waited for by the compute action that consumes them.
+        Where messages match in posting order, every action is posted in its place, none
+        ahead, and the batch ends after an activation receive that has no agreed metadata
+        yet, which is settled then (module docstring of :mod:`plait.pipeline.p2p`).
         """
         if not self.pending and self.posted == len(self.recvs):
             return  # nothing to send and every receive posted
-        batch = P2PBatch(self.group, self.device)
+        batch = P2PBatch(self.group, self.device, self.in_order)
         for action in self.pending:
             if action.kind in _RECVS:
                 self.reached += 1  # posted below, if it was not already
+                if self.in_order:
+                    batch = self.queue_receives(batch)
             else:
                 self.queue_send(action, batch)
         self.pending.clear()
-        self.queue_receives(batch)
+        self.post(self.queue_receives(batch))
+
+    def post(self, batch: P2PBatch) -> None:
         if batch:
             agreement, self.agreement = self.agreement, None
             if agreement is not None:
@@ -369,9 +385,10 @@ class _Runner:
             prune_sends(self.sent)  # free the buffers of sends that have completed
             self.sent += batch.post()
 
-    def queue_receives(self, batch: P2PBatch) -> None:
+    def queue_receives(self, batch: P2PBatch) -> P2PBatch:
         """Every receive the schedule has reached, and those within the look-ahead whose
-        buffers can be sized (a gradient's, once its forward ran)."""
+        buffers can be sized (a gradient's, once its forward ran); returns the batch to
+        go on with (a new one after an activation receive that had to be settled)."""
         while self.posted < len(self.recvs):
             action = self.recvs[self.posted]
             stage = self.stages[action.stage]
@@ -379,14 +396,21 @@ class _Runner:
             assert mb is not None
             if self.posted >= self.reached:  # ahead of the schedule: only if allowed
                 if self.posted >= self.reached + self.ahead:
-                    return
+                    break
                 if action.kind is K.RECV_B and not stage.can_recv_gradients(mb):
-                    return
-            if action.kind is K.RECV_F:
-                stage.recv_activations(mb, batch)
-            else:
-                stage.recv_gradients(mb, batch)
+                    break
             self.posted += 1
+            if action.kind is K.RECV_B:
+                stage.recv_gradients(mb, batch)
+                continue
+            stage.recv_activations(mb, batch)
+            recv = batch.recvs[-1]
+            assert isinstance(recv, ActivationRecv)
+            if self.in_order and recv.agreed is None:  # the first: its metadata follows
+                self.post(batch)
+                recv.settle()
+                batch = P2PBatch(self.group, self.device, self.in_order)
+        return batch
 
     def queue_send(self, action: Action, batch: P2PBatch) -> None:
         stage = self.stages[action.stage]

@@ -204,7 +204,7 @@ class _ScheduleForwardOnly(PipelineScheduleSingle):
     name = "ForwardOnly"
 
     def _generate(self) -> Order:
-        return forward_only(self.name, self._shape, fsdp=bool(self._syncs))
+        return forward_only(self.name, self._shape, fsdp=bool(self._syncs), in_order=self._in_order)
 
     def step(
         self,

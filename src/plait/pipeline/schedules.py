@@ -28,8 +28,8 @@ from plait.pipeline.actions import (
     OverlappedPair,
     Schedule,
     Style,
-    stage_to_rank,
 )
+from plait.pipeline.lowering import add_communication
 
 __all__ = [
     "SCHEDULES",
@@ -418,54 +418,6 @@ def generate(
     if communication:
         schedule = add_communication(schedule, n_ranks, spec.style)
     return add_fsdp_actions(schedule) if fsdp else schedule
-
-
-def add_communication(
-    schedule: Schedule,
-    n_ranks: int,
-    style: Style | Mapping[int, int],
-    n_stages: int | None = None,
-) -> Schedule:
-    """Insert the sends and receives a compute-only schedule needs between ranks.
-
-    ``style`` is the placement: a :data:`~plait.pipeline.actions.Style`, or an explicit
-    ``{stage: rank}`` mapping (for schedules loaded from a file).
-
-    After every F whose next stage lives on another rank: ``SEND_F``; after every B / I
-    whose previous stage lives on another rank: ``SEND_B``; right before every F / B / I
-    that consumes data from another rank: the matching ``RECV_F`` / ``RECV_B``. Neighbour
-    stages on the same rank (the turn of the V) exchange nothing. Because sends are
-    asynchronous and a receive sits right before its consumer, the result deadlocks only
-    if the compute schedule itself does. ``n_stages`` defaults to 1 + the largest stage.
-    """
-    if any(a.kind.is_comm for actions in schedule.values() for a in actions):
-        raise ValueError("add_communication: the schedule already has send / receive actions")
-    last = max((a.stage for acts in schedule.values() for a in acts), default=0)
-    n = last + 1 if n_stages is None else n_stages
-
-    def remote(stage: int, rank: int) -> bool:
-        if not 0 <= stage < n:
-            return False
-        owner = (
-            style.get(stage) if isinstance(style, Mapping) else stage_to_rank(stage, n_ranks, style)
-        )
-        return owner != rank
-
-    out: Schedule = {}
-    for rank, actions in schedule.items():
-        out[rank] = []
-        for a in actions:
-            s, i = a.stage, a.microbatch
-            if a.kind is K.FORWARD and remote(s - 1, rank):
-                out[rank].append(Action(s, K.RECV_F, i))
-            if a.kind.produces_input_grad and remote(s + 1, rank):
-                out[rank].append(Action(s, K.RECV_B, i))
-            out[rank].append(a)
-            if a.kind is K.FORWARD and remote(s + 1, rank):
-                out[rank].append(Action(s, K.SEND_F, i))
-            if a.kind.produces_input_grad and remote(s - 1, rank):
-                out[rank].append(Action(s, K.SEND_B, i))
-    return out
 
 
 def add_fsdp_actions(schedule: Schedule) -> Schedule:

@@ -1,0 +1,128 @@
+"""Pipelines on a backend that matches messages in posting order (NCCL), tested on CPU.
+
+NCCL ignores tags, matches the messages between two ranks in the order they were posted,
+runs a rank's operations one batch after another and gives one work per batch; gloo does
+none of these, so the rest of the suite cannot see an order that would hang GPUs, or a
+message that would land in the wrong buffer. Here the lowering for such a backend
+(:mod:`plait.pipeline.lowering`) is replayed on paper under NCCL's rules for every
+schedule over many shapes, and whole training and eval steps run under an emulation of
+those rules on gloo (:mod:`in_order_p2p`), each checked against one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.pipeline import SCHEDULE_CLASSES, SCHEDULES, p2p
+from plait.pipeline.actions import ActionKind, stage_to_rank
+from plait.pipeline.lowering import add_communication
+from plait.pipeline.schedules import generate, schedule_spec
+
+import test_pipeline_runtime as runtime_tests
+import test_pipeline_stage_api as stage_api_tests
+from harness import run_on_ranks
+from in_order_p2p import in_order_p2p, replay_in_order
+
+K = ActionKind
+
+
+def _shapes(name: str) -> list[tuple[int, int, int]]:
+    """(ranks, stages, microbatches) to replay ``name`` at: 2 to 8 ranks, 1 to 3 stages
+    per rank where the schedule takes them, the fewest microbatches, an odd count and
+    more than twice the stages."""
+    spec = schedule_spec(name)
+    shapes = []
+    for ranks in (2, 3, 4, 8):
+        for per_rank in (spec.stages_per_rank,) if spec.stages_per_rank else (1, 2, 3):
+            stages = per_rank * ranks
+            fewest = spec.min_microbatches(stages)
+            for m in sorted({fewest, max(fewest, 5), 2 * stages + 1}):
+                shapes.append((ranks, stages, m))
+    return shapes
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_lowered_in_order_runs_under_nccls_rules(name: str) -> None:
+    style = schedule_spec(name).style
+    for ranks, stages, m in _shapes(name):
+        owners = {s: stage_to_rank(s, ranks, style) for s in range(stages)}
+        compute = generate(name, ranks, stages, m)
+        forwards = {
+            r: [a for a in acts if a.kind is ActionKind.FORWARD] for r, acts in compute.items()
+        }
+        for order in (compute, forwards):  # training, and eval's forwards only
+            lowered = add_communication(order, ranks, owners, stages, in_order=True)
+            assert replay_in_order(lowered, owners) is None, (name, ranks, stages, m)
+
+
+def test_receives_beside_their_consumers_would_hang_on_nccl() -> None:
+    # The lowering for gloo (receive right before its consumer) is not enough there: on
+    # two ranks the interleaved schedules hang or cross their messages.
+    owners = {s: stage_to_rank(s, 2, "loop") for s in range(4)}
+    for name in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):
+        lowered = add_communication(generate(name, 2, 4, 4), 2, owners, 4)
+        assert replay_in_order(lowered, owners) is not None, name
+    lowered = add_communication(generate("1F1B", 2, 2, 4), 2, {0: 0, 1: 1}, 2)
+    assert replay_in_order(lowered, {0: 0, 1: 1}) is None  # one stage per rank is fine
+
+
+def _in_order(body: object, *args: object) -> object:
+    """Run a test body of another module with NCCL's rules emulated (on every rank)."""
+    with in_order_p2p():
+        return body(*args)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_CLASSES))
+def test_every_schedule_matches_one_process_with_messages_in_order(name: str) -> None:
+    # Uneven microbatches (2, 2, 2, 1) in the first step, whose receives settle their
+    # metadata in place; the same again (the steady state: one message per transfer);
+    # then a new sequence length and a new batch, whose changes go through the store.
+    per_rank = runtime_tests.per_rank(name)
+    m = max(4, SCHEDULES[name].min_microbatches(per_rank * 2))
+    steps = [(7, 3), (7, 3), (7, 5), (9, 2)]
+    counts = run_on_ranks(2, _in_order, runtime_tests._parity_body, name, steps, m)
+    assert counts == [per_rank] * 2
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_four_ranks_with_messages_in_order(name: str) -> None:
+    m = max(4, SCHEDULES[name].min_microbatches(8))
+    run_on_ranks(4, _in_order, runtime_tests._parity_body, name, [(8, 3), (8, 3)], m)
+
+
+def test_eval_alternates_with_training_with_messages_in_order() -> None:
+    assert run_on_ranks(2, _in_order, runtime_tests._eval_body) == [[True, True, True]] * 2
+
+
+def test_a_real_model_with_messages_in_order() -> None:
+    run_on_ranks(2, _in_order, runtime_tests._gpt_body, "InterleavedZeroBubble")
+
+
+def test_a_failing_rank_ends_the_step_everywhere_with_messages_in_order() -> None:
+    results = run_on_ranks(
+        4,
+        _in_order,
+        stage_api_tests._failing_rank_body,
+        "model",
+        "1F1B",
+        timeout=60,
+        leaves_group_broken=True,
+    )
+    for rank, (message, _) in enumerate(results):
+        assert "ValueError: bad microbatch of 1 rows" in message, (rank, message)
+        if rank != 3:
+            assert message.startswith("PipelineAbort: plait: the pipeline step stopped because")
+
+
+def _emulation_off() -> bool:
+    return dist.batch_isend_irecv.__module__ == "torch.distributed.distributed_c10d" and (
+        not p2p.matches_in_order(torch.device("cpu"))
+    )
+
+
+def test_the_emulation_is_left_on_no_rank() -> None:
+    # Each body restores gloo's behaviour, so the pooled workers stay as other tests expect.
+    run_on_ranks(2, _in_order, runtime_tests._eval_body)
+    assert run_on_ranks(2, _emulation_off) == [True, True]
