@@ -50,6 +50,7 @@ from plait.context.masks import allowed
 from plait.plan.live import LiveTensors
 
 from harness import run_on_ranks
+from in_order_p2p import in_order_p2p
 
 TIMEOUT = 60.0
 ATOL, RTOL = 1e-6, 1e-5
@@ -434,6 +435,18 @@ def _model_under_context_parallel() -> None:
 
 def test_context_parallel_trains_a_model_like_one_process() -> None:
     run_on_ranks(2, _model_under_context_parallel, timeout=TIMEOUT)
+
+
+def _with_messages_in_order() -> None:
+    with in_order_p2p():  # NCCL's matching and single stream, emulated on gloo
+        _every_method_is_exact()
+        _model_under_context_parallel()
+
+
+def test_the_ring_runs_with_messages_in_order() -> None:
+    # The ring's sends and receives (one batch per rotation) on NCCL's rules: 4 ranks, so
+    # each rank's neighbours differ in each direction.
+    run_on_ranks(4, _with_messages_in_order, timeout=TIMEOUT)
 
 
 def _model_with_module_form() -> None:
