@@ -82,7 +82,9 @@ def in_order_p2p() -> Iterator[None]:
         stream.shutdown(wait=False, cancel_futures=True)
 
 
-def replay_in_order(schedule: Schedule, owners: Mapping[int, int]) -> str | None:
+def replay_in_order(
+    schedule: Schedule, owners: Mapping[int, int], *, first_step: bool = False
+) -> str | None:
     """Run a lowered order on paper as NCCL runs it; None if it completes, else where each
     rank is stuck.
 
@@ -93,7 +95,9 @@ def replay_in_order(schedule: Schedule, owners: Mapping[int, int]) -> str | None
     and the k-th send from a rank to another must be the transfer the k-th receive there
     expects (else the data lands in the wrong buffer: reported as such). A compute
     action waits for the batch holding its receive; sends never hold the program up.
-    ``owners``: each stage's rank.
+    ``owners``: each stage's rank. ``first_step``: as the runtime's first step, whose
+    activation receives have no agreed metadata yet: each ends its batch, and the program
+    waits for that batch right there (the receive is settled in place).
     """
     programs: dict[int, list[tuple[str, Any]]] = {}
     for rank, actions in schedule.items():
@@ -103,6 +107,8 @@ def replay_in_order(schedule: Schedule, owners: Mapping[int, int]) -> str | None
                 if not items or items[-1][0] != "batch":
                     items.append(("batch", []))
                 items[-1][1].append(a)
+                if first_step and a.kind is K.RECV_F:
+                    items.append(("settle", a))
             elif a.kind.is_compute:
                 items.append(("compute", a))
         programs[rank] = items
@@ -149,6 +155,9 @@ def replay_in_order(schedule: Schedule, owners: Mapping[int, int]) -> str | None
                 if kind == "compute":
                     needs = [b for (r, a), b in batch_of.items() if r == rank and _feeds(a, item)]
                     if any(started[rank] <= b for b in needs):
+                        break
+                elif kind == "settle":
+                    if started[rank] <= batch_of[(rank, item)]:
                         break
                 else:
                     post(rank, item)
