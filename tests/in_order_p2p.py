@@ -19,22 +19,20 @@ The pipeline runtime is told it runs on such a backend
 (:func:`plait.pipeline.p2p.matches_in_order`). The compute that waits for a work (the CUDA
 stream, on a GPU) is the calling thread here: a wait that would stall the GPU stalls the
 test, and a cycle of such waits between ranks hangs it until the harness's deadline, as it
-would hang the GPUs. :func:`replay_in_order` runs the same rules on paper, for any order.
+would hang the GPUs. :func:`plait.pipeline.in_order.check_in_order` runs the same rules on
+paper, for any order.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
 from plait.pipeline import p2p
-from plait.pipeline.actions import Action, ActionKind, Schedule
-
-K = ActionKind
 
 
 class _BatchWork:
@@ -80,122 +78,3 @@ def in_order_p2p() -> Iterator[None]:
         dist.batch_isend_irecv = real  # type: ignore[assignment]
         p2p.matches_in_order = matches_in_order  # type: ignore[assignment]
         stream.shutdown(wait=False, cancel_futures=True)
-
-
-def replay_in_order(
-    schedule: Schedule, owners: Mapping[int, int], *, first_step: bool = False
-) -> str | None:
-    """Run a lowered order on paper as NCCL runs it; None if it completes, else where each
-    rank is stuck.
-
-    Each rank's consecutive send / receive actions form one batch, posted on its one
-    stream when the rank's program reaches it; a batch starts once the rank's earlier
-    batches are done, and each of its operations completes once the peer has posted the
-    matching one in a started batch. Messages between two ranks match in posting order,
-    and the k-th send from a rank to another must be the transfer the k-th receive there
-    expects (else the data lands in the wrong buffer: reported as such). A compute
-    action waits for the batch holding its receive; sends never hold the program up.
-    ``owners``: each stage's rank. ``first_step``: as the runtime's first step, whose
-    activation receives have no agreed metadata yet: each ends its batch, and the program
-    waits for that batch right there (the receive is settled in place).
-    """
-    programs: dict[int, list[tuple[str, Any]]] = {}
-    for rank, actions in schedule.items():
-        items: list[tuple[str, Any]] = []
-        for a in actions:
-            if a.kind.is_comm:
-                if not items or items[-1][0] != "batch":
-                    items.append(("batch", []))
-                items[-1][1].append(a)
-                if first_step and a.kind is K.RECV_F:
-                    items.append(("settle", a))
-            elif a.kind.is_compute:
-                items.append(("compute", a))
-        programs[rank] = items
-    position = dict.fromkeys(programs, 0)
-    streams: dict[int, list[list[tuple[str, tuple[int, int], int, Action]]]] = {
-        r: [] for r in programs
-    }
-    started = dict.fromkeys(programs, 0)  # index of each stream's running batch
-    counts: dict[tuple[str, tuple[int, int]], list[Action]] = {}
-    batch_of: dict[tuple[int, Action], int] = {}
-    complete: set[tuple[str, tuple[int, int], int]] = set()
-    mismatches: list[str] = []  # (sending stage, microbatch, forward) at the two ends
-
-    def post(rank: int, actions: list[Action]) -> None:
-        ops = []
-        for a in actions:
-            sends = a.kind in (K.SEND_F, K.SEND_B)
-            forward = a.kind in (K.SEND_F, K.RECV_F)
-            other = a.stage + (1 if forward else -1) if sends else a.stage - (1 if forward else -1)
-            link = (rank, owners[other]) if sends else (owners[other], rank)
-            kind = "send" if sends else "recv"
-            seen = counts.setdefault((kind, link), [])
-            # the transfer both ends name: (sending stage, microbatch, direction)
-            transfer = Action(a.stage if sends else other, a.kind, a.microbatch)
-            seen.append(transfer)
-            mate = counts.get(("recv" if sends else "send", link), [])
-            k = len(seen) - 1
-            if k < len(mate):
-                mine = (transfer.stage, transfer.microbatch, forward)
-                theirs = (mate[k].stage, mate[k].microbatch, mate[k].kind in (K.SEND_F, K.RECV_F))
-                if mine != theirs:
-                    mismatches.append(f"{link[0]} to {link[1]}, message {k}: {mine} / {theirs}")
-            ops.append((kind, link, k, a))
-            if not sends:
-                batch_of[(rank, a)] = len(streams[rank])
-        streams[rank].append(ops)
-
-    moved = True
-    while moved:
-        moved = False
-        for rank, items in programs.items():
-            while position[rank] < len(items):
-                kind, item = items[position[rank]]
-                if kind == "compute":
-                    needs = [b for (r, a), b in batch_of.items() if r == rank and _feeds(a, item)]
-                    if any(started[rank] <= b for b in needs):
-                        break
-                elif kind == "settle":
-                    if started[rank] <= batch_of[(rank, item)]:
-                        break
-                else:
-                    post(rank, item)
-                position[rank] += 1
-                moved = True
-        running = {
-            (kind, link, k)
-            for r in programs
-            if started[r] < len(streams[r])
-            for kind, link, k, _ in streams[r][started[r]]
-        }
-        for rank in programs:
-            if started[rank] == len(streams[rank]):
-                continue
-            ops = streams[rank][started[rank]]
-            for kind, link, k, _ in ops:
-                mate = ("recv" if kind == "send" else "send", link, k)
-                if mate in running and (kind, link, k) not in complete:
-                    complete.add((kind, link, k))
-                    moved = True
-            if all((kind, link, k) in complete for kind, link, k, _ in ops):
-                started[rank] += 1
-                moved = True
-    stuck = []
-    for r, items in programs.items():
-        if position[r] < len(items) or started[r] < len(streams[r]):
-            at = items[position[r]][1] if position[r] < len(items) else "its end"
-            head = streams[r][started[r]] if started[r] < len(streams[r]) else []
-            stuck.append(f"rank {r} at {at}, its stream at {[str(op[3]) for op in head]}")
-    if mismatches:
-        return "mismatched messages: " + "; ".join(mismatches)
-    return "; ".join(stuck) or None
-
-
-def _feeds(recv: Action, compute: Action) -> bool:
-    """Whether ``recv`` brings ``compute`` its input."""
-    if recv.microbatch != compute.microbatch or recv.stage != compute.stage:
-        return False
-    if recv.kind is K.RECV_F:
-        return compute.kind is K.FORWARD
-    return compute.kind.produces_input_grad

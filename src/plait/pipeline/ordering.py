@@ -39,6 +39,7 @@ from plait.pipeline.actions import (
     ScheduleError,
     stage_to_rank,
 )
+from plait.pipeline.in_order import check_in_order
 from plait.pipeline.schedule_csv import format_csv, parse_cell, parse_pair
 from plait.pipeline.schedules import SCHEDULES, add_communication, add_fsdp_actions, generate
 from plait.pipeline.simulate import simulate, stage_owners
@@ -185,7 +186,9 @@ def install(
     """Adopt ``schedule`` (compute-only, or already lowered with communication actions):
     lower it (adding FSDP actions if ``fsdp``), derive the forward-only order, check both,
     and check that each of ``pairs`` is a forward followed, among its rank's compute
-    actions, by its backward."""
+    actions, by its backward. ``in_order``: the backend matches messages in posting order
+    (NCCL): a compute-only order is lowered for it, and one already lowered must pass
+    :func:`~plait.pipeline.in_order.check_in_order`."""
     compute = {r: [a for a in acts if a.kind.is_compute] for r, acts in schedule.items()}
     if any(a.kind.is_comm for acts in schedule.values() for a in acts):
         train = schedule
@@ -195,6 +198,10 @@ def install(
         forwards = {r: [a for a in a_s if a.kind in forward_kinds] for r, a_s in train.items()}
         _check(train, placement, shape)
         simulate(forwards)  # a subsequence of a deadlock-free order: checked all the same
+        if in_order:  # lowered elsewhere: it must not hang or cross messages on NCCL
+            for order in (train, forwards):
+                for first_step in (True, False):
+                    check_in_order(order, placement, first_step=first_step)
     else:
         train = _lower(compute, placement, shape, fsdp, in_order)
         forwards = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in compute.items()}

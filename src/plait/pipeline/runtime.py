@@ -29,7 +29,10 @@ for one; before the first run's agreement, the failure is reported in the agreem
 itself (:meth:`~plait.pipeline.agreement.Agreement.report_failure`). Each neighbour raises
 :class:`~plait.pipeline.p2p.PipelineAbort` naming the rank that failed first and why, and
 passes it on: every rank of the pipeline ends the step with the cause, none waits for
-messages that will never come. Bad arguments to ``step`` are found before
+messages that will never come. On a backend that matches messages in posting order
+(NCCL) this is best effort: a rank whose stream still holds a send the failed rank will
+never receive delivers nothing after it, and NCCL's own timeout then ends the job
+(``plait train --max-restarts`` restarts it). Bad arguments to ``step`` are found before
 :func:`run_actions` and stay local, so the caller can fix the call and step again: no
 neighbour has started the step with this rank, and an abort nobody reads would be matched
 by a later step. (Its neighbours then wait; with ``PLAIT_CHECK_SPMD=1`` they fail at the
