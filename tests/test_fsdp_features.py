@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -211,6 +212,33 @@ def _offload() -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cpu_offload_equals_no_offload(world_size: int) -> None:
     run_on_ranks(world_size, _offload)
+
+
+def _offload_on_cuda() -> None:
+    """On a GPU the reduced gradients go to pinned host memory by asynchronous copies:
+    each step accumulates two microbatches (the second added on the host, which must wait
+    for its copy) and steps the optimizer (which must see finished copies)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = DeviceMesh.from_group(dist.new_group(backend="nccl"), "cuda")
+    torch.manual_seed(0)
+    base = _stack()
+    plain = shard_blocks(copy.deepcopy(base).to(device), mesh=mesh)
+    moved = shard_blocks(copy.deepcopy(base), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    for model in (plain, moved):
+        opt = default_optimizer(model.parameters())
+        for inputs, targets in random_batches(3, 8, DIM, DIM):
+            for x, y in zip(inputs.chunk(2), targets.chunk(2), strict=True):
+                nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(plain.named_parameters(), moved.parameters(), strict=True):
+        assert q.to_local().device.type == "cpu", name
+        torch.testing.assert_close(p.to_local().cpu(), q.to_local(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cpu_offload_on_cuda_equals_no_offload() -> None:
+    run_on_ranks(1, _offload_on_cuda)
 
 
 # --- HSDP -----------------------------------------------------------------------------------

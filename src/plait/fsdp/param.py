@@ -404,15 +404,38 @@ class FSDPParam:
         else:
             copy_full_to_padded(grad, dest, self.chunk_rows, self.dim)
 
+    grad_copy: torch.Event | None = None
+    """The copy of the last reduced gradient to the host, while in flight."""
+
+    def grad_to(self, local: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``local`` (a reduced gradient) in the parameter's dtype on ``device``.
+
+        A copy from an accelerator to the host runs without blocking only into a fresh
+        gradient that nothing reads before the reductions finish: not one added to an
+        existing gradient (the host adds at once) nor one a post-accumulate-grad hook reads
+        (an optimizer stepped in backward). :meth:`wait_grad_copy` then waits for it, before
+        an optimizer step can read it (torch's rule for its offloaded gradients)."""
+        source = local.device
+        to_host = device.type == "cpu" and source.type != "cpu"
+        hooked = bool(getattr(self.sharded, "_post_accumulate_grad_hooks", None))
+        early = to_host and self.sharded.grad is None and not hooked
+        local = local.to(device, self.dtype, non_blocking=early or not to_host)
+        if early:
+            self.grad_copy = torch.accelerator.current_stream(source).record_event()
+        return local
+
+    def wait_grad_copy(self) -> None:
+        """Wait for the gradient's copy to the host, if one is in flight."""
+        if self.grad_copy is not None:
+            self.grad_copy.synchronize()
+            self.grad_copy = None
+
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced chunk (padded_numel elements) to the sharded gradient."""
         local = reduced[: self.local_numel].view(self.local_shape)  # a piece of the output
         # ``reduced`` is on the compute device: only offloaded shards live elsewhere.
         if self.policy.offload or local.dtype != self.dtype:
-            # A post-accumulate-grad hook (an optimizer stepped in backward) reads the
-            # gradient right after this: the copy must have finished by then.
-            hooked = bool(getattr(self.sharded, "_post_accumulate_grad_hooks", None))
-            local = local.to(self.padded.device, self.dtype, non_blocking=not hooked)
+            local = self.grad_to(local, self.padded.device)
         if self.sharded.grad is None:
             self.sharded.grad = make_dtensor(local, self.spec)
         else:

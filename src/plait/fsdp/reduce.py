@@ -292,6 +292,9 @@ class GradientReduction:
             out = self._wait(red, name)
             if out is not None:
                 self._accumulate(red, out)
+        for red in reducing:  # gradients copied to the host: ready before anyone reads them
+            for p in red.params:
+                p.wait_grad_copy()
 
     def _wait(self, red: _Reduction, name: str) -> torch.Tensor | None:
         """Wait for ``red``'s collectives (issuing the all-reduce across replicas after a

@@ -128,7 +128,7 @@ class ReplicaParam(FSDPParam):
         local = reduced[: self.numel].view(self.shape)
         target = self.padded
         if local.dtype != self.dtype or local.device != target.device:
-            local = local.to(target.device, self.dtype, non_blocking=True)
+            local = self.grad_to(local, target.device)
         grad = self.sharded.grad
         if grad is None:
             tp = self.tp_spec
