@@ -121,6 +121,13 @@ def test_eval_alternates_with_training_with_messages_in_order() -> None:
     assert run_on_ranks(2, _in_order, runtime_tests._eval_body) == [[True, True, True]] * 2
 
 
+@pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble"])
+def test_fully_shard_stages_with_messages_in_order(name: str) -> None:
+    # Pipeline groups of 2 beside data-parallel groups of 2: the schedule's FSDP actions
+    # and the lowering for in-order messages together.
+    run_on_ranks(4, _in_order, runtime_tests._pp_dp_body, name, "fully_shard")
+
+
 def test_a_real_model_with_messages_in_order() -> None:
     run_on_ranks(2, _in_order, runtime_tests._gpt_body, "InterleavedZeroBubble")
 
