@@ -61,6 +61,7 @@ deadline with a report instead of hanging.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable, Sequence
 from enum import IntEnum
@@ -84,6 +85,8 @@ from plait.pipeline.wire import (
     read_header,
     unpack,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ActivationRecv",
@@ -406,6 +409,13 @@ def _put_change(peer: int, tag: int, encoded: torch.Tensor, payload: torch.Tenso
     """Put a changed transfer's metadata and payload (on the CPU) in the job's store for
     ``peer``: where messages match in posting order, a message the receiver could not
     post in its place would hang (module docstring)."""
+    if not _changes:
+        logger.warning(
+            "plait: pipeline activations changed shape, dtype or requires_grad after the "
+            "first step; on this backend (NCCL) such a transfer goes through the job's "
+            "store, which is slow for large tensors: keep each microbatch's shapes fixed "
+            "(pad sequences to one length) and switch between train and eval rarely"
+        )
     size = encoded.numel().to_bytes(8, "little")
     blob = size + encoded.numpy().tobytes() + payload.numpy().tobytes()
     key = _change_key(dist.get_rank(), peer, tag)
