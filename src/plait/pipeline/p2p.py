@@ -86,8 +86,6 @@ from plait.pipeline.wire import (
     unpack,
 )
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
     "ActivationRecv",
     "Direction",
@@ -107,6 +105,8 @@ __all__ = [
     "transfer_tag",
     "wait_sends",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def matches_in_order(device: torch.device) -> bool:
