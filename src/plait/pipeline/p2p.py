@@ -180,7 +180,9 @@ class _Recv:
 
 
 class ActivationRecv(_Recv):
-    """An activation transfer being received; :meth:`wait` gives (metadata, tensors)."""
+    """An activation transfer being received; :meth:`wait` gives (metadata, tensors).
+    ``in_order``: the backend matches messages in posting order, so a change of metadata
+    after the agreement arrives through the store (module docstring)."""
 
     def __init__(
         self,
@@ -190,6 +192,7 @@ class ActivationRecv(_Recv):
         owner: str,
         group: dist.ProcessGroup,
         device: torch.device,
+        in_order: bool = False,
     ) -> None:
         super().__init__(peer, owner, group, device)
         self.agreed, self.tag = agreed, tag
@@ -197,7 +200,7 @@ class ActivationRecv(_Recv):
         self.part = _Part.HEADER if agreed is None else _Part.PACKED
         self.first = torch.empty(size, dtype=torch.uint8, device=device)
         self._result: tuple[Meta, list[torch.Tensor]] | None = None
-        self.in_order = False  # set by the batch: a change arrives through the store
+        self.in_order = in_order
 
     def wait(self) -> tuple[Meta, list[torch.Tensor]]:
         """The transfer's metadata and tensors; fetches the follow-up messages on change."""
@@ -333,8 +336,7 @@ class P2PBatch:
     def recv_activations(
         self, agreed: Meta | None, peer: int, tag: int, owner: str
     ) -> ActivationRecv:
-        recv = ActivationRecv(agreed, peer, tag, owner, self.group, self.device)
-        recv.in_order = self.in_order
+        recv = ActivationRecv(agreed, peer, tag, owner, self.group, self.device, self.in_order)
         self._recv(recv.first, peer, tag + recv.part, recv)
         return recv
 
