@@ -17,13 +17,20 @@ import torch
 import torch.distributed as dist
 
 from plait.pipeline import SCHEDULE_CLASSES, SCHEDULES, p2p
-from plait.pipeline.actions import ActionKind, ScheduleError, stage_to_rank
+from plait.pipeline.actions import (
+    Action,
+    ActionKind,
+    OverlappedPair,
+    ScheduleError,
+    stage_to_rank,
+)
 from plait.pipeline.in_order import check_in_order
 from plait.pipeline.lowering import add_communication
-from plait.pipeline.ordering import Shape, given
+from plait.pipeline.ordering import Shape, generated, given, pair_steps
 from plait.pipeline.schedules import generate, schedule_spec
 
 import test_pipeline_runtime as runtime_tests
+import test_pipeline_torch_extras as extras_tests
 from harness import run_on_ranks
 from in_order_p2p import in_order_p2p
 
@@ -47,17 +54,23 @@ def _shapes(name: str) -> list[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_schedule_lowered_in_order_runs_under_nccls_rules(name: str) -> None:
-    style = schedule_spec(name).style
+    # The orders a schedule class runs there: training (with FSDP actions), eval's forwards,
+    # and training with DualPipeV's overlapped pairs each run as one step (a custom
+    # OVERLAP_F_B function), each as a first step (activation receives settled in place)
+    # and as a later one.
     for ranks, stages, m in _shapes(name):
-        owners = {s: stage_to_rank(s, ranks, style) for s in range(stages)}
-        compute = generate(name, ranks, stages, m)
-        forwards = {
-            r: [a for a in acts if a.kind is ActionKind.FORWARD] for r, acts in compute.items()
+        order = generated(name, Shape(ranks, stages, m), fsdp=True, in_order=True)
+        paired = {
+            r: [a for step in pair_steps(acts, order.pairs.get(r, ())) for a in _actions(step)]
+            for r, acts in order.train.items()
         }
-        for order in (compute, forwards):  # training, and eval's forwards only
-            lowered = add_communication(order, ranks, owners, stages, in_order=True)
+        for actions in (order.train, order.eval, paired):
             for first_step in (True, False):
-                check_in_order(lowered, owners, first_step=first_step)
+                check_in_order(actions, order.placement, first_step=first_step)
+
+
+def _actions(step: Action | OverlappedPair) -> tuple[Action, ...]:
+    return step.sub_actions if isinstance(step, OverlappedPair) else (step,)
 
 
 def test_receives_beside_their_consumers_would_hang_on_nccl() -> None:
@@ -126,6 +139,15 @@ def test_fully_shard_stages_with_messages_in_order(name: str) -> None:
     # Pipeline groups of 2 beside data-parallel groups of 2: the schedule's FSDP actions
     # and the lowering for in-order messages together.
     run_on_ranks(4, _in_order, runtime_tests._pp_dp_body, name, "fully_shard")
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_overlapped_pairs_run_by_a_custom_function_with_messages_in_order(
+    threaded: bool,
+) -> None:
+    # DualPipeV with a custom OVERLAP_F_B function: each pair runs as one step.
+    results = run_on_ranks(2, _in_order, extras_tests._overlap_body, 4, threaded)
+    assert all(r["pairs_match_torch"] and r["forwards_unpaired"] for r in results)
 
 
 def test_a_real_model_with_messages_in_order() -> None:

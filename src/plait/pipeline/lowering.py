@@ -27,9 +27,16 @@ in terms of the compute actions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from plait.pipeline.actions import Action, ActionKind, Schedule, Style, stage_to_rank
+from plait.pipeline.actions import (
+    Action,
+    ActionKind,
+    OverlappedPair,
+    Schedule,
+    Style,
+    stage_to_rank,
+)
 
 __all__ = ["add_communication"]
 
@@ -43,6 +50,7 @@ def add_communication(
     n_stages: int | None = None,
     *,
     in_order: bool = False,
+    pairs: Mapping[int, Iterable[OverlappedPair]] | None = None,
 ) -> Schedule:
     """Insert the sends and receives a compute-only schedule needs between ranks (module
     docstring): ``in_order`` places the receives for a backend that matches messages in
@@ -53,7 +61,10 @@ def add_communication(
     stage lives on another rank: ``SEND_F``; after every B / I whose previous stage lives
     on another rank: ``SEND_B``; and the matching ``RECV_F`` / ``RECV_B`` on the receiving
     rank. Neighbour stages on the same rank (the turn of the V) exchange nothing.
-    ``n_stages`` defaults to 1 + the largest stage.
+    ``n_stages`` defaults to 1 + the largest stage. ``pairs`` (rank -> its overlapped
+    pairs, DualPipeV's): in the lockstep play a pair moves as one action, as torch's
+    ``OVERLAP_F_B`` does, once the inputs of both halves are in, its sends after both, so
+    that it can also run as one step (:func:`~plait.pipeline.ordering.pair_steps`).
     """
     if any(a.kind.is_comm for actions in schedule.values() for a in actions):
         raise ValueError("add_communication: the schedule already has send / receive actions")
@@ -65,7 +76,7 @@ def add_communication(
         owners = {s: stage_to_rank(s, n_ranks, style) for s in range(n)}
     links = _Links(owners)
     if in_order:
-        played = _lockstep(schedule, links)
+        played = _lockstep(schedule, links, pairs or {})
         if played is not None:
             return played
     out: Schedule = {}
@@ -110,26 +121,37 @@ class _Links:
         return out
 
 
-def _lockstep(schedule: Schedule, links: _Links) -> Schedule | None:
+def _lockstep(
+    schedule: Schedule, links: _Links, pairs: Mapping[int, Iterable[OverlappedPair]]
+) -> Schedule | None:
     """The lockstep play of the module docstring; None if some rank cannot move."""
     out: Schedule = {rank: [] for rank in schedule}
     done: dict[int, set[Action]] = {rank: set() for rank in schedule}
     heads = dict.fromkeys(schedule, 0)
+    backward_of = {r: {p.forward: p.backward for p in ps} for r, ps in pairs.items()}
+
+    def ready(a: Action, rank: int) -> bool:
+        needs = links.needs(a, rank)
+        return not needs or any(x in done[rank] for x in needs)
+
     moved = True
     while moved:
         moved = False
         for rank in sorted(schedule):
-            if heads[rank] == len(schedule[rank]):
+            actions, head = schedule[rank], heads[rank]
+            if head == len(actions):
                 continue
-            a = schedule[rank][heads[rank]]
-            needs = links.needs(a, rank)
-            if needs and not any(x in done[rank] for x in needs):
+            step = actions[head : head + 1]
+            backward = backward_of.get(rank, {}).get(actions[head])
+            if backward is not None and actions[head + 1 : head + 2] == [backward]:
+                step.append(backward)  # an overlapped pair moves as one
+            if not all(ready(a, rank) for a in step):
                 continue
-            heads[rank] += 1
+            heads[rank] += len(step)
             moved = True
-            out[rank].append(a)
-            done[rank].add(a)
-            for send, to, recv in links.sends(a, rank):
+            out[rank] += step
+            done[rank].update(step)
+            for send, to, recv in (x for a in step for x in links.sends(a, rank)):
                 out[rank].append(send)
                 out.setdefault(to, []).append(recv)
                 done.setdefault(to, set()).add(recv)

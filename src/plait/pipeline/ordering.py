@@ -203,7 +203,7 @@ def install(
                 for first_step in (True, False):
                     check_in_order(order, placement, first_step=first_step)
     else:
-        train = _lower(compute, placement, shape, fsdp, in_order)
+        train = _lower(compute, placement, shape, fsdp, in_order, pairs)
         forwards = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in compute.items()}
         forwards = _lower(forwards, placement, shape, fsdp, in_order)
     checked = {r: tuple(ps) for r, ps in (pairs or {}).items() if ps}
@@ -213,11 +213,16 @@ def install(
 
 
 def _lower(
-    compute: Schedule, placement: Placement, shape: Shape, fsdp: bool, in_order: bool
+    compute: Schedule,
+    placement: Placement,
+    shape: Shape,
+    fsdp: bool,
+    in_order: bool,
+    pairs: Pairs | None = None,
 ) -> Schedule:
     """Add communication (and FSDP) actions to ``compute`` and check the result."""
     schedule = add_communication(
-        compute, shape.n_ranks, placement, shape.n_stages, in_order=in_order
+        compute, shape.n_ranks, placement, shape.n_stages, in_order=in_order, pairs=pairs
     )
     if fsdp:  # each rank lowers its own FSDP actions: they involve no other rank
         schedule = add_fsdp_actions(schedule)
