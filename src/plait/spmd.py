@@ -231,7 +231,7 @@ def wait(work: dist.Work | None, what: str, owner: str = "") -> None:
     what = _describe(what, owner)
     # Waited on a helper thread: ``work.wait(timeout)`` is not honoured by every backend's
     # collective (gloo's reduce-scatter waits forever, and only progresses inside wait()).
-    done = _waiter().submit(work.wait)
+    done = _waiter().submit(_wait_on, work, _current_stream())
     try:
         done.result(timeout=checker.timeout)
     except RuntimeError as error:  # the backend gave up: find out who is gone
@@ -243,6 +243,24 @@ def wait(work: dist.Work | None, what: str, owner: str = "") -> None:
             f"plait: {what} did not complete within {checker.timeout:g} s although every "
             "rank issued the same collectives: a rank is slow or its communication failed"
         ) from None
+
+
+def _current_stream() -> Any:
+    """The calling thread's current CUDA stream (None without CUDA in use)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_stream()
+    return None
+
+
+def _wait_on(work: dist.Work, stream: Any) -> None:
+    """``work.wait()`` with ``stream`` current: a device backend's wait (NCCL's) makes the
+    current stream wait, and on a helper thread that must be the caller's, not the
+    helper's own."""
+    if stream is None:
+        work.wait()
+        return
+    with torch.cuda.stream(stream):
+        work.wait()
 
 
 def check(where: str = "end of step") -> None:
