@@ -12,9 +12,12 @@ and whole training and eval steps run under an emulation of those rules on gloo
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 
 from plait.pipeline import SCHEDULE_CLASSES, SCHEDULES, p2p
 from plait.pipeline.actions import (
@@ -33,6 +36,7 @@ import test_pipeline_runtime as runtime_tests
 import test_pipeline_torch_extras as extras_tests
 from harness import run_on_ranks
 from in_order_p2p import in_order_p2p
+from models import layer_stack
 
 K = ActionKind
 
@@ -132,6 +136,28 @@ def test_four_ranks_with_messages_in_order(name: str) -> None:
 
 def test_eval_alternates_with_training_with_messages_in_order() -> None:
     assert run_on_ranks(2, _in_order, runtime_tests._eval_body) == [[True, True, True]] * 2
+
+
+def _alternating() -> int:
+    """Train, eval, train, eval, train: the store carries nothing (training and eval keep
+    agreements of their own); returns how many changes went through it."""
+    model = layer_stack(4)
+    reference = copy.deepcopy(model)
+    schedule, modules = runtime_tests._build_schedule("Interleaved1F1B", model, 4, 2, F.mse_loss)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    before = sum(p2p._changes.values())
+    for _ in range(2):
+        schedule.step(x, target=y)
+        out = schedule.eval(x)
+        if out is not None:
+            torch.testing.assert_close(out, reference(x))
+    schedule.step(x, target=y)
+    assert all(p.grad is not None for m in modules for p in m.parameters())
+    return sum(p2p._changes.values()) - before
+
+
+def test_training_and_eval_alternate_without_the_store() -> None:
+    assert run_on_ranks(2, _in_order, _alternating) == [0, 0]
 
 
 @pytest.mark.parametrize("name", ["1F1B", "ZBVZeroBubble"])

@@ -21,9 +21,11 @@ Before any agreement the first message is the header alone. The sender knows eve
 up front and posts all of it at once; the receiver posts the first message's receive
 early (:class:`P2PBatch`) and, when the data is needed, waits for it, then (only on
 change) for the metadata, then for the payload. No extra message in the steady state, and
-no hang when shapes change. Where messages match in posting order (below), a change after
-the first agreement travels through the job's key-value store instead (the header message
-still on the link), since the receiver could only post the two extra messages late.
+no hang when shapes change. Training and eval steps keep agreements of their own (their
+tensors differ in requires_grad), so alternating them changes nothing. Where messages match
+in posting order (below), a change after the first agreement travels through the job's
+key-value store instead (the header message still on the link), since the receiver could
+only post the two extra messages late.
 
 Gradient messages start with the same header (always ``0`` in a normal step). A negative
 header ``-K`` in either kind of message means **abort**: the sender failed in this step,
@@ -48,8 +50,8 @@ in the schedule, none ahead (the lowering places each receive where its send hap
 agreement yet) is *settled* as soon as it is posted, its batch ending with it: the
 runtime waits for the header and receives the metadata and payload at once, so that they
 follow the header at both ends before anything else this rank posts. A later change of
-metadata (a new sequence length, a switch between training and eval) sends the header
-message alone on the link, and the metadata and payload through the job's store
+metadata (a new sequence length, an uneven last microbatch that comes and goes) sends the
+header message alone on the link, and the metadata and payload through the job's store
 (:func:`_put_change`): slower, but the receiver never has to post a message out of its
 place. Steady-state transfers are one message, waited for where they are consumed.
 
@@ -416,7 +418,7 @@ def _put_change(peer: int, tag: int, encoded: torch.Tensor, payload: torch.Tenso
             "plait: pipeline activations changed shape, dtype or requires_grad after the "
             "first step; on this backend (NCCL) such a transfer goes through the job's "
             "store, which is slow for large tensors: keep each microbatch's shapes fixed "
-            "(pad sequences to one length) and switch between train and eval rarely"
+            "(pad sequences to one length)"
         )
     size = encoded.numel().to_bytes(8, "little")
     blob = size + encoded.numpy().tobytes() + payload.numpy().tobytes()

@@ -139,7 +139,7 @@ def run_actions(
     """
     runner = _Runner(actions, stages, syncs, data, agreement, custom, in_order)
     for stage in stages.values():
-        stage.begin_step()
+        stage.begin_step(data.backward)
     for sync in syncs.values():
         sync.begin_step()
     steps = runner.steps

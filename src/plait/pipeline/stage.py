@@ -137,9 +137,10 @@ class PipelineStage:
         self.prev_local: PipelineStage | None = None  # neighbours on this rank
         self.next_local: PipelineStage | None = None
         # Per microbatch, kept across steps: the activation metadata agreed with each
-        # neighbour.
-        self._sent_meta: dict[int, Meta] = {}
-        self._received_meta: dict[int, Meta] = {}
+        # neighbour, apart for training and eval steps (whose tensors differ in
+        # requires_grad), so that alternating them changes nothing on the wire.
+        self._agreed: dict[bool, tuple[dict[int, Meta], dict[int, Meta]]] = {}
+        self._sent_meta, self._received_meta = self._agreed.setdefault(True, ({}, {}))
         # torch's: the last stage's output of each microbatch, in the order the forwards
         # ran, without graph (detached); kept from one step's start to the next's.
         self.output_chunks: list[Any] = []
@@ -197,11 +198,15 @@ class PipelineStage:
         self._activation_recvs: dict[int, ActivationRecv] = {}  # posted, waited for by F
         self._gradient_recvs: dict[int, GradientRecv] = {}  # posted, waited for by B / I
 
-    def begin_step(self) -> None:
+    def begin_step(self, training: bool | None = None) -> None:
         """Forget whatever a failed previous step left behind, and the previous step's
-        ``output_chunks`` (as torch, which clears them when a step starts)."""
+        ``output_chunks`` (as torch, which clears them when a step starts). ``training``:
+        whether the step runs backwards (None: as the last one), which selects the
+        activation metadata agreed for such steps."""
         self._clear_step()
         self.output_chunks.clear()
+        if training is not None:
+            self._sent_meta, self._received_meta = self._agreed.setdefault(training, ({}, {}))
 
     def clear_runtime_states(self) -> None:
         """torch's name: forget the per-step state (what :meth:`begin_step` does)."""
