@@ -41,6 +41,7 @@ __all__ = [
     "ScheduleError",
     "Style",
     "format_schedule",
+    "input_receive",
     "parse_action",
     "parse_schedule",
     "requirements",
@@ -223,6 +224,17 @@ def requirements(action: Action, n_stages: int) -> list[tuple[Action, ...]]:
     if kind is K.RECV_F:
         return [(Action(s - 1, K.SEND_F, i),)] if s > 0 else []
     return [(Action(s + 1, K.SEND_B, i),)]  # RECV_B
+
+
+def input_receive(action: Action) -> Action | None:
+    """The receive that brings ``action`` its input when the neighbour stage it requires
+    (:func:`requirements`) lives on another rank: ``RECV_F`` for a forward, ``RECV_B`` for
+    B / I; None for any other kind."""
+    if action.kind is K.FORWARD:
+        return Action(action.stage, K.RECV_F, action.microbatch)
+    if action.kind.produces_input_grad:
+        return Action(action.stage, K.RECV_B, action.microbatch)
+    return None
 
 
 _KIND_ALTERNATIVES = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from plait.pipeline.actions import Action, ActionKind, Schedule, ScheduleError
+from plait.pipeline.actions import Action, ActionKind, Schedule, ScheduleError, input_receive
 
 __all__ = ["check_in_order"]
 
@@ -108,12 +108,8 @@ class _Replay:
         if kind != "compute":
             return False
         assert isinstance(item, Action)
-        s, i = item.stage, item.microbatch
-        if item.kind is K.FORWARD:
-            receive = Action(s, K.RECV_F, i)
-        elif item.kind.produces_input_grad:
-            receive = Action(s, K.RECV_B, i)
-        else:
+        receive = input_receive(item)
+        if receive is None:
             return False
         batch = self.batch_of.get((rank, receive))
         return batch is not None and self.running[rank] <= batch

@@ -35,6 +35,8 @@ from plait.pipeline.actions import (
     OverlappedPair,
     Schedule,
     Style,
+    input_receive,
+    requirements,
     stage_to_rank,
 )
 
@@ -96,17 +98,18 @@ class _Links:
         self.owners = owners
 
     def needs(self, a: Action, rank: int) -> tuple[Action, ...]:
-        """What ``a`` waits for on ``rank``, any one of these: its receive, or the stage
-        before it (after it, for a backward) run on the same rank; none: nothing."""
-        s, i = a.stage, a.microbatch
-        if a.kind is K.FORWARD and s - 1 in self.owners:
-            if self.owners[s - 1] != rank:
-                return (Action(s, K.RECV_F, i),)
-            return (Action(s - 1, K.FORWARD, i),)
-        if a.kind.produces_input_grad and s + 1 in self.owners:
-            if self.owners[s + 1] != rank:
-                return (Action(s, K.RECV_B, i),)
-            return (Action(s + 1, K.FULL_BACKWARD, i), Action(s + 1, K.BACKWARD_INPUT, i))
+        """What ``a`` waits for on ``rank``, any one of these: the neighbour stage's action
+        it requires (:func:`~plait.pipeline.actions.requirements`) if that stage is on the
+        same rank, else its receive; none: nothing."""
+        for options in requirements(a, len(self.owners)):
+            neighbour = options[0].stage
+            if neighbour == a.stage:
+                continue  # its own forward: program order
+            if self.owners[neighbour] == rank:
+                return options
+            receive = input_receive(a)
+            assert receive is not None
+            return (receive,)
         return ()
 
     def sends(self, a: Action, rank: int) -> list[tuple[Action, int, Action]]:
