@@ -54,6 +54,21 @@ def test_listed_cuda_tests_exist() -> None:
     assert missing_test_ids() == []
 
 
+def test_every_test_that_skips_without_cuda_is_listed() -> None:
+    # A test skipped without CUDA runs nowhere but in gpu_check: one left off its list
+    # would never run at all.
+    listed = {node.partition("::")[2].split("[")[0] for node in CUDA_TESTS}
+    skip = re.compile(
+        r"@pytest\.mark\.skipif\(not torch\.cuda\.is_available\(\).*?\ndef (\w+)\(", re.S
+    )
+    found = {
+        name
+        for path in (Path(__file__).parent).glob("test_*.py")
+        for name in skip.findall(path.read_text())
+    }
+    assert found and found <= listed, sorted(found - listed)
+
+
 def _table(report: str) -> dict[tuple[str, str, str], list[str]]:
     """The report's table rows by (model, implementation, mode): their cells."""
     rows = {}
