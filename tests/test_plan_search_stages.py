@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from plait.layout import Layout, check_stages, stage_blocks
+from plait.layout.schedule import _ends_that_fit
 from plait.pipeline import stage_layers
 from plait.plan.cli import main
 from plait.plan.devices import device
@@ -102,3 +103,21 @@ def test_the_report_shows_the_blocks_of_each_stage(capsys: pytest.CaptureFixture
     pinned = ["--pp", "16", "--schedule", "InterleavedZeroBubble", "--stages-per-rank", "8"]
     assert main([*flags, *pinned, "--end-blocks", "1"]) == 0
     assert f"  blocks per stage: 0, 1 x 126, 0 {ends}" in capsys.readouterr().out
+
+
+def test_the_end_blocks_suggested_are_the_fewest_that_split() -> None:
+    # check_stages suggests --end-blocks from a closed form (the search asks it of every
+    # layout with too many stages); it must name the smallest end weight stage_blocks
+    # accepts, as trying each weight in turn finds, or 0 when none does.
+    def tried(blocks: int, n_stages: int) -> int:
+        for ends in range(1, n_stages):
+            try:
+                stage_blocks(blocks, n_stages, ends)
+            except ValueError:
+                continue
+            return ends
+        return 0
+
+    for blocks in range(0, 40):
+        for n_stages in range(1, 60):
+            assert _ends_that_fit(blocks, n_stages) == tried(blocks, n_stages), (blocks, n_stages)
