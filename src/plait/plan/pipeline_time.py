@@ -50,7 +50,7 @@ def pipeline_step(
     collective beside it takes."""
     m, pp, v = layout.microbatches, layout.pp, layout.stages_per_rank
     stages = pipeline_stages(model.layers, pp, layout.schedule, v, layout.end_blocks)
-    times = _stage_times(stages, bool(model.experts), times_of)
+    times = _stage_times(stages, times_of)
     fwd = [size * t.block_fwd + t.head_fwd for (size, _), t in zip(stages, times, strict=True)]
     bwd = [size * t.block_bwd + t.head_bwd for (size, _), t in zip(stages, times, strict=True)]
     durations = [f + b for f, b in zip(fwd, bwd, strict=True)]
@@ -72,18 +72,18 @@ def pipeline_step(
 
 
 def _stage_times(
-    stages: tuple[tuple[int, int], ...], experts: bool, times_of: Callable[[RankLoad], RankTimes]
+    stages: tuple[tuple[int, int], ...], times_of: Callable[[RankLoad], RankTimes]
 ) -> list[RankTimes]:
     """Each stage's times (of one stage of its size: its blocks, and the embedding or the
-    head at the ends), computed once per kind of stage (per rank with ``experts``, whose
-    split of dense and MoE blocks depends on it)."""
-    cache: dict[tuple[int, int, bool, bool], RankTimes] = {}
+    head at the ends), computed once per kind of stage: its size and whether it is the
+    first or the last (a MoE model's dense blocks are the first stage's:
+    :mod:`plait.plan.shards`), whichever rank holds it."""
+    cache: dict[tuple[int, bool, bool], RankTimes] = {}
     times = []
     for s, (size, rank) in enumerate(stages):
-        key = (size, rank if experts else 0, s == 0, s == len(stages) - 1)
+        key = (size, s == 0, s == len(stages) - 1)
         if key not in cache:
-            load = RankLoad(rank, size, size, key[2], key[3], 1, 1)
-            cache[key] = times_of(load)
+            cache[key] = times_of(RankLoad(rank, size, size, key[1], key[2], 1, 1))
         times.append(cache[key])
     return times
 
