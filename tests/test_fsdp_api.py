@@ -374,6 +374,14 @@ def _accepted_no_ops() -> None:
     with pytest.raises(ValueError, match="fully_shard-ed modules"):
         share_comm_ctx([model, nn.Linear(2, 2)])  # type: ignore[list-item]
     model(torch.randn(2, DIM)).sum().backward()
+    # torch refuses process-group allocation beside a custom comm (upstream's
+    # test_exception_when_used_together_with_comm_hooks), whichever is custom.
+    for setter in ("set_custom_all_gather", "set_custom_reduce_scatter"):
+        custom = fully_shard(MLP(DIM))
+        getattr(custom, setter)(object())
+        kind = setter.removeprefix("set_custom_").replace("_", " ")
+        with pytest.raises(AssertionError, match=f"when {kind} comm is custom: object"):
+            custom.set_allocate_memory_from_process_group_for_comm(False)
 
 
 def test_transport_knobs_are_accepted() -> None:

@@ -14,7 +14,12 @@
   ``test_submodules_with_external_inputs``: which inputs each unit's policy casts;
 * ``test_fully_shard_state_dict.py::test_dp_state_dict_cpu_offload``: an offloaded meta
   model loads one parameter at a time with ``assign=True`` (the GPU-only "parameters on a
-  non-CPU device" error has no CPU counterpart).
+  non-CPU device" error has no CPU counterpart);
+* ``test_fully_shard_mixed_precision.py::test_no_warmup_jvp_reshard_after_forward_false``:
+  a unit's first forward inside ``torch.func.jvp``; beyond it, jvp and vmap through
+  sharded units against the unsharded model, and a training step after them (the
+  post-backward identity is a functorch-ready ``autograd.Function``, and a unit gathers
+  its parameters outside the transforms).
 """
 
 from __future__ import annotations
@@ -297,3 +302,63 @@ def test_shards_assigned_in_the_units_layout_are_taken_in(on_meta: bool) -> None
     for diff, same_objects in run_on_ranks(2, _assign_shards_body, on_meta):
         assert diff < 1e-6, diff
         assert same_objects or on_meta  # on meta the new storage is the shard
+
+
+def _functorch_body(reshard_after_forward: bool) -> list[str]:
+    # torch.func's transforms over sharded units, beside the same model unsharded: a
+    # forward-mode derivative (jvp) and a vmap through the units, then an ordinary training
+    # step, whose gradients must be the reference's (the units gathered under the transforms
+    # must free and reduce as usual).
+    problems = []
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    for module in (model[0], model[2], model):
+        fully_shard(module, reshard_after_forward=reshard_after_forward)
+    torch.manual_seed(1 + dist.get_rank())
+    x, tangent = torch.randn(3, 8), torch.randn(3, 8)
+    want = torch.func.jvp(ref, (x,), (tangent,))
+    got = torch.func.jvp(model, (x,), (tangent,))
+    if not all(torch.allclose(g, w) for g, w in zip(got, want, strict=True)):
+        problems.append("jvp through the units differs from the unsharded model's")
+    if not torch.allclose(torch.func.vmap(model)(x), ref(x)):
+        problems.append("vmap through the units differs from the unsharded model's")
+    ref(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert isinstance(p, DTensor) and q.grad is not None
+        dist.all_reduce(q.grad)  # fully_shard averages over ranks: the reference's sum / 2
+        if p.grad is None or not torch.allclose(p.grad.full_tensor(), q.grad / 2):
+            problems.append(f"{name}: gradient after the transforms differs")
+    return problems
+
+
+def _jvp_without_warmup_body() -> tuple[tuple[int, ...], torch.dtype, bool]:
+    # Upstream's test_no_warmup_jvp_reshard_after_forward_false: a unit's first forward
+    # runs inside torch.func.jvp, over an input that does not depend on the primal.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with torch.device("meta"):
+        enc, dec = nn.Linear(128, 256, bias=False), nn.Linear(256, 320, bias=False)
+    for module in (enc, dec):
+        fully_shard(module, mp_policy=mp, reshard_after_forward=False)
+    for seed, module in enumerate((enc, dec)):
+        module.to_empty(device="cpu")
+        with torch.no_grad():
+            module.weight.normal_(
+                std=module.in_features**-0.5, generator=torch.Generator().manual_seed(seed)
+            )
+    encoded = enc(torch.randn(128, dtype=torch.bfloat16))
+    primal = torch.randn(320, dtype=torch.bfloat16, requires_grad=True)
+    out, tangent_out = torch.func.jvp(
+        lambda _: dec(encoded), (primal,), (torch.randn(320, dtype=torch.bfloat16),)
+    )
+    return tuple(out.shape), out.dtype, bool(torch.equal(tangent_out, torch.zeros_like(out)))
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_functorch_transforms_run_through_sharded_units(reshard_after_forward: bool) -> None:
+    assert run_on_ranks(2, _functorch_body, reshard_after_forward) == [[], []]
+
+
+def test_a_first_forward_under_jvp() -> None:
+    assert run_on_ranks(2, _jvp_without_warmup_body) == [((320,), torch.bfloat16, True)] * 2

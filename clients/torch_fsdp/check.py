@@ -100,6 +100,23 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
         "calls _get_fsdp_state()._lazy_init(), reads ._comm_ctx and counts calls of torch's "
         "private foreach_all_gather / foreach_reduce, which plait never calls",
     ),
+    **{
+        "fsdp/test_fully_shard_comm.py::TestFullyShardPrefetch::" + name: (
+            TORCH_PRIVATE,
+            "records events by patching torch's private FSDPParamGroup.unshard / reshard / "
+            "post_backward and reads its _module_fqn, _training_state and _sharded_state; "
+            "plait never calls FSDPParamGroup (test_backward_misprefetch, public API only, "
+            "passes)",
+        )
+        for name in (
+            "test_fully_shard_backward_prefetch",
+            "test_fully_shard_multi_module_backward_prefetch",
+            "test_fully_shard_multi_module_unused_module",
+            "test_set_modules_to_backward_prefetch",
+            "test_set_modules_to_backward_prefetch_inside_ac",
+            "test_set_modules_to_forward_prefetch",
+        )
+    },
     _CHECKPOINT + "test_clears_state_on_error_in_forward": (
         TORCH_PRIVATE,
         "reads checkpoint.state(m)._ac_generator; plait's state has no such field (its "

@@ -29,19 +29,33 @@ def register_on_outputs(output: Any, hook: Callable[[torch.Tensor], torch.Tensor
 
 
 class PostBackward(torch.autograd.Function):
-    """Identity on a unit's tensor inputs; its backward calls the unit's post-backward."""
+    """Identity on a unit's tensor inputs; its backward calls the unit's post-backward.
+
+    Written in the form functorch's transforms accept (``forward`` without ``ctx``,
+    ``setup_context``, ``generate_vmap_rule``, a ``jvp``), so a sharded module's forward
+    can run inside ``torch.func.jvp`` or ``vmap`` as torch's can: the identity passes the
+    tangents through, and the callback (not a tensor) has none."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(
-        ctx: Any, post_backward: Callable[[], None], *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.post_backward = post_backward
+    def forward(post_backward: Callable[[], None], *tensors: torch.Tensor) -> tuple[Any, ...]:
+        # Views, not the inputs themselves: autograd then records this node for each
+        # output, so the backward runs however the outputs are used.
         return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.post_backward = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _callback_tangent: Any, *tangents: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(tangents)
 
     @staticmethod
     def wrap_inputs(

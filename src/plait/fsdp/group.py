@@ -128,7 +128,16 @@ class FSDPParamGroup:
     # --- unshard / reshard ---------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather unless the unit is unsharded or already being gathered."""
+        """Issue the all-gather unless the unit is unsharded or already being gathered.
+
+        The gather, the copy-out and the unsharded storage are the unit's own, not part of
+        the model's computation: they run outside functorch's transforms (a forward under
+        ``torch.func.jvp`` or ``vmap`` gathers plain tensors, which the transform then
+        treats as constants, and a later reshard can free them)."""
+        with torch._C._DisableFuncTorch():
+            self._unshard(async_op)
+
+    def _unshard(self, async_op: bool) -> None:
         if self.sharded_state is not ShardedState.UNSHARDED and self._gather is None:
             if self._extensions is None:
                 self._find_extensions()
@@ -145,7 +154,7 @@ class FSDPParamGroup:
                     self.settings.all_gather_comm,
                 )
         if not async_op:
-            self.wait_for_unshard()
+            self._wait_for_unshard()
 
     def lay_out(self) -> None:
         """Derive the segment layout from the parameters' current dtypes and devices.
@@ -287,11 +296,16 @@ class FSDPParamGroup:
             extension.finish(columns)
 
     def wait_for_unshard(self) -> None:
-        """Finish an issued all-gather (issuing one if needed) and swap in full parameters."""
+        """Finish an issued all-gather (issuing one if needed) and swap in full parameters
+        (outside functorch's transforms, as :meth:`unshard`)."""
+        with torch._C._DisableFuncTorch():
+            self._wait_for_unshard()
+
+    def _wait_for_unshard(self) -> None:
         if self.sharded_state is ShardedState.UNSHARDED:
             return
         if self._gather is None:
-            self.unshard(async_op=True)
+            self._unshard(async_op=True)
         assert self._gather is not None
         gathered, work = self._gather
         self._gather = None

@@ -314,14 +314,27 @@ class FSDPModule(nn.Module):
         _ = (enable, recurse)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Accepted; no effect in plait.
+        """Accepted; no effect in plait, but refused as torch refuses it beside custom comms.
 
         torch then allocates its staging buffers with the process group's allocator (NCCL
         zero-copy over NVLink SHARP). plait allocates them with the tensor's device
         allocator; a custom allocation belongs to ``set_custom_all_gather`` /
-        ``set_custom_reduce_scatter`` (whose ``allocate`` plait calls).
+        ``set_custom_reduce_scatter`` (whose ``allocate`` plait calls). With either of
+        those set on this module it raises ``AssertionError``, as torch does (whichever
+        ``enable``): the custom comm decides its own buffers.
         """
         _ = enable
+        settings = self._fsdp_state().settings
+        for kind, comm in (
+            ("all gather", settings.all_gather_comm),
+            ("reduce scatter", settings.reduce_scatter_comm),
+        ):
+            if comm is not None:
+                raise AssertionError(
+                    "cannot call set_allocate_memory_from_process_group() when "
+                    f"{kind} comm is custom: {type(comm).__name__} (set with "
+                    f"set_custom_{kind.replace(' ', '_')}, which allocates its own buffers)"
+                )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Accepted (``backend="NCCL"`` only, as torch); no effect in plait.
