@@ -53,6 +53,7 @@ _INIT = "fsdp/test_fully_shard_init.py::"
 _FROZEN = "fsdp/test_fully_shard_frozen.py::TestFullyShardFrozen::"
 _CHECKPOINT = "test_checkpoint.py::TestCheckpoint::"
 _TRAINING = "fsdp/test_fully_shard_training.py::"
+_COMM = "fsdp/test_fully_shard_comm.py::"
 CLASSIFIED: dict[str, tuple[str, str]] = {
     _INIT + "TestFullyShardLazyInit::test_fully_shard_is_root": (
         TORCH_PRIVATE,
@@ -101,7 +102,7 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
         "private foreach_all_gather / foreach_reduce, which plait never calls",
     ),
     **{
-        "fsdp/test_fully_shard_comm.py::TestFullyShardPrefetch::" + name: (
+        _COMM + "TestFullyShardPrefetch::" + name: (
             TORCH_PRIVATE,
             "records events by patching torch's private FSDPParamGroup.unshard / reshard / "
             "post_backward and reads its _module_fqn, _training_state and _sharded_state; "
@@ -117,6 +118,21 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
             "test_set_modules_to_forward_prefetch",
         )
     },
+    _COMM + "TestFullyShardCommunication::test_reduce_scatter_max_input_buffers_resolves_to_max": (
+        TORCH_PRIVATE,
+        "reads _get_fsdp_state() and its param groups' settings",
+    ),
+    _COMM + "TestFullyShardReduceOpWorldSize1::test_size1_reduceop": (
+        TORCH_PRIVATE,
+        "reads _get_fsdp_state()._fsdp_param_group.mesh_info after training (the training "
+        "parity before it passes on plait)",
+    ),
+    _COMM + "TestFullyShardReduceOpWorldSize1::test_singleton_copy_division_divide_factor_2_0": (
+        DIFFERENT,
+        "counts aten.div.Tensor calls in backward; at world size 1 plait divides the "
+        "gradient in place (aten.div_.Tensor, no new tensor), to the same values (3 / 2, "
+        "checked)",
+    ),
     _CHECKPOINT + "test_clears_state_on_error_in_forward": (
         TORCH_PRIVATE,
         "reads checkpoint.state(m)._ac_generator; plait's state has no such field (its "

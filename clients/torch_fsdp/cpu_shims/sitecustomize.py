@@ -14,6 +14,9 @@ changes no test file. First it loads the pipelining client's shims
   refuses to run when ``torch.accelerator.device_count()`` (0 on CPU) is below the world
   size. It joins a gloo process group through the test's file store, waits at a barrier,
   seeds, runs the test, waits again and leaves the group, as torch's does;
+* ``FSDPTestContinuous._init_pg`` (its workers' group, reused across a class's tests)
+  joins the gloo group without torch's accelerator count check, and the class's default
+  world size is that count too;
 * ``torch.accelerator.current_accelerator()`` answers ``cpu`` instead of ``None`` when
   called from a test module's top level (one stored test file computes ``device_type =
   torch.accelerator.current_accelerator().type`` on import and overwrites it on the next
@@ -108,6 +111,15 @@ def _run(cls: Any, rank: int, test_name: str, file_name: str, pipe: Any, **kwarg
     dist.destroy_process_group()
 
 
+def _init_pg(cls: Any, rank: int, world_size: int, rdvz_file: str) -> None:
+    """``FSDPTestContinuous._init_pg`` on CPU: torch's exits (as a skip) when
+    ``torch.accelerator.device_count()`` (0 on CPU) is below the world size; this one joins
+    the gloo group as the base class does (``MultiProcContinuousTest._init_pg``)."""
+    from torch.testing._internal.common_distributed import MultiProcContinuousTest
+
+    MultiProcContinuousTest._init_pg.__func__(cls, rank, world_size, rdvz_file)
+
+
 def _patch_common_fsdp(module: types.ModuleType) -> None:
     import torch
 
@@ -115,6 +127,10 @@ def _patch_common_fsdp(module: types.ModuleType) -> None:
     torch.cpu.device_count = lambda: count  # type: ignore[assignment]
     module.DEVICE_COUNT = count  # type: ignore[attr-defined]
     module.FSDPTest._run = classmethod(_run)  # type: ignore[attr-defined]
+    continuous = getattr(module, "FSDPTestContinuous", None)
+    if continuous is not None:  # worker processes reused across a class's tests
+        continuous._init_pg = classmethod(_init_pg)
+        continuous.world_size = count  # its default, DEVICE_COUNT, was 1 at class creation
     if os.environ.get("TORCH_FSDP_IMPL") == "plait":
         from redirected_fsdp._resolve import resolve
 
