@@ -536,3 +536,40 @@ def _inputs_follow_device_id() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_id_moves_tensor_inputs_to_the_device() -> None:
     run_on_ranks(1, _inputs_follow_device_id)
+
+
+def _swapped_to_float64_body(wrap: str) -> list[str]:
+    # module.to(dtype) under torch's swap-tensors mode (torch.utils.swap_tensors for every
+    # parameter) after replicate or fully_shard, then a training step beside a float64
+    # reference: torch refuses to swap a tensor that has weak references, and replicate's
+    # parameters are the module's own (upstream's test_to_float64_after_init).
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = copy.deepcopy(ref)
+    apply: Callable[..., Any] = replicate if wrap == "replicate" else fully_shard
+    for module in (model[0], model[1], model):
+        apply(module)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    ref.to(torch.float64)
+    torch.manual_seed(1 + dist.get_rank())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    problems = []
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert q.grad is not None
+        dist.all_reduce(q.grad)
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        if p.dtype != torch.float64 or got is None or not torch.allclose(got, q.grad / 2):
+            problems.append(f"{name}: {p.dtype}, gradient differs")
+    return problems
+
+
+@pytest.mark.parametrize("wrap", ["replicate", "fully_shard"])
+def test_to_dtype_with_swapped_parameters(wrap: str) -> None:
+    assert run_on_ranks(2, _swapped_to_float64_body, wrap) == [[], []]

@@ -30,6 +30,7 @@ PUBLIC_HOMES: dict[str, tuple[str, ...]] = {
     "torch.distributed.fsdp._fully_shard._fully_shard": ("plait.fsdp",),
     "torch.distributed._composable": ("plait",),
     "torch.distributed._composable.replicate": ("plait.replicate",),
+    "torch.distributed._composable.replicate_with_fsdp": ("plait.replicate",),
     "torch.distributed._composable.checkpoint_activation": ("plait.checkpoint",),
     "torch.distributed._composable.contract": ("plait.contract",),
 }

@@ -7,20 +7,18 @@ Every check runs before any parameter is sharded: a refused call changes nothing
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils.weak import WeakIdKeyDictionary
 
 from plait.contract import get_registry
 from plait.fsdp.collectives import Groups
 from plait.fsdp.group import FSDPParamGroup
 from plait.fsdp.mesh_groups import MeshGroups
-from plait.fsdp.param import FSDPParam, Location, ParamPolicy
+from plait.fsdp.param import FSDPParam, Location, ParamPolicy, param_uid
 from plait.fsdp.placement import resolve_placement
 from plait.fsdp.policies import (
     CPUOffloadPolicy,
@@ -407,17 +405,3 @@ def shard_params(
         ]
         units.append(FSDPParamGroup(params, p_groups, settings))
     return units[0] if len(units) == 1 else MeshGroups(units, meshes)
-
-
-# The identity of each parameter given to fully_shard, kept in a number so that a tie
-# between two units is found even after both replaced the original parameter (ids of
-# dead objects are reused; these numbers are not).
-_PARAM_UIDS = WeakIdKeyDictionary()  # keyed by identity: tensors' == is elementwise
-_NEXT_UID = itertools.count()
-
-
-def param_uid(param: nn.Parameter) -> int:
-    uid: int | None = _PARAM_UIDS.get(param)
-    if uid is None:
-        uid = _PARAM_UIDS[param] = next(_NEXT_UID)
-    return uid

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from plait.fsdp.group import FSDPParamGroup
+from plait.fsdp.param import swappable
 from plait.fsdp.root import RootPass
 from plait.fsdp.state import FSDPState, fsdp_state_of, fsdp_states_in
 
@@ -198,8 +199,9 @@ class FSDPModule(nn.Module):
         Each ``fully_shard`` module re-points its own unit; inner ones do theirs when the
         recursion reaches them.
         """
-        out = super()._apply(fn, recurse)
         unit = self._fsdp_state().unit
+        with swappable([p.sharded for p in unit.params] if unit is not None else []):
+            out = super()._apply(fn, recurse)
         if unit is not None:
             for p in unit.params:
                 p.reset_sharded()

@@ -25,8 +25,11 @@ unsharded forms are described.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeGuard, cast
 
@@ -35,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils.weak import WeakIdKeyDictionary
 
 from plait.fsdp.rows import copy_full_to_padded, copy_padded_to_full, shard_rows
 from plait.fsdp.tp import (
@@ -450,3 +454,35 @@ class FSDPParam:
         hooks = getattr(self.sharded, "_post_accumulate_grad_hooks", None)
         for hook in list((hooks or {}).values()):
             hook(self.sharded)
+
+
+# The identity of each parameter given to fully_shard, kept in a number so that a tie
+# between two units is found even after both replaced the original parameter (ids of
+# dead objects are reused; these numbers are not).
+_PARAM_UIDS = WeakIdKeyDictionary()  # keyed by identity: tensors' == is elementwise
+_NEXT_UID = itertools.count()
+
+
+def param_uid(param: nn.Parameter) -> int:
+    uid: int | None = _PARAM_UIDS.get(param)
+    if uid is None:
+        uid = _PARAM_UIDS[param] = next(_NEXT_UID)
+    return uid
+
+
+@contextlib.contextmanager
+def swappable(params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Drop the identity record's weak references to ``params`` while ``module._apply``
+    may swap them, then restore them.
+
+    ``torch.utils.swap_tensors`` (``module.to(...)`` under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that
+    has weak references; ``replicate``'s parameters stay the module's own, so theirs would
+    be refused. A swap keeps each parameter's Python identity, so the same objects are
+    recorded again."""
+    held = [(p, _PARAM_UIDS.pop(p)) for p in params if p in _PARAM_UIDS]
+    try:
+        yield
+    finally:
+        for p, uid in held:
+            _PARAM_UIDS[p] = uid

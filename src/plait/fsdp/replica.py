@@ -16,7 +16,6 @@ the unit's state (``replica_state``), which counts it towards its bucket.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -47,12 +46,16 @@ class ReplicaParam(FSDPParam):
         # Not FSDPParam.__init__: nothing is sharded, padded or wrapped here.
         self.locations = locations
         self.fqn = locations[0].fqn
-        self.original = weakref.ref(param)
         self.policy = policy
         self.dim = self.start = self.gather_offset = 0
         self.even = True  # no padding: gradients concatenate as they are
         self.accumulated: torch.Tensor | None = None
         self.describe(param)
+
+    def original(self) -> nn.Parameter:  # type: ignore[override]
+        """The parameter this replica stands for: the module's own (no weak reference,
+        which ``torch.utils.swap_tensors`` would refuse: :func:`plait.fsdp.param.swappable`)."""
+        return self.sharded
 
     def describe(self, param: nn.Parameter) -> None:
         """Take ``param`` as this parameter: at construction, and again after
