@@ -8,6 +8,10 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -769,3 +773,51 @@ def _shared_and_duplicate_modules() -> tuple[int, int]:
 def test_shared_modules_and_parameters_are_managed_once() -> None:
     # torch's test_managed_modules_duplicate / test_managed_states_shared_params_and_buffers
     assert run_on_ranks(2, _shared_and_duplicate_modules)[0] == (7, 7)
+
+
+_WITHOUT_INIT = """
+import sys, torch
+from torch import nn
+import plait
+m = nn.Linear(4, 4)
+try:
+    getattr(plait, sys.argv[1])(m)
+except RuntimeError as err:
+    print("error:", err)
+else:
+    m(torch.randn(2, 4)).sum().backward()
+    print("trained", type(m).__name__, torch.distributed.get_world_size())
+"""
+
+
+@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
+def test_without_a_process_group_the_environment_starts_one(api: str) -> None:
+    # torch's fully_shard and replicate initialise the default process group from the
+    # environment (torchrun's variables) when none exists; without those variables plait
+    # says what to do.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    torchrun = dict(env, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    runs = {}
+    for name, run_env in (("torchrun", torchrun), ("bare", env)):
+        out = subprocess.run(
+            [sys.executable, "-c", _WITHOUT_INIT, api],
+            env=run_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        runs[name] = out.stdout.strip() or out.stderr[-2000:]
+    cls = "FSDPLinear" if api == "fully_shard" else "ReplicateLinear"
+    assert runs["torchrun"] == f"trained {cls} 1"
+    assert runs["bare"].startswith(f"error: {api} needs a default process group"), runs["bare"]
+    assert (
+        "environment variable RANK expected" in runs["bare"]
+        and "run under torchrun" in runs["bare"]
+    )

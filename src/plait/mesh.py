@@ -33,13 +33,18 @@ def module_device_type(module: nn.Module) -> str:
 
 def default_mesh(module: nn.Module, api_name: str) -> DeviceMesh:
     """A 1-D mesh over the whole world on ``module``'s device type (meta: the accelerator
-    if there is one, else CPU)."""
+    if there is one, else CPU). Without a default process group it initialises one from
+    the environment (``env://``: torchrun's variables), as torch's ``fully_shard`` and
+    ``replicate`` do; RuntimeError naming the fix where the environment has none."""
     if not dist.is_initialized():
-        raise RuntimeError(
-            f"{api_name} needs an initialised default process group: call "
-            "torch.distributed.init_process_group() first (torchrun sets up the environment), "
-            "or pass mesh=..."
-        )
+        try:
+            dist.init_process_group()
+        except ValueError as err:  # env:// without RANK, WORLD_SIZE, MASTER_ADDR, ...
+            raise RuntimeError(
+                f"{api_name} needs a default process group and could not initialise one "
+                f"from the environment ({err}): run under torchrun, call "
+                "torch.distributed.init_process_group() first, or pass mesh=..."
+            ) from err
     device_type = module_device_type(module)
     if device_type == "meta":  # built for deferred init: use the device it will live on
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
