@@ -133,6 +133,27 @@ CLASSIFIED: dict[str, tuple[str, str]] = {
         "gradient in place (aten.div_.Tensor, no new tensor), to the same values (3 / 2, "
         "checked)",
     ),
+    **{
+        "test_replicate_training.py::" + name: (
+            DIFFERENT,
+            "asserts the parameters are Replicate() DTensors (directly or through "
+            "check_sharded_parity / to_local); plait's replicate keeps plain parameters "
+            "(docs/torch_api.md)",
+        )
+        for name in (
+            "TestReplicateRegisteredParams::test_param_registration_after_forward",
+            "TestReplicateRegisteredParams::test_param_registration_after_backward",
+            "TestReplicateCastAfterInit::test_to_float64_after_init",
+            "TestReplicateGradientAccumulation::test_1f1b_microbatching",
+            "TestReplicateCustomForwardMethod::test_register_fsdp_forward_method",
+        )
+    },
+    "test_replicate_training.py::TestReplicateTrainingCompose::"
+    "test_train_parity_with_activation_checkpointing": (
+        DIFFERENT,
+        "tells a compiled run by replicate != torch's replicate_with_fsdp.replicate (true for "
+        "plait's), then checks DTensor parameters as above",
+    ),
     _CHECKPOINT + "test_clears_state_on_error_in_forward": (
         TORCH_PRIVATE,
         "reads checkpoint.state(m)._ac_generator; plait's state has no such field (its "
