@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import importlib
 import re
 import weakref
 from collections import deque
@@ -986,3 +987,25 @@ def test_offload_moves_activations_to_pinned_host_memory() -> None:
 
     assert device_bytes(offloaded) < device_bytes(net)
     assert_same_grads(net, offloaded)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        test_tensor_only_cpu,
+        test_multi_args,
+        test_nested_checkpoints,
+        test_inplace_change_of_input_is_detected,
+    ],
+    ids=lambda f: f.__name__,
+)
+def test_on_torch_without_make_saved_tensor(
+    monkeypatch: pytest.MonkeyPatch, case: Callable[[], None]
+) -> None:
+    # torch before 2.13 (the GPU image's 2.11) lacks torch._C._autograd._make_saved_tensor:
+    # inputs are then saved through the active saved-tensor hooks by hand, with the same
+    # gradients, nested checkpoints freeing their inputs, and in-place changes caught.
+    # plait.checkpoint is also the function plait exports: import the module by its name.
+    region = importlib.import_module("plait.checkpoint.region")
+    monkeypatch.setattr(region, "_MAKE_SAVED", None)
+    case()

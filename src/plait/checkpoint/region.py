@@ -29,16 +29,55 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
-from torch._C._autograd import _make_saved_tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from plait.hooks import backward_pass_id, refuse_compiled_autograd, traced
 
 __all__ = ["CheckpointError", "RecomputeOptions", "Region", "Replay"]
+
+
+class _HookedSave:
+    """What ``torch._C._autograd._make_saved_tensor`` gives, for torch before 2.13 (which
+    lacks it; GPU images often ship an older torch): the tensor packed by the saved-tensor
+    hooks active now, and autograd's in-place check on unpack."""
+
+    __slots__ = ("packed", "tensor", "unpack_hook", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        # None where no hooks are active (torch's stub says otherwise).
+        hooks = cast(
+            "tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None",
+            torch._C._autograd._top_saved_tensors_default_hooks(False),
+        )
+        self.version = tensor._version
+        # Under hooks only what they pack is kept (a parent checkpoint frees the tensor).
+        self.tensor: torch.Tensor | None = tensor if hooks is None else None
+        self.unpack_hook = hooks[1] if hooks is not None else None
+        self.packed = hooks[0](tensor) if hooks is not None else None
+
+    def unpack(self) -> torch.Tensor:
+        if self.unpack_hook is not None:
+            return self.unpack_hook(self.packed)
+        assert self.tensor is not None
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: it is at version {self.tensor._version}; expected "
+                f"version {self.version} instead (a checkpointed region's input)"
+            )
+        return self.tensor
+
+
+_MAKE_SAVED = getattr(torch._C._autograd, "_make_saved_tensor", None)
+
+
+def _save(tensor: torch.Tensor) -> Any:
+    """``tensor`` saved as autograd saves a forward input (module docstring)."""
+    return _MAKE_SAVED(tensor, is_output=False) if _MAKE_SAVED is not None else _HookedSave(tensor)
 
 
 class CheckpointError(RuntimeError):
@@ -144,7 +183,7 @@ class _SavedLeaf:
     __slots__ = ("is_view", "requires_grad", "saved")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.saved = _make_saved_tensor(tensor, is_output=False)
+        self.saved = _save(tensor)
         self.requires_grad = tensor.requires_grad
         self.is_view = tensor._base is not None
 
