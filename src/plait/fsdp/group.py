@@ -298,6 +298,8 @@ class FSDPParamGroup:
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather (issuing one if needed) and swap in full parameters
         (outside functorch's transforms, as :meth:`unshard`)."""
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return  # every forward asks; no context to enter then
         with torch._C._DisableFuncTorch():
             self._wait_for_unshard()
 
