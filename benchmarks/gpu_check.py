@@ -23,8 +23,9 @@ leaves the others to run and report:
    after the first two steps.
 4. ``moe`` (last, if the budget leaves time): ``plait train --experts 4 --top-k 2`` on the
    GPT, then the same model under plait's and torch's ``fully_shard`` in the timing loop,
-   eager, with the calls of ``torch._grouped_mm`` per step counted (the grouped-GEMM path
-   runs only without autocast, i.e. under ``fully_shard``'s bf16 parameters).
+   eager, with the calls of ``torch._grouped_mm`` per step counted (``plait train`` runs
+   them under autocast, casting the experts' weights itself; ``fully_shard`` on its bf16
+   parameters).
 
 5. ``kernels`` (run after ``fsdp-eager``: half a minute): the planner's roofline against
    this GPU, kernel by kernel (GEMMs, flash attention, one rank's ring attention under
@@ -621,8 +622,8 @@ def _no_checkpoint(skip: bool) -> Iterator[None]:
 
 
 def run_moe(cfg: CheckConfig, result: PartResult) -> None:
-    """Part 4: ``plait train`` of the MoE GPT (autocast: the experts' loop), then the same
-    model under plait's and torch's ``fully_shard`` (bf16 parameters: grouped GEMMs)."""
+    """Part 4: ``plait train`` of the MoE GPT (autocast), then the same model under
+    plait's and torch's ``fully_shard`` (bf16 parameters); grouped GEMMs in all three."""
     run_train(cfg, result, "moe", compiled=False)
     _free()
     run_fsdp(cfg, result, "moe", compiled=False)

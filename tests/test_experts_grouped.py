@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import plait.experts.swiglu as swiglu
 from plait.experts import GroupedExperts, MoE, grouped_mm_supported, set_grouped_mm
-from plait.experts.grouped import grouped_swiglu
+from plait.experts.grouped import autocast_weights, grouped_swiglu
 from plait.train.metrics import read_metrics
 
 from harness import run_on_ranks
@@ -102,6 +102,24 @@ def test_grouped_equals_the_loop_bitwise(routing: str, how: str, dtype: torch.dt
     set_grouped_mm(experts, False)
     with _Ops() as ops:
         loop = _run(experts, COUNTS[routing], how, dtype)
+    assert ops.seen[GROUPED] == 0
+    _assert_equal(grouped, loop)
+
+
+@pytest.mark.parametrize("routing", ["spread", "no_rows"])
+def test_grouped_under_autocast_equals_the_autocast_loop_bitwise(routing: str) -> None:
+    """``plait train --mp bf16`` on one process: fp32 parameters under autocast. The
+    grouped path casts rows and weights to bf16 itself (autocast does not cast
+    ``_grouped_mm``), so it runs, and every number is the loop's, whose matmuls autocast
+    casts: the same bf16 products, the gradients back in fp32."""
+    experts = _experts(64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Ops() as ops:
+        grouped = _run(experts, COUNTS[routing], "grad")
+    assert ops.seen[GROUPED] == 9 and ops.seen[MM] == 0
+    assert grouped[0].dtype == torch.bfloat16 and grouped[2].dtype == torch.float32
+    set_grouped_mm(experts, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Ops() as ops:
+        loop = _run(experts, COUNTS[routing], "grad")
     assert ops.seen[GROUPED] == 0
     _assert_equal(grouped, loop)
 
@@ -194,7 +212,13 @@ def test_grouped_gemm_is_refused_where_it_would_change_or_break_the_run() -> Non
     x, weights = _tensors(8, 16, torch.float32)
     assert not grouped_mm_supported(x.to(torch.bfloat16), weights)  # mixed dtypes
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts mm, not _grouped_mm
-        assert not grouped_mm_supported(x, weights)
+        assert not grouped_mm_supported(x, weights)  # fp32 weights autocast would cast
+        cast = autocast_weights(x, weights)
+        assert all(w.dtype == torch.bfloat16 for w in cast)
+        assert grouped_mm_supported(x, cast)  # the rows are cast per GEMM
+        narrow = autocast_weights(x, _tensors(8, 12, torch.float32)[1])
+        assert not grouped_mm_supported(x, narrow)  # hidden 12: 24-byte bf16 rows
+    assert autocast_weights(x, weights) == tuple(weights)  # no autocast: as they are
     with FakeTensorMode():  # tracing: torch's meta kernel takes bfloat16 only
         fake, fake_weights = _tensors(8, 16, torch.float32)
         assert not grouped_mm_supported(fake, fake_weights)

@@ -8,7 +8,10 @@ offsets stay a device tensor, so nothing is read on the host (the fused CUDA ker
 them on the GPU; torch's CPU implementation reads them inside the op).
 
 :func:`grouped_mm_supported` says when it may run; elsewhere the caller runs the experts
-one after another (``plait.experts.swiglu``).
+one after another (``plait.experts.swiglu``). Autocast does not cast ``_grouped_mm``'s
+operands, so under autocast they are cast here (the weights by :func:`autocast_weights`,
+the rows per GEMM by :func:`grouped_swiglu`), as autocast casts each matmul of the loop:
+the same precision either way.
 
 The numbers: torch's CPU implementation multiplies each group with the very ``mm`` the loop
 calls, so on CPU the GEMMs, forward and backward, are bitwise the loop's. The SwiGLU
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["grouped_mm_supported", "grouped_swiglu"]
+__all__ = ["autocast_weights", "grouped_mm_supported", "grouped_swiglu"]
 
 #: Dtypes torch's ``_grouped_mm`` accepts. Its CPU implementation runs all three; on CUDA
 #: only bfloat16 has the fused kernel, and tracing (fake tensors) only accepts bfloat16.
@@ -41,14 +44,16 @@ def grouped_mm_supported(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bo
     """Whether the experts may run as grouped GEMMs on rows ``x`` ``(n, dim)`` with the
     stacked ``weights`` (this rank's local tensors, ``(E, in, out)`` each).
 
+    The rows are multiplied in their own dtype, or under autocast in autocast's dtype for
+    their device (autocast casts the loop's matmuls but not ``_grouped_mm``: the weights
+    come cast by :func:`autocast_weights`, and :func:`grouped_swiglu` casts the rows).
     True when all of these hold, else False (run the loop):
 
-    * **one dtype, one device**: ``x`` and every weight alike (the op does not promote).
-    * **16-byte rows**: the last dim of ``x`` and of every weight (``dim`` and ``hidden``),
-      times the element size, is a multiple of 16 bytes. ``_grouped_mm`` refuses other row
-      strides, on every device, and backward multiplies the transposes (the same widths).
-    * **no autocast** on the device: autocast casts the loop's matmuls but not
-      ``_grouped_mm``, so the grouped path would compute in another precision.
+    * **one dtype, one device**: every weight in that dtype and on the rows' device (the
+      op does not promote).
+    * **16-byte rows**: the last dim of the rows and of every weight (``dim`` and
+      ``hidden``), times the element size, is a multiple of 16 bytes. ``_grouped_mm``
+      refuses other row strides, on every device, and backward multiplies the transposes.
     * **traced** (``torch.compile``, fake tensors as in ``plait plan --dry-run``, the meta
       device): bfloat16 only, since torch's meta kernel refuses other dtypes; on CUDA
       also the group limit below (data pointers cannot be read while tracing).
@@ -60,27 +65,51 @@ def grouped_mm_supported(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bo
       the offsets on the host like the loop and is no faster, or is refused.
     * any other device: never.
     """
-    tensors = (x, *weights)
-    if any(t.dtype != x.dtype or t.device != x.device for t in tensors):
-        return False
-    if x.dtype not in _DTYPES or any(t.shape[-1] * t.element_size() % 16 for t in tensors):
-        return False
     device = x.device.type
-    if torch.is_autocast_enabled(device if device != "meta" else "cpu"):
+    dtype = _autocast_dtype(device) if x.is_floating_point() else None
+    dtype = dtype or x.dtype  # what the rows are multiplied in
+    if any(w.dtype != dtype or w.device != x.device for w in weights):
+        return False
+    width = x.shape[-1] * torch.empty((), dtype=dtype).element_size()
+    if (
+        dtype not in _DTYPES
+        or width % 16
+        or any(w.shape[-1] * w.element_size() % 16 for w in weights)
+    ):
         return False
     experts = weights[0].shape[0] if weights else 0
     if torch.compiler.is_compiling() or device == "meta" or is_fake(x):
-        return x.dtype == torch.bfloat16 and (device != "cuda" or experts <= _MAX_CUDA_GROUPS)
+        return dtype == torch.bfloat16 and (device != "cuda" or experts <= _MAX_CUDA_GROUPS)
     if device == "cpu":
         return True
-    if device != "cuda" or torch.version.hip is not None or x.dtype != torch.bfloat16:
+    if device != "cuda" or torch.version.hip is not None or dtype != torch.bfloat16:
         return False
     major, _ = torch.cuda.get_device_capability(x.device)
+    aligned = [*weights, x] if x.dtype == dtype else weights  # a cast is a fresh block
     return (
         major in (9, 10)
         and experts <= _MAX_CUDA_GROUPS
-        and all(t.data_ptr() % 16 == 0 for t in tensors)
+        and all(t.data_ptr() % 16 == 0 for t in aligned)
     )
+
+
+def autocast_weights(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``weights`` as autocast would hand them to a matmul of rows ``x``: cast to
+    autocast's dtype where autocast is on for ``x``'s device and ``x`` is floating point;
+    as they are otherwise. The casts are differentiable: the gradients reach the weights
+    in their own dtype, as through autocast's."""
+    dtype = _autocast_dtype(x.device.type) if x.is_floating_point() else None
+    if dtype is None:
+        return tuple(weights)
+    return tuple(w.to(dtype) if w.is_floating_point() else w for w in weights)
+
+
+def _autocast_dtype(device: str) -> torch.dtype | None:
+    """Autocast's dtype on ``device`` (the meta device as the CPU: tracing), None when off."""
+    device = "cpu" if device == "meta" else device
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
 
 
 def grouped_swiglu(
@@ -93,11 +122,16 @@ def grouped_swiglu(
     """``w2(silu(x @ w1) * (x @ w3))`` per expert, as grouped GEMMs: ``x`` ``(n, dim)`` rows
     in expert order, ``counts`` ``(E,)`` integers summing to ``n`` (not checked: that would
     read them on the host), ``w1``/``w3`` ``(E, dim, hidden)``, ``w2`` ``(E, hidden, dim)``.
-    Returns ``(n, dim)``. Only where :func:`grouped_mm_supported` holds."""
+    Returns ``(n, dim)``. Only where :func:`grouped_mm_supported` holds for ``x`` in the
+    rows: under autocast ``x`` may be in another dtype than the (cast) weights, and each
+    GEMM casts it."""
     offs = counts.cumsum(0, dtype=torch.int32)  # (E,) where each expert's rows end
-    x = _dense_rows(x)  # (n, dim)
     w1, w2, w3 = (w.contiguous() for w in (w1, w2, w3))  # no copy for parameters
-    h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+    # Each GEMM casts the rows itself, as autocast casts each matmul's input: the two
+    # gradients of x then meet in x's dtype, not in the weights' (no-ops without a cast).
+    gate = torch._grouped_mm(_dense_rows(x.to(w1.dtype)), w1, offs=offs)  # (n, hidden)
+    up = torch._grouped_mm(_dense_rows(x.to(w3.dtype)), w3, offs=offs)
+    h = F.silu(gate) * up
     out = torch._grouped_mm(h, w2, offs=offs)  # (n, dim)
     return _dense_grad(out)
 

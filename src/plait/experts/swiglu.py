@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.experts.counts import host_counts
-from plait.experts.grouped import grouped_mm_supported, grouped_swiglu
+from plait.experts.grouped import autocast_weights, grouped_mm_supported, grouped_swiglu
 
 __all__ = ["GroupedExperts", "SwiGLU", "set_grouped_mm"]
 
@@ -58,18 +58,19 @@ class GroupedExperts(nn.Module):
 
     How the experts run (``grouped_mm``, default True; :func:`set_grouped_mm` sets it on a
     whole model): as three ``torch._grouped_mm`` calls, one per stacked matrix (six in
-    backward), wherever ``plait.experts.grouped.grouped_mm_supported`` allows it: on CPU
-    for float32 / bfloat16 / float16 rows whose widths (``dim``, ``hidden``) are multiples
-    of 16 bytes, on CUDA for bfloat16 on compute capability 9.x / 10.x (H100, B200), and
-    in traced runs (``torch.compile``, fake tensors) for bfloat16. The offsets stay on the
-    device: no host sync. Everywhere else, and with ``grouped_mm=False``, the experts run
-    one after another (a loop of plain matmuls over ``x.split(counts)``, one device-to-host
-    read of the counts). On CPU the grouped GEMMs are bitwise the loop's matmuls (torch
-    multiplies each expert's block with the same ``mm``), and the whole SwiGLU is bitwise
-    the loop's where ``hidden`` is a multiple of 32 floats, else equal to an ulp of
-    ``silu`` (``plait.experts.grouped`` says why); CUDA's fused kernel rounds like any
-    other GEMM kernel. In the loop an expert's result does not depend, to the bit, on how
-    many other experts a rank holds; grouped, to that rounding.
+    backward), wherever ``plait.experts.grouped.grouped_mm_supported`` allows it: on CPU for
+    float32 / bfloat16 / float16 rows whose widths (``dim``, ``hidden``) are multiples of 16
+    bytes, on CUDA for bfloat16 on compute capability 9.x / 10.x (H100, B200), and in traced
+    runs (``torch.compile``, fake tensors) for bfloat16; under autocast the rows and weights
+    are first cast to autocast's dtype, as autocast casts the loop's matmuls. The offsets
+    stay on the device: no host sync. Everywhere else, and with ``grouped_mm=False``, the
+    experts run one after another (a loop of plain matmuls over ``x.split(counts)``, one
+    device-to-host read of the counts). On CPU the grouped GEMMs are bitwise the loop's
+    matmuls (torch multiplies each expert's block with the same ``mm``), under autocast too,
+    and the whole SwiGLU is bitwise the loop's where ``hidden`` is a multiple of 32 floats,
+    else equal to an ulp of ``silu`` (``plait.experts.grouped`` says why); CUDA's fused
+    kernel rounds like any other GEMM kernel. In the loop an expert's result does not
+    depend, to the bit, on how many other experts a rank holds; grouped, to that rounding.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, *, grouped_mm: bool = True) -> None:
@@ -96,8 +97,10 @@ class GroupedExperts(nn.Module):
                 f"GroupedExperts: counts has shape {tuple(counts.shape)} but this rank holds "
                 f"{w1.shape[0]} experts: pass one row count per (local) expert"
             )
-        if self.grouped_mm and grouped_mm_supported(x, (w1, w2, w3)):
-            return grouped_swiglu(x, counts, w1, w2, w3)  # (n, dim)
+        if self.grouped_mm:
+            weights = autocast_weights(x, (w1, w2, w3))  # as autocast's matmuls see them
+            if grouped_mm_supported(x, weights):
+                return grouped_swiglu(x, counts, *weights)  # (n, dim)
         # One device-to-host sync: dropless routing makes block sizes data-dependent.
         blocks = x.split(host_counts(counts, x.shape[0]))  # E_local x (n_e, dim)
         outs = [
