@@ -7,11 +7,16 @@ naming them once makes the APIs read alike.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+
+from plait.logs import apply_torch_logs
+
+apply_torch_logs()  # TORCH_LOGS="+fsdp" and the like, read when an API is first imported
 
 
 def queue_end_of_backward(callback: Callable[[], None], api: str) -> None:
@@ -91,16 +96,37 @@ def in_backward() -> bool:
 _NO_LABEL = contextlib.nullcontext()
 
 
-def traced(label: str) -> contextlib.AbstractContextManager[object]:
+def traced(label: str, detail: str = "") -> contextlib.AbstractContextManager[object]:
     """A ``record_function`` label while a profiler runs; free (a shared no-op) otherwise.
+    Also a DEBUG line ``label (detail)`` to the API's logger (:func:`action_logger`), when
+    that is on (``TORCH_LOGS="+fsdp"``, :mod:`plait.logs`); ``detail`` names what acts
+    (a ``fully_shard`` unit), in the profile's label too.
 
     The APIs label every unshard, reduction and pipeline action so a profile reads
     naturally, but entering ``record_function`` costs microseconds even with no profiler,
     which adds up over hundreds of small units per step.
     """
+    named = f"{label} ({detail})" if detail else label
+    logger = action_logger(label)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s", named)
     if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(label)
+        return torch.profiler.record_function(named)
     return _NO_LABEL
+
+
+_ACTION_LOGGERS: dict[str, logging.Logger] = {}
+
+
+def action_logger(label: str) -> logging.Logger:
+    """The logger of the API a :func:`traced` label belongs to: ``plait.<api>`` from the
+    label's first name after ``plait.`` (``"plait.fsdp.pre_forward"``: ``plait.fsdp``;
+    ``"checkpoint.recompute:x"``: ``plait.checkpoint``)."""
+    api = label.removeprefix("plait.").split(".", 1)[0]
+    logger = _ACTION_LOGGERS.get(api)
+    if logger is None:
+        logger = _ACTION_LOGGERS[api] = logging.getLogger(f"plait.{api}")
+    return logger
 
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])

@@ -89,7 +89,7 @@ def all_gather_segments(
         return rows, None
     group = _required(group, owner)
     spmd.record("all_gather", rows, group, owner)
-    with traced("plait.fsdp.all_gather"):
+    with traced("plait.fsdp.all_gather", owner):
         shape = (world * rows.shape[0], rows.shape[1])
         if comm is None:
             out = rows.new_empty(shape)
@@ -117,7 +117,7 @@ def reduce_scatter_segments(
         return matrix.view(-1), None
     group = _required(group, owner)
     spmd.record("reduce_scatter", matrix, group, owner)
-    with traced("plait.fsdp.reduce_scatter"):
+    with traced("plait.fsdp.reduce_scatter", owner):
         out = allocate(comm, (matrix.shape[1],), matrix.dtype, matrix.device)
         if comm is None:
             work = dist.reduce_scatter_single(
@@ -136,7 +136,7 @@ def all_reduce(
     """Start reducing ``tensor`` in place over ``group`` (across the replicas of a shard:
     HSDP, ``replicate``); returns the work."""
     spmd.record("all_reduce", tensor, group, owner)
-    with traced("plait.fsdp.all_reduce"):
+    with traced("plait.fsdp.all_reduce", owner):
         return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 

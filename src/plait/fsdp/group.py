@@ -311,7 +311,7 @@ class FSDPParamGroup:
         assert self._gather is not None
         gathered, work = self._gather
         self._gather = None
-        with traced("plait.fsdp.copy_out"):
+        with traced("plait.fsdp.copy_out", self.owner):
             spmd.wait(work, "all_gather", self.owner)
             destinations = self._alloc_unsharded()
             if self._extensions:

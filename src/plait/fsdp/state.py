@@ -263,7 +263,7 @@ class FSDPState(APIState):
             root_pass.begin(self)
         grad = torch.is_grad_enabled()
         if self.unit is not None:
-            with traced("plait.fsdp.pre_forward"):
+            with traced("plait.fsdp.pre_forward", self.unit.owner):
                 if first:
                     if not self.settings.conditional:
                         root_pass.record_forward(self)
@@ -379,7 +379,7 @@ class FSDPState(APIState):
         self._root_pass().queue_finish()  # first: it refuses compiled autograd
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unit is not None and self.settings.unshard_in_backward:
-            with traced("plait.fsdp.pre_backward"):
+            with traced("plait.fsdp.pre_backward", self.unit.owner):
                 self.unit.wait_for_unshard()  # a conditional unit is still unsharded
                 for target in self.prefetch_targets(forward=False):
                     target.unit.unshard(async_op=True)  # type: ignore[union-attr]
@@ -398,7 +398,7 @@ class FSDPState(APIState):
         if self.unit is None or self.backwards_owed == 0 or self.settings.conditional:
             return  # a conditional unit reduces in finish_backward, on every rank
         self.backwards_owed -= 1
-        with traced("plait.fsdp.post_backward"):
+        with traced("plait.fsdp.post_backward", self.unit.owner):
             self.reduce_or_stash()
             if self.settings.reshard_after_backward:
                 self.unit.reshard()
