@@ -106,12 +106,10 @@ def traced(label: str, detail: str = "") -> contextlib.AbstractContextManager[ob
     naturally, but entering ``record_function`` costs microseconds even with no profiler,
     which adds up over hundreds of small units per step.
     """
-    named = f"{label} ({detail})" if detail else label
-    logger = action_logger(label)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s", named)
+    if action_logger(label).isEnabledFor(logging.DEBUG):
+        action_logger(label).debug("%s (%s)" if detail else "%s%s", label, detail)
     if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(named)
+        return torch.profiler.record_function(f"{label} ({detail})" if detail else label)
     return _NO_LABEL
 
 
@@ -122,10 +120,10 @@ def action_logger(label: str) -> logging.Logger:
     """The logger of the API a :func:`traced` label belongs to: ``plait.<api>`` from the
     label's first name after ``plait.`` (``"plait.fsdp.pre_forward"``: ``plait.fsdp``;
     ``"checkpoint.recompute:x"``: ``plait.checkpoint``)."""
-    api = label.removeprefix("plait.").split(".", 1)[0]
-    logger = _ACTION_LOGGERS.get(api)
+    logger = _ACTION_LOGGERS.get(label)  # by label: most are constants, the rest few
     if logger is None:
-        logger = _ACTION_LOGGERS[api] = logging.getLogger(f"plait.{api}")
+        api = label.removeprefix("plait.").split(".", 1)[0]
+        logger = _ACTION_LOGGERS[label] = logging.getLogger(f"plait.{api}")
     return logger
 
 
