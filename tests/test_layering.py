@@ -23,6 +23,7 @@ LAYERS = {
     # core: what every API builds on; imports torch only
     "contract": CORE,
     "hooks": CORE,
+    "logs": CORE,
     "mesh": CORE,
     "spmd": CORE,
     "layout": CORE,
