@@ -2,7 +2,9 @@
 best one, and a JSON form for programs (sizes in bytes, times in seconds). For a mixture
 of experts the header gives total and active parameters and the table the bytes each rank
 sends per step in expert parallelism's all-to-alls; with context parallelism the table
-gives the bytes each rank sends per step in attention's key/value exchange."""
+gives the bytes each rank sends per step in attention's key/value exchange. Where the
+best layout is of a kind the planner has missed published runs of by more than usual, a
+line says how far (:mod:`plait.plan.accuracy`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import shlex
 from typing import Any
 
 from plait.layout import CP, EP, flag, stage_blocks
+from plait.plan.accuracy import accuracy_notes
 from plait.plan.comm import Collective
 from plait.plan.models import flops_per_token, param_counts
 from plait.plan.search import Candidate, describe
@@ -192,6 +195,7 @@ def to_json(
         "cp_bytes_per_step": cp_per_step(c.timing.collectives),
         "command": train_command(c.layout, model, work, device, speed),
         "torchrun": torchrun_command(c.layout, model, work, device, speed),
+        "accuracy": accuracy_notes(c.layout, model, work),
     }
 
 
@@ -269,6 +273,7 @@ def format_plan(
         "  " + train_command(best.layout, model, work, device, speed),
         "  " + torchrun_command(best.layout, model, work, device, speed),
     ]
+    lines += ["  " + note for note in accuracy_notes(best.layout, model, work)]
     if not model.source and (model.gated or model.kv_heads != model.heads or model.dense_layers):
         lines.append(
             f"  (plait train builds its GPT; {model.name}'s exact blocks need your own model "
