@@ -70,7 +70,7 @@ def grouped_mm_supported(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bo
     dtype = dtype or x.dtype  # what the rows are multiplied in
     if any(w.dtype != dtype or w.device != x.device for w in weights):
         return False
-    width = x.shape[-1] * torch.empty((), dtype=dtype).element_size()
+    width = x.shape[-1] * dtype.itemsize
     if (
         dtype not in _DTYPES
         or width % 16
