@@ -377,6 +377,59 @@ def test_all_reduce_hook_after_hsdp_all_reduce() -> None:
     run_on_ranks(4, _hook_after_hsdp_all_reduce)
 
 
+class _Logged:
+    """A collective's work whose wait is logged."""
+
+    def __init__(self, work: Any, name: str, log: list[str]) -> None:
+        self._work, self._name, self._log = work, name, log
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._log.append(f"wait {self._name}")
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._work, attr)
+
+
+def _hsdp_all_reduce_left_in_flight() -> list[str]:
+    """HSDP: each unit's all-reduce across replicas is issued when its reduce-scatter is
+    waited for and itself waited for only at the next unit's reduction (the backward in
+    between hides it), not at once; the gradients are still torch's."""
+    log: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_reduce")}
+
+    def spy(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            n = sum(e.startswith(name) for e in log)
+            log.append(f"{name} {n}")
+            work = originals[name](*args, **kwargs)
+            return _Logged(work, f"{name} {n}", log) if work is not None else None
+
+        return call
+
+    ours, theirs = _pair(_stack, hsdp_mesh())
+    for name in originals:
+        setattr(dist, name, spy(name))
+    try:
+        ours(_inputs(24, steps=1)[0]).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    ours.zero_grad()
+    _assert_same_grads(ours, theirs, _inputs(24, steps=2), torch.float32)
+    return log
+
+
+def test_hsdp_all_reduce_overlaps_the_next_units_backward() -> None:
+    log = run_on_ranks(4, _hsdp_all_reduce_left_in_flight)[0]
+    units = sum(e.startswith("reduce_scatter_single") for e in log)
+    assert units == 3 and sum(e.startswith("all_reduce") for e in log) == units, log
+    for k in range(units - 1):  # the last unit's finishes at the end of backward
+        issued, waited = log.index(f"all_reduce {k}"), log.index(f"wait all_reduce {k}")
+        assert log.index(f"reduce_scatter_single {k + 1}") < waited, log
+        assert log.index(f"wait reduce_scatter_single {k}") < issued < waited, log
+
+
 # --- custom collectives ---------------------------------------------------------------------------
 
 

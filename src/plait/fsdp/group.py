@@ -454,6 +454,11 @@ class FSDPParamGroup:
         """Wait for issued reductions and accumulate into the sharded gradients."""
         self.reduction.finish(self.owner)
 
+    def reduce_across(self) -> bool:
+        """Wait for the issued reduce-scatters, issue HSDP's all-reduces across replicas
+        and leave those in flight (``finish_reduce`` completes them); True if any is."""
+        return self.reduction.finish_scatter(self.owner)
+
     def discard_inflight(self) -> None:
         """Recovery after an exception (``reset_iter_state``): wait for the collectives
         already issued, drop their results and every gradient not yet reduced (the failed

@@ -127,6 +127,10 @@ class MeshGroups(FSDPParamGroup):
         for g in self.members:
             g.finish_reduce()
 
+    def reduce_across(self) -> bool:
+        pending = [g.reduce_across() for g in self.members]  # every one, in order
+        return any(pending)
+
     def discard_inflight(self) -> None:
         for g in self.members:
             g.discard_inflight()

@@ -280,6 +280,30 @@ class GradientReduction:
 
     # --- finishing ------------------------------------------------------------------------
 
+    def finish_scatter(self, owner: str) -> bool:
+        """Close the round and wait for its reduce-scatters. Where an all-reduce across
+        replicas follows (HSDP), issue it and leave it in flight for :meth:`finish`, so
+        the backward run in between hides it; finish the other reductions. True when an
+        all-reduce was left in flight."""
+        if self._round is None and not self._reducing:
+            return False
+        reducing, self._reducing = self._reducing, []
+        self._close_round()
+        finished = []
+        for red in reducing:
+            flight = red.inflight
+            assert flight is not None
+            if flight.across or self.groups.replicate is None:
+                finished.append(red)  # one collective, or none across replicas
+                continue
+            name = owner if red.name is None else f"{red.name} in {owner}"
+            spmd.wait(flight.work, "reduce_scatter", name)
+            deferred, work = self._across_replicas(red, flight.out, name)
+            red.inflight = _InFlight(flight.out, work, flight.out, across=True, deferred=deferred)
+            self._reducing.append(red)
+        self._complete(finished, owner)
+        return bool(self._reducing)
+
     def finish(self, owner: str) -> None:
         """Wait for the launched reductions, accumulate into the sharded gradients, and
         close the round."""
@@ -287,6 +311,10 @@ class GradientReduction:
             return
         reducing, self._reducing = self._reducing, []
         self._close_round()
+        self._complete(reducing, owner)
+
+    def _complete(self, reducing: list[_Reduction], owner: str) -> None:
+        """Wait for ``reducing``'s collectives and accumulate their results."""
         for red in reducing:
             name = owner if red.name is None else f"{red.name} in {owner}"
             out = self._wait(red, name)

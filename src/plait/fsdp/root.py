@@ -63,6 +63,7 @@ class RootPass(Generic[S]):
         self.post_optim_event: Any = None  # waited on once, at the next forward pass
         self.max_reductions_in_flight = 1  # the largest of the units' max_input_buffers
         self.reducing: list[FSDPParamGroup] = []  # units whose reduction is in flight
+        self.across: list[FSDPParamGroup] = []  # units with only an all-reduce in flight (HSDP)
 
     @property
     def root(self) -> S:
@@ -118,10 +119,18 @@ class RootPass(Generic[S]):
     # --- backward -----------------------------------------------------------------------------
 
     def reduce(self, unit: FSDPParamGroup) -> None:
-        """Start ``unit``'s gradient reduction, first finishing the oldest ones in flight
-        while there are ``max_reductions_in_flight`` of them: memory stays bounded."""
+        """Start ``unit``'s gradient reduction. First, the units whose all-reduce across
+        replicas (HSDP) the previous call issued finish; then, while
+        ``max_reductions_in_flight`` reductions are in flight, the oldest's reduce-scatter
+        is waited for and its all-reduce issued, left in flight until the next call (the
+        backward in between hides it), or it finishes: memory stays bounded."""
+        for older in self.across:
+            older.finish_reduce()
+        self.across = []
         while len(self.reducing) >= self.max_reductions_in_flight:
-            self.reducing.pop(0).finish_reduce()
+            oldest = self.reducing.pop(0)
+            if oldest.reduce_across():
+                self.across.append(oldest)
         unit.reduce_grads()
         self.reducing.append(unit)
 
@@ -146,7 +155,7 @@ class RootPass(Generic[S]):
             for state in self.states:
                 state.end_backward(finish_reductions=self.is_last_backward)
         if self.is_last_backward:
-            self.reducing = []
+            self.reducing, self.across = [], []
         self.forward_root = None
         self.callback_queued = False
         spmd.check("end of a fully_shard backward")
@@ -156,6 +165,6 @@ class RootPass(Generic[S]):
         ``FSDPModule.reset_iter_state``). In-flight gradient reductions are dropped."""
         for state in self.states:
             state.forget_step()
-        self.reducing = []
+        self.reducing, self.across = [], []
         self.forward_root = None
         self.callback_queued = False
