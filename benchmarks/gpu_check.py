@@ -86,6 +86,7 @@ CUDA_TESTS = (
     "tests/test_replicate.py::test_device_id_moves_tensor_inputs_to_the_device",
     "tests/test_train_hf.py::test_loads_into_cuda_parameters",
     "tests/test_fsdp_features.py::test_cpu_offload_on_cuda_equals_no_offload",
+    "tests/test_fsdp_features.py::test_offloaded_units_built_on_the_cpu_run_on_cuda_with_their_buffers",
 )
 
 #: The parts in the order they run (most wanted first: a short budget drops the tail), and

@@ -8,6 +8,7 @@ weights, per-rank bf16 gradients cast to the reduce dtype and averaged).
 from __future__ import annotations
 
 import copy
+import importlib
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from plait.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
+    OffloadPolicy,
     ShardedState,
     fully_shard,
 )
@@ -239,6 +241,76 @@ def _offload_on_cuda() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpu_offload_on_cuda_equals_no_offload() -> None:
     run_on_ranks(1, _offload_on_cuda)
+
+
+class _Shifted(nn.Module):
+    """A linear layer plus a buffer its forward reads (as rotary tables are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.register_buffer("shift", torch.arange(DIM, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.shift
+
+
+def _offload_moves_buffers() -> list[list[str]]:
+    """Which modules' buffers ``fully_shard`` and ``replicate`` send to the mesh's device:
+    under ``CPUOffloadPolicy`` their own (a module built on the CPU runs forward on the
+    device), otherwise none (the module must be on the mesh's device already)."""
+    from plait import replicate
+
+    moved: list[list[str]] = []
+    original = importlib.import_module("plait.mesh").buffers_to_mesh_device
+
+    def record(mesh: DeviceMesh, modules: Any) -> None:
+        moved.append([type(m).__name__ for m in modules])
+        original(mesh, modules)
+
+    # the modules, not the functions of the same names that plait's packages export
+    users = [importlib.import_module(f"plait.{name}") for name in ("fsdp.fully_shard", "replicate")]
+    for where in users:
+        where.buffers_to_mesh_device = record  # type: ignore[attr-defined]
+    try:
+        for offload in (CPUOffloadPolicy(), None):
+            model = nn.Sequential(_Shifted(), _Shifted())
+            fully_shard(model[0], offload_policy=offload or OffloadPolicy())
+            replicate(model[1], offload_policy=offload or OffloadPolicy())
+    finally:
+        for where in users:
+            where.buffers_to_mesh_device = original  # type: ignore[attr-defined]
+    return moved
+
+
+def test_an_offloaded_unit_takes_its_buffers_to_the_mesh_device() -> None:
+    assert run_on_ranks(2, _offload_moves_buffers)[0] == [["_Shifted"], ["_Shifted"]]
+
+
+def _offloaded_buffers_on_cuda() -> None:
+    """A module built on the CPU, offloaded: its buffer must reach the GPU (torch moves
+    buffers), and replicate's broadcast of CPU parameters must pass through the GPU (NCCL
+    has no CPU tensors)."""
+    from plait import replicate
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = DeviceMesh.from_group(dist.new_group(backend="nccl"), "cuda")
+    torch.manual_seed(0)
+    base = nn.Sequential(_Shifted(), _Shifted())
+    want = copy.deepcopy(base).to(device)(torch.ones(2, DIM, device=device))
+    sharded = shard_blocks(copy.deepcopy(base), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    replicated = copy.deepcopy(base)
+    replicate(replicated, device_mesh=mesh, offload_policy=CPUOffloadPolicy())
+    for model in (sharded, replicated):
+        assert all(b.device == device for b in model.buffers())
+        got = model(torch.ones(2, DIM, device=device))
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offloaded_units_built_on_the_cpu_run_on_cuda_with_their_buffers() -> None:
+    run_on_ranks(1, _offloaded_buffers_on_cuda)
 
 
 # --- HSDP -----------------------------------------------------------------------------------

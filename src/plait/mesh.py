@@ -9,6 +9,7 @@ vocabulary; :mod:`plait.layout` holds the names.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,19 @@ def check_mesh_device(mesh: DeviceMesh, module: nn.Module, api_name: str) -> Non
             f"(module.to({mesh.device_type!r})) or build the mesh with "
             f'init_device_mesh("{device_type}", ...)'
         )
+
+
+def buffers_to_mesh_device(mesh: DeviceMesh, modules: Iterable[nn.Module]) -> None:
+    """Move the buffers of ``modules`` (and their submodules) onto ``mesh``'s device in
+    place, as torch's ``fully_shard`` moves a module's states (meta ones stay). For an
+    offloaded unit (``CPUOffloadPolicy``), whose module may be built on the CPU: the
+    parameters' shards stay there, but forward runs on the device, buffers included."""
+    device = mesh_device(mesh)
+    with torch.no_grad():
+        for module in modules:
+            for buffer in module.buffers():
+                if buffer.device != device and buffer.device.type != "meta":
+                    buffer.data = buffer.to(device)
 
 
 def data_parallel_submesh(

@@ -113,7 +113,9 @@ from plait.fsdp.replica import ReplicaGroup, ReplicaParam
 from plait.fsdp.replica_state import ReplicateState
 from plait.fsdp.settings import UnitSettings
 from plait.mesh import (
+    buffers_to_mesh_device,
     check_mesh_device,
+    collective_device,
     default_mesh,
     mesh_device,
     module_device_type,
@@ -289,9 +291,10 @@ def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup)
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
+    device = collective_device(group)  # offloaded parameters are on the CPU, NCCL is not
     with torch.no_grad():
         for same_kind in by_kind.values():
-            flat = torch.cat([t.reshape(-1) for t in same_kind])
+            flat = torch.cat([t.reshape(-1) for t in same_kind]).to(device)
             dist.broadcast(flat, group=group, group_src=0)
             for t, piece in zip(same_kind, flat.split([t.numel() for t in same_kind]), strict=True):
                 t.copy_(piece.view_as(t))
@@ -410,8 +413,10 @@ def replicate(
     mesh = mesh if mesh is not None else default_mesh(module, "replicate")
     group = one_dim_group(mesh, "replicate")
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    if not offload:  # offloaded parameters live on the CPU
+    if not offload:
         check_mesh_device(mesh, module, "replicate")
+    else:  # offloaded parameters live on the CPU; buffers go where forward runs
+        buffers_to_mesh_device(mesh, [module])
     device = _resolve_device_id(device_id, module, mesh)
 
     ignored = {id(p) for p in ignored_params or ()}

@@ -45,7 +45,7 @@ from plait.fsdp.settings import UnitSettings, resolve_reshard_after_forward
 from plait.fsdp.state import FSDPState, fsdp_state_of
 from plait.fsdp.state_dict import register_state_dict_hooks
 from plait.hooks import outside_graphs
-from plait.mesh import check_mesh_device, default_mesh
+from plait.mesh import buffers_to_mesh_device, check_mesh_device, default_mesh
 
 __all__ = ["attach_unit", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -91,9 +91,11 @@ def fully_shard(
         mesh = data_parallel_mesh(modules, mesh, dp_mesh_dims)
     check_arguments(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else default_mesh(modules[0], "fully_shard")
-    if not isinstance(offload_policy, CPUOffloadPolicy):  # offloaded shards live on the CPU
+    if not isinstance(offload_policy, CPUOffloadPolicy):
         for m in modules:
             check_mesh_device(mesh, m, "fully_shard")
+    else:  # offloaded shards live on the CPU; buffers go where forward runs
+        buffers_to_mesh_device(mesh, modules)
     groups = make_groups(mesh, reshard_after_forward)
     settings = UnitSettings(
         mp_policy,
