@@ -26,6 +26,12 @@ first can start it) runs them inside :func:`deferred_checks` and checks once aft
 
 Off (the default), :func:`record`, :func:`record_p2p`, :func:`agree` and :func:`check`
 return at once and :func:`wait` is a plain ``work.wait()``.
+
+On GPUs (NCCL), whose ``work.wait()`` only makes the current stream wait, a checked wait
+also waits on the host until the collective has finished, so its deadline means
+something: checking then synchronizes the host with every collective (no overlap; a
+debugging mode). A peer that dies there is usually reported first by NCCL's own watchdog
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``), which ends the process.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import functools
 import json
 import logging
 import os
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
@@ -255,12 +262,21 @@ def _current_stream() -> Any:
 def _wait_on(work: dist.Work, stream: Any) -> None:
     """``work.wait()`` with ``stream`` current: a device backend's wait (NCCL's) makes the
     current stream wait, and on a helper thread that must be the caller's, not the
-    helper's own."""
+    helper's own; then, with a stream, until the collective has finished (checking on
+    synchronizes the host with every collective: a debugging mode)."""
     if stream is None:
         work.wait()
         return
+    # The helper thread's current device starts as 0: make it the stream's first, or
+    # leaving the stream context would restore device 0 and create a context there on
+    # every rank.
+    torch.cuda.set_device(stream.device)
     with torch.cuda.stream(stream):
         work.wait()
+    # A device backend's wait (NCCL's) only orders the stream and returns at once: the
+    # deadline holds only if the host sees the collective finish.
+    while not work.is_completed():
+        time.sleep(1e-4)
 
 
 def check(where: str = "end of step") -> None:
