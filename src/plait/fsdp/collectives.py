@@ -94,10 +94,14 @@ def all_gather_segments(
         if comm is None:
             out = rows.new_empty(shape)
             work = dist.all_gather_single(out, rows, group=group, async_op=True)
-        else:
+        else:  # in place, as torch: the input is this rank's block of the output, which
+            # the caller keeps until the wait (a comm need not hold its input itself)
             out = allocate(comm, shape, rows.dtype, rows.device)
+            start = dist.get_group_rank(group, dist.get_rank()) * rows.shape[0]
+            mine = out[start : start + rows.shape[0]]
+            mine.copy_(rows)
             work = comm(
-                output_tensor=out.view(-1), input_tensor=rows.view(-1), group=group, async_op=True
+                output_tensor=out.view(-1), input_tensor=mine.view(-1), group=group, async_op=True
             )
     return out, work
 
