@@ -75,6 +75,17 @@ class _Reduction:
     partial: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced (HSDP)
     division: Division | None = None  # of the reduction in flight
     inflight: _InFlight | None = field(default=None, repr=False)
+    # Per pattern of used parameters, its counts on the device: a copy from the host would
+    # make the host wait for the stream (pageable memory) in every such backward.
+    _counts: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def used_counts(self, used: list[bool]) -> torch.Tensor:
+        """``used`` as counts (1 or 0 per parameter) on the reduction's device."""
+        key = tuple(used)
+        counts = self._counts.get(key)
+        if counts is None:
+            counts = self._counts[key] = torch.tensor(used, dtype=self.dtype).to(self.device)
+        return counts
 
 
 @dataclass
@@ -244,7 +255,7 @@ class GradientReduction:
             *columns, counts = matrix.split_with_sizes(red.sizes, dim=1)
             for p, g, column in zip(red.params, grads, columns, strict=True):
                 p.copy_grad_in(g, column)
-            counts.copy_(torch.tensor(used, dtype=red.dtype))  # broadcast over rows
+            counts.copy_(red.used_counts(used))  # broadcast over rows
         red.division = division = self._division(red.dtype)
         divide_(matrix, division.pre)
         if division.scale is not None:
