@@ -144,3 +144,20 @@ def test_resume_finds_the_configuration_of_a_replica_groups_run(
     launched.parent.mkdir()
     launched.write_text(json.dumps(saved.replace(run_dir=str(tmp_path), seed=7).to_dict()))
     assert build_config({"run_dir": str(tmp_path), "resume": True}).seed == 7
+
+
+def test_local_groups_share_the_gpus_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica groups launched on one machine each get GPUs of their own (NCCL refuses two
+    ranks on one GPU), the default workers split the GPUs, and too few GPUs is an error."""
+    import plait.train.replicas as replicas
+    import plait.train.resolve as resolve_module
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert [replicas._Group(i).gpus(2) for i in (0, 1)] == [["4", "5"], ["6", "7"]]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(replicas, "_gpu_count", lambda: 4)
+    assert replicas._Group(1).gpus(2) == ["2", "3"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    resolve_module._check_local_gpus("cuda", 2, 2)
+    with pytest.raises(ConfigError, match="--nproc 3 CUDA workers in each of 2 replica groups"):
+        resolve_module._check_local_gpus("cuda", 3, 2)

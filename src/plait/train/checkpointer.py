@@ -203,11 +203,18 @@ class _Background:
         self._work = work
         self._result: WriteReport | None = None
         self._error: BaseException | None = None
+        # The rank's GPU: a new thread's current device is 0, where anything the write does
+        # on the current device (DCP's writer synchronizes its current stream) would create
+        # a CUDA context on every rank.
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._device = torch.cuda.current_device() if cuda else None
         self._thread = threading.Thread(target=self._run, name="plait-checkpoint", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
             self._result = self._work()
         except BaseException as error:  # re-raised on the training thread by result()
             self._error = error

@@ -92,6 +92,12 @@ class ReplicasFailed(RuntimeError):
     """Every replica group failed (for good); the message says how each life ended."""
 
 
+def _gpu_count() -> int:
+    import torch  # the launcher imports torch only for CUDA runs
+
+    return torch.cuda.device_count()
+
+
 def check_replica_groups(cfg: TrainConfig) -> None:
     """ConfigError unless ``cfg`` (resolved) is a layout replica groups support."""
     if cfg.replica_groups < 2:
@@ -184,6 +190,13 @@ class _Group:
     finished: bool = False
     out: bool = False  # failed for good
 
+    def gpus(self, per_group: int) -> list[str]:
+        """This group's GPUs: the ``index``-th ``per_group`` of the visible ones (every
+        group on all of them would put two groups' ranks on one GPU, which NCCL refuses)."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(_gpu_count())]
+        return ids[self.index * per_group : (self.index + 1) * per_group]
+
     def start(self, cfg: TrainConfig, config_file: Path, lighthouse: str) -> None:
         self.life += 1
         port = str(_free_port())
@@ -210,6 +223,8 @@ class _Group:
                 env[START_VARIABLE] = str(cfg.replica_groups)
             if cfg.device == "cpu":
                 env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            else:  # this group's GPUs only: its LOCAL_RANK r is its r-th
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus(cfg.nproc))
             env.setdefault("RUST_LOG", "warn")  # torchft's manager logs every quorum
             self.procs.append(subprocess.Popen(command, env=env, start_new_session=True))
 

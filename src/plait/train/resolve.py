@@ -168,9 +168,10 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     _check_device(device)
     # Every mesh size given (--dp-shard too): as many workers as the layout has ranks.
     nproc = cfg.nproc or (math.prod(cfg.mesh_dims.values()) if cfg.dp_shard else 0)
-    nproc = nproc or default_nproc(device)
+    groups = max(cfg.replica_groups, 1) if world_size is None else 1  # launched here, side by side
+    nproc = nproc or max(1, default_nproc(device) // groups)
     if world_size is None:
-        _check_local_gpus(device, nproc)
+        _check_local_gpus(device, nproc, groups)
     size = world_size if world_size is not None else nproc
     world = rules.World(size, "--nproc", "processes", auto=(rules.DP_SHARD,))
     if cfg.nproc and world.size != cfg.nproc:
@@ -308,12 +309,14 @@ def _check_device(device: str) -> None:
         raise ConfigError("--device cuda: no CUDA device is visible here; use --device cpu")
 
 
-def _check_local_gpus(device: str, nproc: int) -> None:
-    gpus = torch.cuda.device_count() if device == "cuda" else nproc
-    if nproc > gpus:
+def _check_local_gpus(device: str, nproc: int, groups: int = 1) -> None:
+    """Each local worker needs a GPU of its own (``groups`` replica groups of ``nproc``)."""
+    gpus = torch.cuda.device_count() if device == "cuda" else nproc * groups
+    if nproc * groups > gpus:
+        each = f" in each of {groups} replica groups" if groups > 1 else ""
         raise ConfigError(
-            f"--nproc {nproc} CUDA workers but this machine has {gpus} GPU(s): use --nproc "
-            f"{gpus} or fewer (or torchrun across several machines)"
+            f"--nproc {nproc} CUDA workers{each} but this machine has {gpus} GPU(s): use "
+            f"--nproc {max(gpus // groups, 1)} or fewer (or torchrun across several machines)"
         )
 
 
