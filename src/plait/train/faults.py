@@ -8,6 +8,8 @@ inherit it::
     PLAIT_TEST_KILL_RANK_AT_STEP="1:5"          rank 1 SIGKILLs itself in step 5
     PLAIT_TEST_RAISE_RANK_AT_STEP="1:5"         rank 1 raises RuntimeError in step 5
     PLAIT_TEST_HANG_RANK_AT_STEP="1:5"          rank 1 sleeps for good in step 5
+    PLAIT_TEST_STALL_RANK_AT_STEP="1:5"         rank 1 sleeps PLAIT_TEST_STALL_SECONDS
+                                                (default 5) in step 5, then goes on
     PLAIT_TEST_KILL_RANK_IN_CHECKPOINT="1:4"    rank 1 SIGKILLs itself while writing the
                                                 checkpoint of step 4
 
@@ -42,6 +44,7 @@ _VARIABLES = {
     "kill": "PLAIT_TEST_KILL_RANK_AT_STEP",
     "raise": "PLAIT_TEST_RAISE_RANK_AT_STEP",
     "hang": "PLAIT_TEST_HANG_RANK_AT_STEP",
+    "stall": "PLAIT_TEST_STALL_RANK_AT_STEP",
 }
 _IN_CHECKPOINT = "PLAIT_TEST_KILL_RANK_IN_CHECKPOINT"
 
@@ -119,6 +122,9 @@ class FaultInjector:
         if fault.kind == "hang":
             while True:
                 time.sleep(60)
+        if fault.kind == "stall":  # a slow rank, as compiling or loading makes one
+            time.sleep(float(os.environ.get("PLAIT_TEST_STALL_SECONDS", "5")))
+            return
         raise RuntimeError(f"plait: test fault ({_VARIABLES[fault.kind]}): {what}")
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -367,6 +368,14 @@ def _compile_record(before: CompileCounters) -> dict[str, int]:
     return {"compiled_graphs": done.graphs, "graph_breaks": done.graph_breaks}
 
 
+def _fault_timeout_from_now(seconds: float) -> None:
+    """The first step is done: from now on a collective of the default process group
+    waits ``--fault-timeout`` for its peers, not the setup's longer timeout (the worker
+    joined with ``plait.train.worker.SETUP_TIMEOUT``)."""
+    if dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Train to step ``cfg.steps`` (from the latest intact checkpoint with ``cfg.resume``),
     or only to ``cfg.stop_after`` (then checkpoint and stop; the schedules still span
@@ -402,6 +411,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         # With --compile: the graphs this step compiled (recompiles included) and its graph
         # breaks; after the first step both stay 0 (tests/test_train_compile.py).
         compile_record = {} if compiled is None else _compile_record(compiled)
+        if step == start + 1:
+            _fault_timeout_from_now(cfg.fault_timeout)
         result.losses.append(loss)
         report.step({**session.step_record(step, loss, norm, elapsed), **compile_record})
         validating, checkpointing = session.due(step, last)

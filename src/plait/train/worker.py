@@ -63,10 +63,17 @@ def _die_with_the_launcher() -> None:
         os._exit(1)
 
 
+SETUP_TIMEOUT = 600.0
+"""Seconds a collective may wait for a peer until the first step is done (loading,
+compiling, ranks starting apart: skews far beyond ``--fault-timeout`` are normal then)."""
+
+
 def _join_process_group(execution: ExecutionConfig) -> None:
     """Join the default process group: NCCL on CUDA, gloo (with this worker's share of
-    the cores) on the CPU; ``--fault-timeout`` is its collectives' timeout."""
-    timeout = timedelta(seconds=execution.fault_timeout)
+    the cores) on the CPU. Its collectives' timeout is :data:`SETUP_TIMEOUT` (or
+    ``--fault-timeout`` if longer) until the training loop shortens it to
+    ``--fault-timeout`` after the first step (``plait.train.loop``)."""
+    timeout = timedelta(seconds=max(execution.fault_timeout, SETUP_TIMEOUT))
     if execution.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", timeout=timeout)
