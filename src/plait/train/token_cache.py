@@ -32,6 +32,7 @@ import socket
 import tempfile
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,10 @@ def cached_docs(
     return docs
 
 
+_TOKENIZING = timedelta(hours=4)
+"""How long the other ranks wait for their machine's rank that tokenizes the corpus."""
+
+
 def shared_docs(
     path: Path, fingerprint: str, tokenize: Callable[[], list[Document]]
 ) -> list[Document]:
@@ -158,8 +163,12 @@ def shared_docs(
             docs = cached_docs(path, fingerprint, tokenize)
         except Exception as err:  # every rank must hear of it before it is raised
             failure = err
-    ok = torch.tensor([0 if failure else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # the barrier: waits for every writer
+    # The barrier waits for every writer, on a gloo group of its own: tokenizing a corpus
+    # may take far longer than any collective of training is allowed to wait.
+    ok = torch.tensor([0 if failure else 1], dtype=torch.int64)
+    waiting = dist.new_group(backend="gloo", timeout=_TOKENIZING)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=waiting)
+    dist.destroy_process_group(waiting)
     if failure is not None:
         raise failure
     if not int(ok.item()):
