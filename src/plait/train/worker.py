@@ -105,16 +105,19 @@ def worker_main(cfg: TrainConfig) -> TrainResult:
     os.environ["PLAIT_FAULT_TIMEOUT"] = f"{cfg.fault_timeout:g}"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _join_process_group(cfg.execution)
-    try:
-        cfg = cfg.replace(run_dir=_agree_on_run_dir(cfg.run))
-        if cfg.replica_groups > 1:  # torchft's fault-tolerant groups (the ft extra)
-            from plait.train.replica_worker import train_replica
+    cfg = cfg.replace(run_dir=_agree_on_run_dir(cfg.run))
+    if cfg.replica_groups > 1:  # torchft's fault-tolerant groups (the ft extra)
+        from plait.train.replica_worker import train_replica
 
-            return train_replica(cfg)
-        return train(cfg)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        result = train_replica(cfg)
+    else:
+        result = train(cfg)
+    # Only after success: on NCCL, destroying the group waits for the collectives in
+    # flight, which after a failure peers may never join, and the watchdog's abort would
+    # then replace this worker's error in the launcher's report.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
 
 
 def main() -> None:
