@@ -83,6 +83,7 @@ CUDA_TESTS = (
     "tests/test_checkpoint.py::test_tensor_only_gpu",
     "tests/test_checkpoint.py::test_random_ops_replay_the_forward_rng[cuda]",
     "tests/test_checkpoint.py::test_offload_moves_activations_to_pinned_host_memory",
+    "tests/test_checkpoint.py::test_offload_under_tensor_parallelism_on_cuda",
     "tests/test_replicate.py::test_device_id_moves_tensor_inputs_to_the_device",
     "tests/test_train_hf.py::test_loads_into_cuda_parameters",
     "tests/test_fsdp_features.py::test_cpu_offload_on_cuda_equals_no_offload",

@@ -31,6 +31,8 @@ from torch.utils._pytree import tree_leaves
 from plait.checkpoint import CheckpointError, checkpoint
 from plait.contract import get_registry
 
+from harness import run_on_ranks
+
 aten = torch.ops.aten
 
 # --- measurement helpers ------------------------------------------------------------------
@@ -987,6 +989,41 @@ def test_offload_moves_activations_to_pinned_host_memory() -> None:
 
     assert device_bytes(offloaded) < device_bytes(net)
     assert_same_grads(net, offloaded)
+
+
+def _offload_under_tensor_parallelism(device: str) -> None:
+    """Offloading a tensor-parallel module: its DTensor parameters stay (their local
+    tensors are resident) and its DTensor activations travel as their local tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    group = dist.new_group(backend="nccl") if device == "cuda" else dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, device)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to(device)
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    checkpoint(model, offload=True)
+    x = torch.randn(4, 8, device=device)
+    torch.testing.assert_close(model(x), ref(x))
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)  # type: ignore[union-attr]
+
+
+def test_offload_under_tensor_parallelism() -> None:
+    run_on_ranks(2, _offload_under_tensor_parallelism, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_under_tensor_parallelism_on_cuda() -> None:
+    run_on_ranks(1, _offload_under_tensor_parallelism, "cuda")
 
 
 @pytest.mark.parametrize(
