@@ -114,9 +114,11 @@ class Agreement:
             spmd.record("all_gather", local, self.group, owner)
             work = dist.all_gather_single(gathered, local, group=self.group, async_op=True)
             spmd.wait(work, f"all_gather of {owner}")
+            # Read before the marker goes: NCCL's wait only orders the stream, and the host
+            # is here (for a failing rank to see) until the rows have arrived.
+            rows = gathered.view(self.n_ranks, local.numel()).tolist()
         finally:
             store.delete_key(self.here[self.rank])
-        rows = gathered.view(self.n_ranks, local.numel()).tolist()
         failed = [(r, row[-1]) for r, row in enumerate(rows) if row[-1]]
         if failed and not failure:
             rank, key = failed[0]
