@@ -289,6 +289,18 @@ def test_unaligned_model_width_is_refused(
     assert "--float8: the model width 40 is not a multiple of 16" in err, err
 
 
+def test_tensor_parallel_shares_must_stay_aligned() -> None:
+    """Under --tp a rank multiplies its share of a linear's width: both dims over tp must
+    stay multiples of 16 (torch._scaled_mm refuses others on the GPU; emulated on the CPU,
+    anything would run)."""
+    pytest.importorskip("torchao.float8")
+    assert float8._eligible(nn.Linear(48, 64), "blocks.0.attn.q")
+    assert not float8._eligible(nn.Linear(48, 64), "blocks.0.attn.q", tp=2)  # 24 a share
+    assert float8._eligible(nn.Linear(64, 96), "blocks.0.attn.q", tp=2)
+    with pytest.raises(ConfigError, match="model width 48 over --tp 2 is not a multiple of 32"):
+        resolve(FLOAT8.replace(d_model=48, n_head=2, tp=2), 2)
+
+
 def test_gpu_without_float8_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.get_device_capability", lambda *args: (8, 0))

@@ -7,8 +7,11 @@ gradient are each cast to float8 with one scale per tensor before each matmul), 
 * the output head (it is no block's: the logits' precision decides the loss), and the
   routers of mixture-of-experts blocks (a rounding there changes which experts a token
   goes to; torchtitan leaves them out too);
-* a linear whose input or output width is not a multiple of 16: float8 GEMMs need both
-  dims aligned to 16 (torchtitan skips those as well, and so do we).
+* a linear whose input or output width is not a multiple of 16, or under tensor
+  parallelism of ``16 x tp`` (a rank multiplies its share of one of them): float8 GEMMs
+  need both dims aligned to 16 (torchtitan skips those as well, and so do we). The third
+  dim, a matmul's inner one, is the microbatch's token count in the weight gradient's:
+  on the GPU it is padded with zeros where it is not aligned (``pad_inner_dim``).
 
 On CUDA the matmuls are torch's float8 kernels, which need compute capability 8.9 or
 newer (Ada, Hopper and later); elsewhere torchao *emulates* them (``emulate=True``):
@@ -41,7 +44,8 @@ its shards are plain tensors, gathered in full precision), and manages the param
 the modules it saw, not of modules swapped in later.
 
 Refused before any worker starts (:func:`check`): a CUDA device older than compute
-capability 8.9, a model whose width is not a multiple of 16 (no linear would convert),
+capability 8.9, a model whose width is not a multiple of ``16 x tp`` (no linear would
+convert),
 and a missing torchao (``pip install 'plait[float8]'``).
 """
 
@@ -93,11 +97,14 @@ def check(cfg: ExecutionConfig | TrainConfig, d_model: int) -> None:
         return
     if importlib.util.find_spec("torchao") is None:
         raise missing(_FLAG, "torchao", _EXTRA, fix=f"or drop {_FLAG}")
-    if d_model % ALIGN:
+    tp = cfg.layout.tp if isinstance(cfg, ExecutionConfig) else cfg.tp
+    if d_model % (ALIGN * tp):
+        each = f" over --tp {tp}" if tp > 1 else ""
         raise ConfigError(
-            f"{_FLAG}: the model width {d_model} is not a multiple of {ALIGN}, so no linear "
-            f"can run in float8 (float8 matmuls need both dims aligned to {ALIGN}); use a "
-            f"--d-model multiple of {ALIGN}, or drop {_FLAG}"
+            f"{_FLAG}: the model width {d_model}{each} is not a multiple of {ALIGN * tp}, so "
+            f"no linear can run in float8 (float8 matmuls need both dims of each rank's "
+            f"share aligned to {ALIGN}); use a --d-model multiple of {ALIGN * tp}, or drop "
+            f"{_FLAG}"
         )
     if cfg.device.startswith("cuda") and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
@@ -110,13 +117,15 @@ def check(cfg: ExecutionConfig | TrainConfig, d_model: int) -> None:
             )
 
 
-def _eligible(module: nn.Module, fqn: str) -> bool:
-    """torchao's filter: a linear to convert (aligned dims, not inside a kept submodule)."""
+def _eligible(module: nn.Module, fqn: str, tp: int = 1) -> bool:
+    """torchao's filter: a linear to convert (aligned dims, not inside a kept submodule).
+    Under tensor parallelism a rank multiplies its ``1 / tp`` of one dim: both dims over
+    ``tp`` must stay aligned (``torch._scaled_mm`` refuses others on the GPU)."""
     if not isinstance(module, nn.Linear):
         return True  # torchao asks about every module it walks past; only linears swap
     if _KEPT.intersection(fqn.split(".")):
         return False
-    return module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
+    return all(n % (ALIGN * tp) == 0 for n in (module.in_features, module.out_features))
 
 
 def convert(blocks: Iterable[nn.Module], cfg: ExecutionConfig | TrainConfig) -> int:
@@ -127,13 +136,21 @@ def convert(blocks: Iterable[nn.Module], cfg: ExecutionConfig | TrainConfig) -> 
     if not cfg.float8:
         return 0
     float8 = _torchao()
+    emulate = emulates(cfg.device)
     config = float8.Float8LinearConfig(
-        emulate=emulates(cfg.device), enable_fsdp_float8_all_gather=gathers_float8(cfg)
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=gathers_float8(cfg),
+        # The weight gradient's inner dim is the microbatch's token count, which need not
+        # be aligned: padded with zeros where torch._scaled_mm needs it (not emulated).
+        pad_inner_dim=not emulate,
     )
+    tp = cfg.layout.tp if isinstance(cfg, ExecutionConfig) else cfg.tp
     swapped = 0
     for block in blocks:
         plain = sum(type(m) is nn.Linear for m in block.modules())
-        float8.convert_to_float8_training(block, config=config, module_filter_fn=_eligible)
+        float8.convert_to_float8_training(
+            block, config=config, module_filter_fn=lambda m, fqn: _eligible(m, fqn, tp)
+        )
         swapped += plain - sum(type(m) is nn.Linear for m in block.modules())
         if config.enable_fsdp_float8_all_gather:
             for module in block.modules():
