@@ -77,6 +77,7 @@ from plait.train.config import TrainConfig
 from plait.train.loop import Trainable, model_config
 from plait.train.model import GPT
 from plait.train.resolve import resolve
+from plait.train.step_batch import StepBatch
 
 METHODS = ("allgather", "ring", "alltoall", "torch")
 MiB = 2**20
@@ -159,11 +160,20 @@ def build_plait(cfg: LongConfig, method: str) -> Step:
         # dp_shard 1: the cp ranks are the world (the recipe's mesh["cp"] has its group)
         x, y = (shard_sequence(t, dist.group.WORLD, dim=1) for t in (x, y))
 
+    batch = _step_batch(cfg, x, y)
+
     def step() -> None:
-        parts.stepper.train(x, y)
+        parts.stepper.train(batch)
         parts.update()
 
     return step
+
+
+def _step_batch(cfg: LongConfig, x: torch.Tensor, y: torch.Tensor) -> StepBatch:
+    """The steppers' batch of this rank's rows: one document per row, the loss over every
+    token of the global batch."""
+    tokens = torch.full((), cfg.batch * cfg.seq_len, device=cfg.device)
+    return StepBatch(x, y, None, None, tokens)
 
 
 def build_torch(cfg: LongConfig) -> Step:
@@ -191,7 +201,7 @@ def build_torch(cfg: LongConfig) -> Step:
             mesh["cp"], buffers=[x, y, pos], buffer_seq_dims=[1, 1, 0], no_restore_buffers={x, y}
         ):
             module.positions = pos
-            parts.stepper.train(x, y)
+            parts.stepper.train(_step_batch(cfg, x, y))
         parts.update()
 
     return step
