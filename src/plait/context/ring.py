@@ -103,7 +103,13 @@ class _RingAttention(torch.autograd.Function):
         acc = accumulate_dtype(q.dtype)
         dq = torch.zeros_like(q, dtype=acc)
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv, dtype=acc)  # the gradient of the block held now
+        # This rank's share of the held block's gradient is computed while that block's
+        # accumulator is still on its way from the previous rank (its shift overlaps the
+        # compute), then added to it and sent on.
+        share = torch.zeros_like(kv, dtype=acc)
+        dkv = torch.zeros_like(kv, dtype=acc)  # at step 0 the block is this rank's own
+        next_dkv = dkv
+        grad_works: list[dist.Work] = []  # nothing in flight before the first step
         for step in ring.steps():
             kv_works: list[dist.Work] = []
             if step < last:
@@ -111,15 +117,21 @@ class _RingAttention(torch.autograd.Function):
             plan = ring.plans[ring.source(step)]
             if plan:
                 k_b, v_b = expand_heads(kv[0], heads), expand_heads(kv[1], heads)
-                dk, dv = dkv.unbind(0)  # views: the sums land in dkv
+                share.zero_()
+                dk, dv = share.unbind(0)  # views: the sums land in share
                 blocks_backward(dq, dk, dv, dout, q, k_b, v_b, out, lse, plan, ring.scale)
+            if grad_works:  # the accumulator of the block held now has arrived
+                _wait(grad_works)
+                dkv = next_dkv
+            if plan:
+                dkv += share
             # The accumulator follows its block; the last shift brings it home.
             next_dkv, grad_works = ring_shift(dkv, ring.group, "plait.context.ring", _GRAD_TAG)
-            _wait(grad_works)
-            dkv = next_dkv
             if step < last:
                 _wait(kv_works)
                 kv = next_kv
+        _wait(grad_works)
+        dkv = next_dkv
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
