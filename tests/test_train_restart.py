@@ -34,6 +34,8 @@ from plait.train.restart import (
     restarted,
 )
 
+from harness import run_on_ranks
+
 FLAGS = "--device cpu --seq-len 32 --n-layer 2 --n-head 2 --d-model 32 --batch-size 4 "
 FLAGS += "--steps 6 --ckpt-every 2 --keep 5 --eval-every 0 --eval-batches 1"
 MODEL = TrainConfig(seq_len=32, n_layer=2, n_head=2, d_model=32, vocab_size=256)
@@ -225,3 +227,28 @@ def test_faults_strike_in_the_attempt_they_name(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("PLAIT_TEST_KILL_RANK_IN_CHECKPOINT", "1:5:1:2")
     with pytest.raises(ValueError, match="expected RANK:STEP or RANK:STEP:ATTEMPT"):
         FaultInjector(0)
+
+
+def _stale_listing(run_dir: str) -> list[str]:
+    """Rank 1 sees the run directory as a network file system may for a while (no
+    checkpoints yet); both ranks must still resume from rank 0's choice."""
+    import torch.distributed as dist
+
+    import plait.train.restart as restart
+
+    if dist.get_rank() == 0:
+        for step in (2, 4):
+            (Path(run_dir) / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    dist.barrier()
+    listing = restart.list_checkpoints
+    if dist.get_rank() == 1:
+        restart.list_checkpoints = lambda _run_dir: []  # type: ignore[assignment]
+    try:
+        return [p.name for p in restart.agreed_checkpoints(run_dir)]
+    finally:
+        restart.list_checkpoints = listing  # type: ignore[assignment]
+
+
+def test_ranks_agree_on_the_checkpoints_to_resume_from(tmp_path: Path) -> None:
+    names = run_on_ranks(2, _stale_listing, str(tmp_path))
+    assert names == [["step_2", "step_4"]] * 2

@@ -28,7 +28,6 @@ from plait.train.checkpointer import Checkpointer
 from plait.train.checkpointing import (
     CheckpointDamaged,
     checkpoint_group,
-    list_checkpoints,
     load_checkpoint,
 )
 from plait.train.compiled import CompileCounters
@@ -59,7 +58,7 @@ from plait.train.parallelize import (
 from plait.train.report import imbalance
 from plait.train.reporter import CONFIG_FILE, Reporter
 from plait.train.resolve import gpt_config, llama_config
-from plait.train.restart import restart_count, restarted
+from plait.train.restart import agreed_checkpoints, restart_count, restarted
 from plait.train.step import Stepper, make_stepper
 from plait.train.step_batch import StepBatch, global_loss, step_batch
 from plait.train.tied import TiedCopies
@@ -341,7 +340,7 @@ class _Session:
         """Load the newest intact checkpoint (warning about each damaged newer one); its
         step. Refuses a checkpoint of another model before loading anything."""
         damaged: list[str] = []
-        for path in reversed(list_checkpoints(self.run_dir)):
+        for path in reversed(agreed_checkpoints(self.run_dir, self.checkpoint_group)):
             try:
                 info = load_checkpoint(
                     path,

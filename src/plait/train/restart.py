@@ -34,13 +34,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from plait.train.checkpointing import latest_checkpoint
+import torch.distributed as dist
+
+from plait.train.checkpointing import checkpoints_dir, list_checkpoints
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.metrics import read_metrics
 
 __all__ = [
     "RESTART_EVENT",
     "UNSHARED_STORE",
+    "agreed_checkpoints",
     "check_torchrun_restarts",
     "redone_steps",
     "restart_count",
@@ -57,6 +60,20 @@ _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the workers share the a
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
+def agreed_checkpoints(run_dir: str | Path, group: dist.ProcessGroup | None = None) -> list[Path]:
+    """:func:`list_checkpoints` as rank 0 of ``group`` sees it, on every rank (collective
+    when a process group is up). Machines sharing the run directory over a network file
+    system may list it differently for a while (cached directory entries): ranks that each
+    chose for themselves could resume from different steps."""
+    found = list_checkpoints(run_dir)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return found
+    names = [[p.name for p in found]]
+    dist.broadcast_object_list(names, group=group, group_src=0)
+    root = checkpoints_dir(run_dir)
+    return [root / name for name in names[0]]
+
+
 def restart_count() -> int:
     """How many times the elastic agent has restarted this worker's group (0: the first
     attempt, or no agent)."""
@@ -68,7 +85,7 @@ def restarted(cfg: TrainConfig) -> TrainConfig:
     checkpoint (if there is one yet); the first attempt runs ``cfg`` as given."""
     if restart_count() == 0:
         return cfg
-    return cfg.replace(resume=latest_checkpoint(cfg.run_dir) is not None)
+    return cfg.replace(resume=bool(agreed_checkpoints(cfg.run_dir)))
 
 
 def check_torchrun_restarts(cfg: TrainConfig) -> TrainConfig:
