@@ -146,6 +146,17 @@ def transfer_tag(sender_stage: int, microbatch: int, direction: Direction, n_sta
     return ((microbatch * n_stages + sender_stage) * 2 + int(direction)) * len(_Part)
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream receives' headers are read on, one per device."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class _Recv:
     """A receive of one transfer: posted in a batch, waited for by its consumer."""
 
@@ -162,6 +173,27 @@ class _Recv:
         if self.work is not None:
             spmd.wait(self.work, f"recv from rank {self.peer} of {self.owner}")
             self.work = None
+
+    def _header(self, buf: torch.Tensor) -> int:
+        """Wait for the posted batch and read the transfer's header from ``buf``.
+
+        On a GPU the header is read on a side stream that waits for the receive alone: the
+        host then waits for the message, not for everything queued on the compute stream
+        before it (``.item()`` there would leave the GPU idle while the host launches the
+        next action). The compute stream then waits for the batch as before."""
+        if self.work is not None and buf.device.type == "cuda":
+            side = _side_stream(buf.device)
+            host = torch.empty(8, dtype=torch.uint8, pin_memory=True)
+            with torch.cuda.stream(side):
+                self.work.wait()  # the side stream waits for the receive
+                host.copy_(buf[:8], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            done.synchronize()
+            self._wait_posted()
+            return int(host.view(torch.int64).item())
+        self._wait_posted()
+        return read_header(buf)
 
     def _receive(self, tensor: torch.Tensor, part: _Part) -> None:
         """Receive one follow-up message now (the sender posted it with the header)."""
@@ -214,8 +246,7 @@ class ActivationRecv(_Recv):
         that follow it; once (later calls give the same result)."""
         if self._result is not None:
             return self._result
-        self._wait_posted()
-        length = read_header(self.first)
+        length = self._header(self.first)
         if length < 0:
             self._raise_abort(-length)
         if length == 0:
@@ -257,8 +288,7 @@ class GradientRecv(_Recv):
         with traced("plait.pipeline.recv_wait"):
             if not self.meta:
                 return []  # nothing was sent
-            self._wait_posted()
-            header = read_header(self.buf)
+            header = self._header(self.buf)
             if header < 0:
                 self._raise_abort(-header)
             return unpack(self.buf, self.meta, self.offsets)
