@@ -74,11 +74,13 @@ def _join_process_group(execution: ExecutionConfig) -> None:
     ``--fault-timeout`` if longer) until the training loop shortens it to
     ``--fault-timeout`` after the first step (``plait.train.loop``)."""
     timeout = timedelta(seconds=max(execution.fault_timeout, SETUP_TIMEOUT))
+    # This worker's share of the host's cores, on GPUs too (host-side work of several
+    # workers would otherwise oversubscribe them; torchrun sets OMP_NUM_THREADS=1 itself).
+    torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if execution.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl", timeout=timeout)
     else:
-        torch.set_num_threads(threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         dist.init_process_group("gloo", timeout=timeout)
 
 
