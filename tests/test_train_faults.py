@@ -146,9 +146,10 @@ def test_hung_worker_fails_the_run_within_the_fault_timeout(tmp_path: Path) -> N
     _assert_no_process_left(hung.marker)
 
 
-def test_a_slow_first_step_is_not_a_fault_but_a_slow_later_one_is(tmp_path: Path) -> None:
+def test_a_slow_first_step_is_not_a_fault(tmp_path: Path) -> None:
     """Until the first step is done a peer may lag far beyond --fault-timeout (compiling,
-    loading, ranks starting apart: plait.train.worker.SETUP_TIMEOUT); after it, not."""
+    loading, ranks starting apart: plait.train.worker.SETUP_TIMEOUT); after it a hang is
+    caught within the timeout (test_hung_worker_fails_the_run_within_the_fault_timeout)."""
     first = _plait_train(
         tmp_path / "first",
         "--fault-timeout",
@@ -159,16 +160,6 @@ def test_a_slow_first_step_is_not_a_fault_but_a_slow_later_one_is(tmp_path: Path
         PLAIT_TEST_STALL_SECONDS="5",
     )
     assert first.returncode == 0, first.stderr
-    later = _plait_train(
-        tmp_path / "later",
-        "--fault-timeout",
-        "2",
-        "--steps",
-        "3",
-        PLAIT_TEST_STALL_RANK_AT_STEP="1:2",
-        PLAIT_TEST_STALL_SECONDS="8",
-    )
-    assert later.returncode == 1 and "RankLostError" in later.stderr, later.stderr
 
 
 def test_killed_launcher_leaves_no_worker_behind(tmp_path: Path) -> None:
