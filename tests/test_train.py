@@ -426,3 +426,49 @@ def test_worker_failure_is_reported(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "worker 0 failed" in done.stderr or "worker 1 failed" in done.stderr
     assert "give more text" in done.stderr
+
+
+def test_steps_read_one_step_late_report_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the loop reads a step's loss after queueing the next step
+    (``plait.train.loop._Queued``); made to do so on the CPU, the run's records are the
+    same steps, losses and norms in the same order, validations and checkpoints after
+    their step's record."""
+    import plait.train.loop as loop
+
+    cfg = TINY.replace(steps=7, eval_every=4, ckpt_every=5)  # steps 2, 3 and 6 read late
+
+    def records(run_dir: Path) -> list[tuple[Any, ...]]:
+        run_train(cfg, 1, run_dir)
+        return [
+            (r.get("step"), r.get("loss"), r.get("grad_norm"), r.get("val_loss"), r.get("event"))
+            for r in read_metrics(run_dir)
+        ]
+
+    at_once = records(tmp_path / "at_once")
+    original = loop._Queued.__init__
+
+    def lagging(self: Any, *args: Any) -> None:
+        original(self, *args)
+        self.on_device = True  # read as on a GPU; the values are on the CPU already
+
+    events: list[tuple[str, int]] = []
+    queue, read = loop._Session.train_step, loop._Queued.read
+
+    def queued(self: Any, step: int) -> Any:
+        events.append(("queue", step + 1))
+        return queue(self, step)
+
+    def reading(self: Any) -> Any:
+        events.append(("read", self.step))
+        return read(self)
+
+    monkeypatch.setattr(loop._Queued, "__init__", lagging)
+    monkeypatch.setattr(loop._Session, "train_step", queued)
+    monkeypatch.setattr(loop._Queued, "read", reading)
+    late = records(tmp_path / "late")
+    assert late == at_once
+    for step in (2, 3, 6):  # read while the next step is queued
+        assert events.index(("queue", step + 1)) < events.index(("read", step)), events
+    assert [r[0] for r in late if r[1] is not None] == [1, 2, 3, 4, 5, 6, 7]

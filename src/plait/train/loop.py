@@ -60,7 +60,7 @@ from plait.train.reporter import CONFIG_FILE, Reporter
 from plait.train.resolve import gpt_config, llama_config
 from plait.train.restart import agreed_checkpoints, restart_count, restarted
 from plait.train.step import Stepper, make_stepper
-from plait.train.step_batch import StepBatch, global_loss, step_batch
+from plait.train.step_batch import StepBatch, global_loss, global_loss_tensor, step_batch
 from plait.train.tied import TiedCopies
 
 __all__ = ["CONFIG_FILE", "TrainResult", "Trainable", "model_settings", "train"]
@@ -211,7 +211,45 @@ class Trainable:
             load = load.to(collective_device(group))
             spmd.record("all_reduce", load, group, "the expert load")
             spmd.wait(dist.all_reduce(load, group=group, async_op=True), "all_reduce of load")
-        return load.cpu()
+        return load  # on the device: read with the step's loss (_Queued)
+
+
+class _Queued:
+    """A training step queued on the device: its loss and gradient norm (and expert load)
+    copied to the host as the step's last work, so that :meth:`read` waits for this step
+    only. The loop reads a step after queueing the next one: the host never waits for the
+    device between steps, which it would otherwise leave idle while it prepares and
+    launches the next step. Read at once on the CPU, where every value is there already
+    (and always before a validation or checkpoint, and for a run's first and last step)."""
+
+    def __init__(self, step: int, values: torch.Tensor, load: torch.Tensor | None) -> None:
+        self.step = step
+        self.began = 0.0  # when the loop queued it (perf_counter)
+        self.compile_record: dict[str, int] = {}
+        self._done: Any = None
+        #: Read after the next step is queued (on a GPU), else at once: on the CPU the
+        #: values are there, and a crash loses no step's record.
+        self.on_device = values.is_cuda
+        if values.is_cuda:
+            values, load = (_to_host(t) for t in (values, load))
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._values, self._load = values, load
+
+    def read(self) -> tuple[float, float, list[Any] | None]:
+        """(loss, gradient norm, expert load) of the step: waits for the step to finish."""
+        if self._done is not None:
+            self._done.synchronize()
+        loss, norm = self._values.tolist()
+        return loss, norm, None if self._load is None else self._load.tolist()
+
+
+def _to_host(t: torch.Tensor | None) -> Any:
+    """``t`` copied into pinned host memory without waiting (None stays None)."""
+    if t is None:
+        return None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class _Session:
@@ -275,21 +313,26 @@ class _Session:
         execution = self.parts.execution
         return step_batch(rows.inputs, rows.targets, rows.documents, execution, self.mesh, known)
 
-    def train_step(self, step: int) -> tuple[float, float]:
-        """Optimizer step ``step`` (0-based); returns (global loss, gradient norm)."""
+    def train_step(self, step: int) -> _Queued:
+        """Optimizer step ``step`` (0-based), queued on the device; its global loss,
+        gradient norm and expert load are read later (:class:`_Queued`)."""
         set_lr(self.optimizer, lr_at(step, self.parts.optim))
         self.faults.step = step + 1
         local = self.stepper.train(self.batch("train", step))
         self.faults.step = 0
         norm = self.parts.update()
         spmd.check("end of a training step")  # free unless divergence checking is on
-        # Read back only now, the step queued: one wait for the device per step.
-        return global_loss(local, self.parts.execution.layout)[0], float(norm)
+        loss = global_loss_tensor(local, self.parts.execution.layout)
+        values = torch.stack([loss[0], norm.detach().float().to(loss.device)])
+        return _Queued(step + 1, values, self.parts.expert_load)
 
-    def step_record(self, step: int, loss: float, norm: float, seconds: float) -> dict[str, Any]:
+    def step_record(
+        self, step: int, loss: float, norm: float, seconds: float, load: list[Any] | None = None
+    ) -> dict[str, Any]:
         """Training step ``step``'s metrics record (module docstring of
         :mod:`plait.train.metrics`); its tokens are this session's share of every global
-        batch (a replica group's share under ``--replica-groups``)."""
+        batch (a replica group's share under ``--replica-groups``); ``load``: its expert
+        load, by default the last step's."""
         tokens = self.cfg.batch_size // self.groups * self.cfg.seq_len
         return {
             "step": step,
@@ -299,7 +342,7 @@ class _Session:
             "step_time": seconds,
             "tokens_per_s": tokens / seconds,
             "tokens": tokens * step,
-            **self.expert_record(),
+            **self.expert_record(load),
         }
 
     def due(self, step: int, last: int) -> tuple[bool, bool]:
@@ -309,13 +352,15 @@ class _Session:
         validate = step == cfg.steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
         return validate, step == last or bool(cfg.ckpt_every and step % cfg.ckpt_every == 0)
 
-    def expert_record(self) -> dict[str, Any]:
-        """The last step's expert load for its metrics record ({} for a dense model):
-        tokens per expert per block, and the worst block's max / mean."""
-        load = self.parts.expert_load
+    def expert_record(self, load: list[Any] | None = None) -> dict[str, Any]:
+        """A step's expert load (``load``, tokens per expert per block; by default the
+        last step's) for its metrics record ({} for a dense model), with the worst
+        block's max / mean."""
+        if load is None and self.parts.expert_load is not None:
+            load = self.parts.expert_load.tolist()
         if load is None:
             return {}
-        return {"expert_load": load.tolist(), "expert_imbalance": imbalance(load)}
+        return {"expert_load": load, "expert_imbalance": imbalance(torch.tensor(load))}
 
     def validate(self) -> float:
         """The validation loss: token-weighted over the loss tokens of all its batches."""
@@ -402,19 +447,42 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     if start == 0:
         validate(0)
+    finished = 0.0  # when the last step read was done (perf_counter)
+
+    def record(queued: _Queued) -> None:
+        """Read a queued step and report it; its time runs from when the device could
+        start it (queued, and the step before it done) to when it was done."""
+        nonlocal finished
+        loss, norm, load = queued.read()
+        now = time.perf_counter()
+        seconds, finished = now - max(queued.began, finished), now
+        if queued.step == start + 1:
+            _fault_timeout_from_now(cfg.fault_timeout)
+        result.losses.append(loss)
+        row = session.step_record(queued.step, loss, norm, seconds, load)
+        report.step({**row, **queued.compile_record})
+
+    held: _Queued | None = None  # a step queued, not read yet
     for step in range(start + 1, last + 1):
         compiled = CompileCounters.read() if cfg.compile else None
         began = time.perf_counter()
-        loss, norm = session.train_step(step - 1)
-        elapsed = time.perf_counter() - began
+        try:
+            queued = session.train_step(step - 1)
+        except BaseException:
+            if held is not None:  # its values were copied before this step was queued
+                record(held)
+            raise
+        queued.began = began
         # With --compile: the graphs this step compiled (recompiles included) and its graph
         # breaks; after the first step both stay 0 (tests/test_train_compile.py).
-        compile_record = {} if compiled is None else _compile_record(compiled)
-        if step == start + 1:
-            _fault_timeout_from_now(cfg.fault_timeout)
-        result.losses.append(loss)
-        report.step({**session.step_record(step, loss, norm, elapsed), **compile_record})
+        queued.compile_record = {} if compiled is None else _compile_record(compiled)
+        if held is not None:  # the step before, read while this one runs
+            record(held)
+        held = queued
         validating, checkpointing = session.due(step, last)
+        if not queued.on_device or validating or checkpointing or step in (start + 1, last):
+            record(held)  # at once: on the CPU, before what follows it, the first step
+            held = None
         if validating:
             validate(step)
         if checkpointing:

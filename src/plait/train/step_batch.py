@@ -34,7 +34,7 @@ from plait.mesh import collective_device
 from plait.train.config import ExecutionConfig, TrainConfig
 from plait.train.model import IGNORE, document_positions
 
-__all__ = ["StepBatch", "global_loss", "gradient_ranks", "step_batch"]
+__all__ = ["StepBatch", "global_loss", "global_loss_tensor", "gradient_ranks", "step_batch"]
 
 
 @dataclass(frozen=True)
@@ -132,13 +132,20 @@ def step_batch(
 def global_loss(local: torch.Tensor, cfg: Layout | TrainConfig) -> list[float]:
     """The global batch's loss from every rank's contribution ``local`` (one per batch:
     several batches cost one collective and one wait for the device), in the layout
-    ``cfg``. The ``tp`` ranks of a data-parallel rank hold the same contribution (of the
-    same tokens), so the sum over the world counts it ``tp`` times; pipeline ranks without
-    the last stage contribute zero."""
+    ``cfg``: :func:`global_loss_tensor`, read."""
+    out: list[float] = global_loss_tensor(local, cfg).tolist()
+    return out
+
+
+def global_loss_tensor(local: torch.Tensor, cfg: Layout | TrainConfig) -> torch.Tensor:
+    """:func:`global_loss` left on the device (float32, one per batch): queued, not read.
+    The ``tp`` ranks of a data-parallel rank hold the same contribution (of the same
+    tokens), so the sum over the world counts it ``tp`` times; pipeline ranks without the
+    last stage contribute zero."""
     total = local.detach().float().reshape(-1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         world = dist.group.WORLD
         total = total.to(collective_device(world)).clone()
         spmd.record("all_reduce", total, world, "the loss")
         spmd.wait(dist.all_reduce(total, group=world, async_op=True), "all_reduce of the loss")
-    return [loss / cfg.tp for loss in total.tolist()]
+    return total / cfg.tp
