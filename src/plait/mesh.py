@@ -119,6 +119,15 @@ def subgroup(group: dist.ProcessGroup, index: int, size: int) -> dist.ProcessGro
     return cache[(index, size)]
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to host memory. From a GPU into pinned memory, without waiting: the
+    copy is queued on the current stream (wait for it, by an event or a later read on that
+    stream, before the host reads the copy)."""
+    pinned = t.is_cuda
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+    return host.copy_(t, non_blocking=pinned)
+
+
 def check_mesh_device(mesh: DeviceMesh, module: nn.Module, api_name: str) -> None:
     """Refuse a mesh whose device type differs from the module's (meta is fine)."""
     device_type = module_device_type(module)

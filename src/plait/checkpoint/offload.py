@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.mesh import make_dtensor
+from plait.mesh import host_copy, make_dtensor
 
 __all__ = ["offload_hooks"]
 
@@ -58,9 +58,7 @@ def offload_hooks(module: nn.Module) -> torch.autograd.graph.saved_tensors_hooks
             return x, None, None
         # Pinned host memory lets the copy run asynchronously on the current stream; the copy
         # back in backward is queued on the device after it, so no synchronisation is needed.
-        pinned = local.device.type == "cuda"
-        host = torch.empty(local.size(), dtype=local.dtype, device="cpu", pin_memory=pinned)
-        host.copy_(local, non_blocking=pinned)
+        host = host_copy(local)
         spec = x._spec if isinstance(x, DTensor) else None
         return host, local.device, spec
 

@@ -66,8 +66,7 @@ def grouped_mm_supported(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bo
     * any other device: never.
     """
     device = x.device.type
-    dtype = _autocast_dtype(device) if x.is_floating_point() else None
-    dtype = dtype or x.dtype  # what the rows are multiplied in
+    dtype = _autocast_dtype(x) or x.dtype  # what the rows are multiplied in
     if any(w.dtype != dtype or w.device != x.device for w in weights):
         return False
     width = x.shape[-1] * dtype.itemsize
@@ -98,18 +97,19 @@ def autocast_weights(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[
     autocast's dtype where autocast is on for ``x``'s device and ``x`` is floating point;
     as they are otherwise. The casts are differentiable: the gradients reach the weights
     in their own dtype, as through autocast's."""
-    dtype = _autocast_dtype(x.device.type) if x.is_floating_point() else None
+    dtype = _autocast_dtype(x)
     if dtype is None:
         return tuple(weights)
     return tuple(w.to(dtype) if w.is_floating_point() else w for w in weights)
 
 
-def _autocast_dtype(device: str) -> torch.dtype | None:
-    """Autocast's dtype on ``device`` (the meta device as the CPU: tracing), None when off."""
-    device = "cpu" if device == "meta" else device
-    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes ``x``'s matmuls in on its device (the meta device as
+    the CPU: tracing); None when autocast is off there or ``x`` is not floating point."""
+    device = "cpu" if x.device.type == "meta" else x.device.type
+    if not x.is_floating_point() or not torch.amp.is_autocast_available(device):
         return None
-    return torch.get_autocast_dtype(device)
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def grouped_swiglu(

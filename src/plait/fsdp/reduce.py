@@ -79,6 +79,10 @@ class _Reduction:
     # make the host wait for the stream (pageable memory) in every such backward.
     _counts: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
+    def label(self, owner: str) -> str:
+        """This reduction in reports: the unit's name (``owner``), with a bucket's own."""
+        return owner if self.name is None else f"{self.name} in {owner}"
+
     def used_counts(self, used: list[bool]) -> torch.Tensor:
         """``used`` as counts (1 or 0 per parameter) on the reduction's device."""
         key = tuple(used)
@@ -242,7 +246,7 @@ class GradientReduction:
 
     def _launch(self, red: _Reduction, owner: str) -> None:
         """Pack ``red``'s gradients and counts and issue its first collective."""
-        name = owner if red.name is None else f"{red.name} in {owner}"
+        name = red.label(owner)
         comm = self.settings.reduce_scatter_comm
         matrix = allocate(comm, (self.world, red.columns), red.dtype, red.device)
         grads = [p.take_grad() for p in red.params]
@@ -307,7 +311,7 @@ class GradientReduction:
             if flight.across or self.groups.replicate is None:
                 finished.append(red)  # one collective, or none across replicas
                 continue
-            name = owner if red.name is None else f"{red.name} in {owner}"
+            name = red.label(owner)
             spmd.wait(flight.work, "reduce_scatter", name)
             deferred, work = self._across_replicas(red, flight.out, name)
             red.inflight = _InFlight(flight.out, work, flight.out, across=True, deferred=deferred)
@@ -327,7 +331,7 @@ class GradientReduction:
     def _complete(self, reducing: list[_Reduction], owner: str) -> None:
         """Wait for ``reducing``'s collectives and accumulate their results."""
         for red in reducing:
-            name = owner if red.name is None else f"{red.name} in {owner}"
+            name = red.label(owner)
             out = self._wait(red, name)
             if out is not None:
                 self._accumulate(red, out)

@@ -74,6 +74,7 @@ import torch.distributed as dist
 
 from plait import spmd
 from plait.hooks import traced
+from plait.mesh import host_copy
 from plait.pipeline.wire import (
     HEADER,
     Meta,
@@ -183,10 +184,9 @@ class _Recv:
         next action). The compute stream then waits for the batch as before."""
         if self.work is not None and buf.device.type == "cuda":
             side = _side_stream(buf.device)
-            host = torch.empty(8, dtype=torch.uint8, pin_memory=True)
             with torch.cuda.stream(side):
                 self.work.wait()  # the side stream waits for the receive
-                host.copy_(buf[:8], non_blocking=True)
+                host = host_copy(buf[:8])
                 done = torch.cuda.Event()
                 done.record(side)
             done.synchronize()

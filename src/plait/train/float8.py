@@ -97,7 +97,7 @@ def check(cfg: ExecutionConfig | TrainConfig, d_model: int) -> None:
         return
     if importlib.util.find_spec("torchao") is None:
         raise missing(_FLAG, "torchao", _EXTRA, fix=f"or drop {_FLAG}")
-    tp = cfg.layout.tp if isinstance(cfg, ExecutionConfig) else cfg.tp
+    tp = cfg.layout.tp
     if d_model % (ALIGN * tp):
         each = f" over --tp {tp}" if tp > 1 else ""
         raise ConfigError(
@@ -144,7 +144,7 @@ def convert(blocks: Iterable[nn.Module], cfg: ExecutionConfig | TrainConfig) -> 
         # be aligned: padded with zeros where torch._scaled_mm needs it (not emulated).
         pad_inner_dim=not emulate,
     )
-    tp = cfg.layout.tp if isinstance(cfg, ExecutionConfig) else cfg.tp
+    tp = cfg.layout.tp
     swapped = 0
     for block in blocks:
         plain = sum(type(m) is nn.Linear for m in block.modules())

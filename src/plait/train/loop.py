@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plait import spmd
 from plait.experts import expert_load, update_expert_bias
 from plait.layout import DP_REPLICATE, DP_SHARD, PP
-from plait.mesh import collective_device, mesh_coordinate
+from plait.mesh import collective_device, host_copy, mesh_coordinate
 from plait.train.checkpointer import Checkpointer
 from plait.train.checkpointing import (
     CheckpointDamaged,
@@ -231,7 +231,8 @@ class _Queued:
         #: values are there, and a crash loses no step's record.
         self.on_device = values.is_cuda
         if values.is_cuda:
-            values, load = (_to_host(t) for t in (values, load))
+            values = host_copy(values)
+            load = None if load is None else host_copy(load)
             self._done = torch.cuda.Event()
             self._done.record()
         self._values, self._load = values, load
@@ -242,14 +243,6 @@ class _Queued:
             self._done.synchronize()
         loss, norm = self._values.tolist()
         return loss, norm, None if self._load is None else self._load.tolist()
-
-
-def _to_host(t: torch.Tensor | None) -> Any:
-    """``t`` copied into pinned host memory without waiting (None stays None)."""
-    if t is None:
-        return None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 class _Session:
