@@ -63,19 +63,24 @@ def _experts(hidden: int, dtype: torch.dtype = torch.float32) -> GroupedExperts:
 
 
 def _run(
-    experts: GroupedExperts, counts: list[int], how: str, dtype: torch.dtype = torch.float32
+    experts: GroupedExperts,
+    counts: list[int],
+    how: str,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> list[torch.Tensor]:
-    """Output and the gradients of input and weights; ``how``: ``"sum"`` (an expanded
-    gradient reaches the output) or ``"grad"`` (a random, dense one)."""
+    """Output and the gradients of input and weights, the rows on ``device``; ``how``:
+    ``"sum"`` (an expanded gradient reaches the output) or ``"grad"`` (a random, dense
+    one)."""
     gen = torch.Generator().manual_seed(1)
     n = sum(counts)
-    x = torch.randn(n, DIM, generator=gen).to(dtype).requires_grad_(True)
+    x = torch.randn(n, DIM, generator=gen).to(device, dtype).requires_grad_(True)
     experts.zero_grad(set_to_none=True)
-    out = experts(x, torch.tensor(counts))
+    out = experts(x, torch.tensor(counts, device=device))
     if how == "sum":
         out.sum().backward()
     else:
-        out.backward(torch.randn(n, DIM, generator=gen).to(dtype))
+        out.backward(torch.randn(n, DIM, generator=gen).to(device, dtype))
     grads = [x.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad]
     return [out.detach(), *(g for g in grads if g is not None)]
 
@@ -173,6 +178,37 @@ def test_an_expanded_gradient_of_no_rows_reaches_the_grouped_gemms() -> None:
     x = torch.randn(0, DIM, requires_grad=True)
     grouped_swiglu(x, torch.zeros(4, dtype=torch.int64), w1, w2, w3).sum().backward()
     assert w1.grad is not None and not w1.grad.any()
+
+
+def _fused_kernel_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10)
+
+
+@pytest.mark.skipif(
+    not _fused_kernel_gpu(),
+    reason="the fused grouped GEMM runs on CUDA GPUs of compute capability 9.x or 10.x "
+    "(H100, H200, B200) only: benchmarks/gpu_check.py runs this test there",
+)
+@pytest.mark.parametrize("routing", list(COUNTS))
+def test_fused_cuda_kernel_matches_the_loop(routing: str) -> None:
+    """torch's fused CUDA kernel, every routing: an expert-parallel rank may be sent no
+    rows at all (``no_rows``) or some experts none. It rounds unlike cuBLAS's ``mm``, so
+    the comparison is to bf16 tolerance, against the loop in fp32 on the same device."""
+    experts = _experts(64).cuda().to(torch.bfloat16)
+    counts = COUNTS[routing]
+    assert grouped_mm_supported(
+        torch.zeros(1, DIM, dtype=torch.bfloat16, device="cuda"),
+        [experts.w1, experts.w2, experts.w3],
+    )
+    with _Ops() as ops:
+        grouped = [t.float() for t in _run(experts, counts, "grad", torch.bfloat16, "cuda")]
+    assert ops.seen[GROUPED] == 9
+    set_grouped_mm(experts, False)
+    experts.float()
+    loop = _run(experts, counts, "grad", torch.float32, "cuda")
+    for g, w in zip(grouped, loop, strict=True):
+        assert g.shape == w.shape and torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
 
 
 # -- when torch can run them ---------------------------------------------------------------
