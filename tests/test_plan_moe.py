@@ -376,3 +376,24 @@ def test_balanced_counts_split_totals_and_read_nothing() -> None:
         assert host_counts(counts, 8) == [3, 3, 2]
         assert host_counts(torch.empty(2, 2, device="meta"), 8) == [2, 2, 2, 2]
     assert host_counts(counts, 8) == [5, 0, 3]
+
+
+def test_counts_read_together_are_read_in_one_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EP's exchange plan reads what it sends and what it receives with one device-to-host
+    read (each read stalls the host on a GPU)."""
+    from plait.experts.counts import balanced_counts, host_counts_together
+
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> object:
+        reads.append(self.shape)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    sent, received = torch.tensor([5, 0, 3]), torch.tensor([[1, 2], [0, 5]], dtype=torch.int32)
+    assert host_counts_together((sent, 8), (received, 8)) == [[5, 0, 3], [1, 2, 0, 5]]
+    assert len(reads) == 1
+    with balanced_counts():
+        assert host_counts_together((sent, 8), (received, 8)) == [[3, 3, 2], [2, 2, 2, 2]]
+    assert len(reads) == 1

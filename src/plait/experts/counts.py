@@ -16,7 +16,7 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["balanced_counts", "host_counts"]
+__all__ = ["balanced_counts", "host_counts", "host_counts_together"]
 
 _BALANCED: ContextVar[bool] = ContextVar("plait_experts_balanced_counts", default=False)
 
@@ -43,3 +43,17 @@ def host_counts(counts: torch.Tensor, total: int) -> list[int]:
     parts = counts.numel()
     share, extra = divmod(total, parts)
     return [share + (i < extra) for i in range(parts)]
+
+
+def host_counts_together(*pieces: tuple[torch.Tensor, int]) -> list[list[int]]:
+    """:func:`host_counts` of each ``(counts, total)`` of ``pieces`` with one
+    device-to-host read for all of them (each read waits for the device: on a GPU, every
+    read is a stall of the host). The counts may differ in dtype; they are integers."""
+    if _BALANCED.get():
+        return [host_counts(counts, total) for counts, total in pieces]
+    flat = torch.cat([counts.flatten().to(torch.int64) for counts, _ in pieces]).tolist()
+    out, start = [], 0
+    for counts, _ in pieces:
+        out.append(flat[start : start + counts.numel()])
+        start += counts.numel()
+    return out

@@ -7,7 +7,7 @@ rows are one contiguous run, so:
 1. **Plan** (:func:`plan_exchange`): an all-to-all of the counts tells each rank how many
    rows every peer has for each of its local experts (``blocks[i][l]``: from rank ``i``
    for local expert ``l``), hence how many rows to send to and receive from each peer.
-   One device-to-host sync: split sizes are data-dependent in dropless routing.
+   One device-to-host read for both: split sizes are data-dependent in dropless routing.
 2. **Dispatch** (:func:`dispatch`): one uneven all-to-all of the rows. They arrive
    rank-major (all of rank 0's, then rank 1's, ...); a regroup makes them expert-major
    (local expert 0's rows from every rank, in rank order, then expert 1's, ...).
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from plait.experts.all_to_all import all_to_all, exchange_counts
-from plait.experts.counts import host_counts
+from plait.experts.counts import host_counts_together
 
 __all__ = ["Exchange", "combine", "dispatch", "plan_exchange", "regroup"]
 
@@ -59,10 +59,9 @@ def plan_exchange(counts: torch.Tensor, group: dist.ProcessGroup, rows: int) -> 
     ep = dist.get_world_size(group)
     received = exchange_counts(counts, group)  # (ep, L)
     mine = counts.view(ep, -1)  # (ep, L) this rank's rows for rank j's experts
-    send = host_counts(mine.sum(dim=1), rows)
     # What arrives: as many rows as leave when every rank sends alike (balanced_counts);
-    # otherwise the received counts themselves.
-    flat = host_counts(received, rows)
+    # otherwise the received counts themselves. Both read in one transfer.
+    send, flat = host_counts_together((mine.sum(dim=1), rows), (received, rows))
     local = received.shape[1]
     blocks = [flat[i * local : (i + 1) * local] for i in range(ep)]
     return Exchange(group=group, send=send, recv=[sum(row) for row in blocks], blocks=blocks)
