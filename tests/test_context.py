@@ -433,6 +433,45 @@ def _model_under_context_parallel() -> None:
         _check_against(model, want, loss, whole, group, f"context_parallel {method}")
 
 
+def _plans_once_per_forward() -> dict[str, int]:
+    """How many times each method planned its blocks of packed documents over one forward
+    and backward of a 2-block model (one block checkpointed: its recompute attends again)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    plans: dict[str, int] = {}
+    original = ChunkDocs.__dict__["of"]  # the staticmethod itself, to put back
+    of = ChunkDocs.of
+
+    def counted(docs: torch.Tensor, chunk_len: int) -> ChunkDocs:
+        plans[method] = plans.get(method, 0) + 1
+        return of(docs, chunk_len)
+
+    ChunkDocs.of = staticmethod(counted)  # type: ignore[method-assign,assignment]
+    try:
+        for method in ("allgather", "ring", "alltoall"):
+            model = _Net()
+            checkpoint(model.blocks[0])
+            tokens, labels, positions, docs = _batch(True)
+            with context_parallel(
+                mesh,
+                buffers=[tokens, labels, positions],
+                buffer_seq_dims=[1, 1, 1],
+                method=method,  # type: ignore[arg-type]
+                document_ids=docs,
+            ):
+                _loss(model(tokens, positions), labels).backward()
+    finally:
+        ChunkDocs.of = original  # type: ignore[method-assign]
+    return plans
+
+
+def test_packed_documents_are_planned_once_per_forward() -> None:
+    """Planning gathers the document ids (a collective), reads their spans on the host (a
+    device sync on GPUs) and builds masks: once per forward, not once per attention call
+    (2 layers, a recompute)."""
+    for plans in run_on_ranks(2, _plans_once_per_forward, timeout=TIMEOUT):
+        assert plans == {"allgather": 1, "ring": 1, "alltoall": 1}
+
+
 def test_context_parallel_trains_a_model_like_one_process() -> None:
     run_on_ranks(2, _model_under_context_parallel, timeout=TIMEOUT)
 

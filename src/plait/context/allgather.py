@@ -22,7 +22,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from plait.context.blocks import ChunkDocs, blocked_attention, expand_heads, plan_blocks
+from plait.context.blocks import (
+    Block,
+    ChunkDocs,
+    blocked_attention,
+    expand_heads,
+    plan_blocks,
+    planned,
+)
 from plait.context.collectives import gather_sequence
 from plait.context.sequence import SequenceLayout
 
@@ -46,15 +53,20 @@ def allgather_attention(
     kv = gather_sequence(torch.stack([k, v]), 3, group)  # (2, B, Hkv, cp * Tl, D)
     kv = layout.restore(kv, 3)  # natural order: chunk c at rows c * chunk_len
     k_all, v_all = expand_heads(kv[0], q.shape[1]), expand_heads(kv[1], q.shape[1])
-    chunk_docs = None
-    if docs is not None:
-        chunk_docs = ChunkDocs.of(layout.restore(gather_sequence(docs, 1, group), 1), chunk_len)
-    plan = plan_blocks(
-        layout.chunks(dist.get_rank(group)),
-        range(layout.cp * layout.chunks_per_rank),
-        chunk_len,
-        is_causal,
-        chunk_docs,
-        q.device,
-    )
-    return blocked_attention(q, k_all, v_all, plan, scale)
+
+    def plan() -> list[Block]:
+        chunk_docs = None
+        if docs is not None:
+            gathered = layout.restore(gather_sequence(docs, 1, group), 1)
+            chunk_docs = ChunkDocs.of(gathered, chunk_len)
+        return plan_blocks(
+            layout.chunks(dist.get_rank(group)),
+            range(layout.cp * layout.chunks_per_rank),
+            chunk_len,
+            is_causal,
+            chunk_docs,
+            q.device,
+        )
+
+    key = ("allgather", group, layout, chunk_len, is_causal, q.device)
+    return blocked_attention(q, k_all, v_all, planned(docs, key, plan), scale)

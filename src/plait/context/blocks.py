@@ -36,12 +36,13 @@ differentiable call (all-gather and Ulysses with documents).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from plait.context.masks import DocSpan, Visibility, allowed, doc_spans, visibility
 
@@ -63,6 +64,7 @@ __all__ = [
     "fused_attention_backward",
     "merge",
     "plan_blocks",
+    "planned",
 ]
 
 _aten = torch.ops.aten
@@ -321,6 +323,36 @@ def plan_blocks(
             continue
         plan.extend(blocks)
         previous = blocks
+    return plan
+
+
+_Plan = TypeVar("_Plan")
+#: Plans per documents tensor, while it lives: ``(its version, {key: plan})``.
+_PLANS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def planned(docs: torch.Tensor | None, key: Hashable, build: Callable[[], _Plan]) -> _Plan:
+    """``build()``, once per documents tensor ``docs`` and ``key`` while that tensor lives.
+
+    Every attention of one forward (each layer, a checkpointed block's recompute, the
+    backward) is handed the same documents tensor, so the plan, with what building it
+    costs (gathering the ids, a collective; reading their spans on the host, a device
+    sync on GPUs; the masks), is made once per forward instead of once per layer.
+    ``key``: everything else the plan depends on. Built every time without documents,
+    while tracing, and again after ``docs`` changes in place (its version). Every rank
+    makes the same calls with a tensor of the same life, so all hit or miss alike and a
+    collective inside ``build`` stays matched."""
+    if docs is None or torch.compiler.is_compiling():
+        return build()
+    version = docs._version
+    entry = _PLANS.get(docs)
+    if entry is None or entry[0] != version:
+        entry = (version, {})
+        _PLANS[docs] = entry
+    plans: dict[Hashable, Any] = entry[1]
+    if key not in plans:
+        plans[key] = build()
+    plan: _Plan = plans[key]
     return plan
 
 

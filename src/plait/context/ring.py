@@ -36,6 +36,7 @@ from plait.context.blocks import (
     blocks_backward,
     expand_heads,
     plan_blocks,
+    planned,
 )
 from plait.context.collectives import gather_sequence, ring_shift
 from plait.context.sequence import SequenceLayout
@@ -151,14 +152,20 @@ def ring_attention(
     local_len = q.shape[2]
     layout.check_local(local_len)
     chunk_len, rank = local_len // layout.chunks_per_rank, dist.get_rank(group)
-    chunk_docs = None
-    if docs is not None:
-        chunk_docs = ChunkDocs.of(layout.restore(gather_sequence(docs, 1, group), 1), chunk_len)
-    mine = layout.chunks(rank)
-    plans = tuple(
-        tuple(plan_blocks(mine, layout.chunks(s), chunk_len, is_causal, chunk_docs, q.device))
-        for s in range(layout.cp)
-    )
+
+    def plan() -> tuple[tuple[Block, ...], ...]:
+        chunk_docs = None
+        if docs is not None:
+            gathered = layout.restore(gather_sequence(docs, 1, group), 1)
+            chunk_docs = ChunkDocs.of(gathered, chunk_len)
+        mine = layout.chunks(rank)
+        return tuple(
+            tuple(plan_blocks(mine, layout.chunks(s), chunk_len, is_causal, chunk_docs, q.device))
+            for s in range(layout.cp)
+        )
+
+    key = ("ring", group, layout, chunk_len, is_causal, q.device)
+    plans = planned(docs, key, plan)
     ring = _Ring(group, layout, rank, scale, plans)
     out: torch.Tensor = _RingAttention.apply(q, k, v, ring)
     return out

@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plait.context.blocks import ChunkDocs, blocked_attention, expand_heads, plan_blocks
+from plait.context.blocks import (
+    Block,
+    ChunkDocs,
+    blocked_attention,
+    expand_heads,
+    plan_blocks,
+    planned,
+)
 from plait.context.collectives import gather_sequence, heads_to_sequence, sequence_to_heads
 from plait.context.sequence import SequenceLayout
 
@@ -69,10 +76,15 @@ def ulysses_attention(
         out = F.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=True, scale=scale)
     else:
         chunk_len = q.shape[2] // layout.chunks_per_rank
-        chunk_docs = ChunkDocs.of(layout.restore(gather_sequence(docs, 1, group), 1), chunk_len)
-        chunks = range(layout.cp * layout.chunks_per_rank)
-        plan = plan_blocks(chunks, chunks, chunk_len, is_causal, chunk_docs, q.device)
-        out = blocked_attention(q_h, k_h, v_h, plan, scale)
+
+        def plan() -> list[Block]:
+            gathered = layout.restore(gather_sequence(docs, 1, group), 1)
+            chunks = range(layout.cp * layout.chunks_per_rank)
+            chunk_docs = ChunkDocs.of(gathered, chunk_len)
+            return plan_blocks(chunks, chunks, chunk_len, is_causal, chunk_docs, q.device)
+
+        key = ("ulysses", group, layout, chunk_len, is_causal, q.device)
+        out = blocked_attention(q_h, k_h, v_h, planned(docs, key, plan), scale)
     if layout.load_balance:
         out = out.index_select(2, layout.gathered_positions(q.shape[2], out.device))
     return heads_to_sequence(out, group)
