@@ -89,6 +89,7 @@ CUDA_TESTS = (
     "tests/test_fsdp_features.py::test_cpu_offload_on_cuda_equals_no_offload",
     "tests/test_fsdp_features.py::test_offloaded_units_built_on_the_cpu_run_on_cuda_with_their_buffers",
     "tests/test_experts_grouped.py::test_fused_cuda_kernel_matches_the_loop",
+    "tests/test_packing_varlen.py::test_flash_varlen_on_cuda_matches_the_dense_mask",
 )
 
 #: The parts in the order they run (most wanted first: a short budget drops the tail), and

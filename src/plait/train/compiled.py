@@ -28,7 +28,9 @@ step, never a silent slowdown):
 after the first step (every later step reuses the graphs: no recompiles, no graph breaks).
 Attention takes the same variant on every batch for that: under ``--compile`` each batch
 carries its documents (``plait.train.step.step_batch``), so attention is masked by
-document even where a batch packs one document per row.
+document even where a batch packs one document per row. On GPUs that attention is flash's
+variable-length kernel, whose document count and longest document the graphs take as
+dynamic sizes from the first batch (:mod:`plait.train.packing`).
 """
 
 from __future__ import annotations

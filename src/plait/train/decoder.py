@@ -68,6 +68,8 @@ class Decoder(nn.Module):
         x: torch.Tensor,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        bounds: torch.Tensor | None = None,
+        longest: int = 0,
     ) -> torch.Tensor:
         """Token ids ``(B, T)`` to logits ``(B, T, vocab)``.
 
@@ -76,14 +78,18 @@ class Decoder(nn.Module):
         each (:func:`plait.train.packing.packing`). None: one document per row.
         ``positions`` ``(B, T)``: the tokens' positions in their documents, needed
         (computed on the whole rows, sharded like the inputs) when ``self.positions`` says
-        the rows are split over context-parallel ranks. A pipeline stage without the
+        the rows are split over context-parallel ranks. ``bounds`` ``(B, D + 1)`` and
+        ``longest``: the whole rows' document boundaries and longest document
+        (:func:`plait.train.packing.document_bounds`, computed on the host), with which a
+        GPU attends through flash's variable-length kernel. A pipeline stage without the
         embeddings takes hidden states ``(B, T, C)`` instead, and one without the head
         returns hidden states.
         """
         t = x.shape[1]
         if t > self.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds seq_len={self.seq_len}")
-        pack = packing(documents, positions, sharded=self.positions is not None)
+        sharded = self.positions is not None
+        pack = packing(documents, positions, sharded, bounds, longest)
         x = self.embed(x, pack)  # (B, T, C)
         for block in self.blocks:
             x = block(x, pack)

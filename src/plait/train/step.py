@@ -65,11 +65,10 @@ def _rows(batch: StepBatch, m: int) -> list[StepBatch]:
     def cut(t: torch.Tensor | None) -> list[Any]:
         return [None] * m if t is None else list(t.chunk(m))
 
-    parts = zip(
-        *(cut(t) for t in (batch.inputs, batch.targets, batch.documents, batch.positions)),
-        strict=True,
-    )
-    return [StepBatch(x, y, d, p, batch.tokens) for x, y, d, p in parts]
+    rows = (batch.inputs, batch.targets, batch.documents, batch.positions, batch.bounds)
+    parts = zip(*(cut(t) for t in rows), strict=True)
+    # The longest document of the whole batch bounds each microbatch's.
+    return [StepBatch(x, y, d, p, batch.tokens, s, batch.longest) for x, y, d, p, s in parts]
 
 
 class DataParallelStepper:

@@ -33,6 +33,7 @@ from plait.layout import CP, Layout
 from plait.mesh import collective_device
 from plait.train.config import ExecutionConfig, TrainConfig
 from plait.train.model import IGNORE, document_positions
+from plait.train.packing import document_bounds
 
 __all__ = ["StepBatch", "global_loss", "global_loss_tensor", "gradient_ranks", "step_batch"]
 
@@ -47,19 +48,28 @@ class StepBatch:
     and its position in that document, computed on the whole rows and then sharded like
     the inputs; both None when no row holds several documents (the models' plain causal
     path). ``tokens``: the loss tokens (targets that are not ``IGNORE``) of the whole
-    global batch, a 0-d int64 tensor on the device, at least 1."""
+    global batch, a 0-d int64 tensor on the device, at least 1. ``bounds`` ``(b, D + 1)``
+    int32 and ``longest``: the rows' document boundaries and the longest document
+    (:func:`plait.train.packing.document_bounds`, computed on the host, ``bounds`` moved
+    with the rows), with which a GPU attends through flash's variable-length kernel; None
+    and 0 without documents and with context parallelism (its attention is its own)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     documents: torch.Tensor | None
     positions: torch.Tensor | None
     tokens: torch.Tensor
+    bounds: torch.Tensor | None = None
+    longest: int = 0
 
     def model_kwargs(self) -> dict[str, Any]:
         """The models' keyword arguments for these rows (none for unpacked rows)."""
         if self.documents is None or self.positions is None:
             return {}
-        return {"documents": self.documents, "positions": self.positions}
+        kwargs: dict[str, Any] = {"documents": self.documents, "positions": self.positions}
+        if self.bounds is not None:
+            kwargs |= {"bounds": self.bounds, "longest": self.longest}
+        return kwargs
 
 
 def gradient_ranks(cfg: Layout | TrainConfig) -> int:
@@ -87,12 +97,17 @@ def step_batch(
     ``inputs``, ``targets`` and ``documents`` ``(b, T)`` of whole rows (host tensors, as the
     data gives them). Positions in documents are computed on the whole rows; then every
     tensor is cut to this rank's tokens of each row (``--cp``: ``shard_sequence``) and moved
-    to the device. The global count of loss tokens is ``tokens`` when the caller knows it
-    (data without masked targets), else one all-reduce of the local counts over the world
-    (every rank calls this: a collective when there are several). ``cfg``: the execution
-    group (layout, device, ``--compile``), or the whole TrainConfig."""
+    to the device. Without ``--cp`` the rows' document boundaries are computed here too,
+    on the host (:func:`plait.train.packing.document_bounds`): the forward then needs no
+    device sync to attend through variable-length kernels. The global count of loss
+    tokens is ``tokens`` when the caller knows it (data without masked targets), else one
+    all-reduce of the local counts over the world (every rank calls this: a collective
+    when there are several). ``cfg``: the execution group (layout, device,
+    ``--compile``), or the whole TrainConfig."""
     docs: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
+    longest = 0
     # Rows of one document each keep plain causal attention, unless --compile: there the
     # attention stays masked by document on every batch (one graph variant for the whole
     # run, as block-causal attention in torchtitan), so that the first batch of packed
@@ -100,6 +115,8 @@ def step_batch(
     layout = cfg.layout
     if _several_documents(documents) or (cfg.compile and layout.cp == 1):
         docs, positions = documents, document_positions(documents)
+        if layout.cp == 1:
+            bounds, longest = document_bounds(documents)
     if layout.cp > 1:  # this rank's tokens of every row (the model knows their places)
         assert mesh is not None
         group = mesh[CP]
@@ -126,6 +143,8 @@ def step_batch(
         moved(docs),
         moved(positions),
         count.clamp(min=1).to(device),  # a batch without loss tokens: loss and gradients 0
+        moved(bounds),
+        longest,
     )
 
 
