@@ -80,6 +80,29 @@ def test_rank0_parameters_and_buffers_are_broadcast_at_apply_time() -> None:
     assert values[0][-3:] == [0.0, 0.0, 0.0]
 
 
+def _from_the_meta_device(model: MLPStack) -> MLPStack:
+    """``model``'s values in a copy built on the meta device, replicated there (nothing to
+    broadcast yet), then given storage and, on every rank alike, its values."""
+    with torch.device("meta"):
+        meta = MLPStack(2)
+    with spy_collectives("broadcast") as calls:
+        replicate(meta)
+    assert calls["broadcast"] == []
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for p, value in zip(meta.parameters(), model.parameters(), strict=True):
+            p.copy_(value)
+    return meta
+
+
+def _parity_from_the_meta_device() -> None:
+    check_parity(lambda: MLPStack(2), _from_the_meta_device, random_batches(3, 8, 8, 8))
+
+
+def test_a_meta_module_is_replicated_then_materialized() -> None:
+    run_on_ranks(2, _parity_from_the_meta_device)
+
+
 # --- unused and frozen parameters ------------------------------------------------------
 
 

@@ -17,7 +17,9 @@ Contract:
   selects replicated modules too, and every ``FSDPModule`` method works on them
   (``set_requires_gradient_sync``, ``set_gradient_divide_factor``, ``set_all_reduce_hook``,
   ``set_is_last_backward``, ``unshard`` / ``reshard``, ...), plus DDP's ``no_sync()``.
-* At apply time rank 0's parameters and buffers are broadcast, so all replicas start equal.
+* At apply time rank 0's parameters and buffers are broadcast, so all replicas start equal;
+  those still on the meta device are skipped (no data yet: a module built there is given
+  storage and values after, alike on every rank, as with ``fully_shard``'s meta init).
 * Parameters stay what they were: plain tensors (or the TP code's DTensors), compared and
   optimized as such, as with torch's DDP-based ``replicate``. **Unlike torch's FSDP-based
   replicate**, whose parameters become ``Replicate()`` DTensors. Without
@@ -289,7 +291,7 @@ def _mesh_of_group(group: object, mesh: DeviceMesh | None, module: nn.Module) ->
 def _broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Make every rank's ``tensors`` equal to rank 0's, one broadcast per dtype and device."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
+    for t in (t for t in tensors if not t.is_meta):  # meta: nothing to send yet
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     device = collective_device(group)  # offloaded parameters are on the CPU, NCCL is not
     with torch.no_grad():

@@ -138,6 +138,14 @@ class MoE(nn.Module):
         self.row_split: dist.ProcessGroup | None = None
         self.aux_loss: torch.Tensor | None = None
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The buffers as the constructor makes them, where they live (after ``to_empty``:
+        a model built on the meta device): the balancing bias and the load counts zero."""
+        self.tokens_per_expert.zero_()
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # (B, T, dim), or any (..., dim)
         x = x.reshape(-1, shape[-1])  # (N, dim)

@@ -83,6 +83,7 @@ __all__ = [
     "read_info",
     "save_as",
     "save_checkpoint",
+    "saved_names",
     "verify_checkpoint",
     "write_checkpoint",
 ]
@@ -179,10 +180,15 @@ def save_as(module: nn.Module, name: str, key: str) -> None:
     setattr(module, _SAVED_AS, {**getattr(module, _SAVED_AS, {}), name: key})
 
 
+def saved_names(module: nn.Module) -> dict[str, str]:
+    """What :func:`save_as` set on ``module``: {its name of a tensor: the whole model's}."""
+    return dict(getattr(module, _SAVED_AS, {}))
+
+
 def _keys(module: nn.Module) -> dict[str, str]:
     """Each state-dict name of ``module`` -> the key it is saved under: the first name of
     its tensor (a tied head: the embedding's), or what :func:`save_as` set."""
-    saved_as: dict[str, str] = getattr(module, _SAVED_AS, {})
+    saved_as = saved_names(module)
     first: dict[int, str] = {}
     keys: dict[str, str] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from plait.train.packing import Packing, packing
+from plait.train.param_init import Init, decoder_init, init_parameters
 
 __all__ = ["Decoder", "tied_head"]
 
@@ -51,10 +52,29 @@ class Decoder(nn.Module):
     #: ``T`` of a sequence (context parallelism: this rank's share of every sequence).
     positions: torch.Tensor | None
 
-    def __init__(self, seq_len: int) -> None:
+    def __init__(self, seq_len: int, n_layer: int) -> None:
         super().__init__()
         #: The longest sequence it takes.
         self.seq_len = seq_len
+        #: The whole model's number of blocks (a pipeline stage's too): the initial
+        #: values of the residual projections depend on it.
+        self.n_layer = n_layer
+
+    def param_init(self, name: str, owner: nn.Module) -> Init:
+        """How parameter ``name`` (its whole-model name) of module ``owner`` starts: the
+        rule of :func:`plait.train.param_init.decoder_init`."""
+        return decoder_init(name, owner, self.n_layer)
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Every parameter to its initial value (:mod:`plait.train.param_init`: drawn by
+        its name from ``seed``; default ``torch.initial_seed()``, the seed of the last
+        ``torch.manual_seed``), so ``torch.manual_seed(s)`` before building gives the
+        weights ``plait train --seed s`` starts from (on the CPU). Sharded parameters get
+        their pieces of the same values. A model on the meta device has nothing to set:
+        ``plait train`` sets its values after giving it storage
+        (:mod:`plait.train.materialize`)."""
+        seed = torch.initial_seed() if seed is None else seed
+        init_parameters(self, self.param_init, seed)
 
     def embed(self, idx: torch.Tensor, pack: Packing | None) -> torch.Tensor:
         """Token ids ``(B, T)`` to the first block's input ``(B, T, C)``; on a pipeline stage

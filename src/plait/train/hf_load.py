@@ -4,8 +4,8 @@
 :func:`~plait.train.parallelize.parallelize`: each rank reads, tensor by tensor with
 ``safetensors.safe_open`` (memory-mapped; never the whole model, never a pickle), what
 its own parameters need, and copies only its local piece into a DTensor (fully_shard,
-tensor parallelism: :func:`plait.fsdp.state_dict.shard_full_tensor` slices the full
-tensor without communication), or the whole tensor into a plain parameter. Before
+tensor parallelism: :func:`plait.train.param_init.copy_into` slices the full tensor
+without communication), or the whole tensor into a plain parameter. Before
 anything is copied, every rank checks the checkpoint against the *whole* model (the same
 on every rank, so all ranks refuse together rather than leave peers in a collective):
 missing tensors, shape mismatches, tensors the model has no place for, and dtypes it
@@ -26,9 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from plait.fsdp.state_dict import shard_full_tensor
 from plait.train.config import ConfigError
 from plait.train.extras import require
 from plait.train.hf_names import (
@@ -41,6 +39,7 @@ from plait.train.hf_names import (
     is_tied,
     rules_for,
 )
+from plait.train.param_init import copy_into
 from plait.train.presets import read_config
 
 __all__ = ["HFCheckpointError", "load_hf_checkpoint", "weight_map"]
@@ -218,23 +217,6 @@ def _read(source: Source, files: Mapping[str, Path], readers: _Readers) -> torch
     return torch.stack(tensors) if source.stacked else tensors[0]
 
 
-@torch.no_grad()
-def _copy_into(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
-    """``full`` (the global value) into ``param``: this rank's piece of a DTensor, else all
-    of it; cast to the parameter's dtype and moved to its device."""
-    if isinstance(param, DTensor):
-        local = param.to_local()
-        piece = shard_full_tensor(full, param).to_local()
-        if local.shape != piece.shape:  # a layout this function does not know
-            raise RuntimeError(
-                f"{name}: this rank's shard is {tuple(local.shape)} but its piece of the "
-                f"checkpoint tensor is {tuple(piece.shape)} (placements {param.placements})"
-            )
-        local.copy_(piece)
-    else:
-        param.copy_(full)
-
-
 def load_hf_checkpoint(
     modules: Sequence[nn.Module],
     directory: str | Path,
@@ -278,5 +260,5 @@ def load_hf_checkpoint(
         # touched together.
         order = sorted(params, key=lambda n: (str(files[plan[n].keys[0]]), n))
         for name in order:
-            _copy_into(params[name], _read(plan[name], files, readers), name)
+            copy_into(params[name], _read(plan[name], files, readers), name)
     return order

@@ -38,6 +38,7 @@ from plait.train.float8 import after_step as float8_scales
 from plait.train.flops import flops_per_token
 from plait.train.hf import check_init_from, load_hf_checkpoint, parameter_shapes
 from plait.train.llama import Llama
+from plait.train.materialize import materialize
 from plait.train.model import GPT, GPTConfig
 from plait.train.optimizer import (
     build_optimizer,
@@ -107,7 +108,8 @@ def model_config(cfg: TrainConfig) -> GPTConfig:
 
 
 def build_model(cfg: TrainConfig) -> Model:
-    """``cfg``'s model, on the CPU: the Llama of ``--model-config``, else the GPT."""
+    """``cfg``'s model, on the default device (``plait train``: the meta device, see
+    :mod:`plait.train.materialize`): the Llama of ``--model-config``, else the GPT."""
     if cfg.model_config:
         return Llama(llama_config(cfg), cfg.seq_len)
     return GPT(model_config(cfg))
@@ -134,9 +136,11 @@ def _warn(text: str) -> None:
 
 class Trainable:
     """``plait train``'s recipe applied to ``model`` on this rank: its stages after
-    :func:`~plait.train.parallelize.parallelize`, their parameters, AdamW, the stepper and
-    the pipeline group. Shared by training and by the planner's dry runs
-    (:mod:`plait.plan.dryrun`), so both run the same code."""
+    :func:`~plait.train.parallelize.parallelize` (a model built on the meta device then
+    :func:`~plait.train.materialize.materialize`-d: this rank's pieces on the device,
+    their initial values drawn unless ``draw`` is False, for a checkpoint to fill), their
+    parameters, AdamW, the stepper and the pipeline group. Shared by training and by the
+    planner's dry runs (:mod:`plait.plan.dryrun`), so both run the same code."""
 
     def __init__(
         self,
@@ -144,6 +148,8 @@ class Trainable:
         cfg: TrainConfig,
         mesh: DeviceMesh | None,
         side_meshes: tuple[DeviceMesh | None, DeviceMesh | None] | None = None,
+        *,
+        draw: bool = True,
     ) -> None:
         """``side_meshes``: the experts' and the shard mesh, if already built (a dry run
         builds every mesh before its fake tensors: building one needs real ones); by
@@ -162,6 +168,7 @@ class Trainable:
         )
         tied = is_tied(model)  # asked before the pipeline split copies the matrix
         self.stages: list[Stage] = parallelize(model, cfg, mesh, experts, shard)
+        materialize(self.stages, execution, cfg.seed if draw else None)
         self.modules = [s.module for s in self.stages]
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, self.optim)
@@ -257,8 +264,9 @@ class _Session:
         self.data: TokenData = load_data(cfg.corpus)
         if _rank() == 0 and (note := record_fingerprint(self.run_dir, self.data, cfg.resume)):
             _warn(note)
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = build_model(cfg).to(cfg.device)
+        torch.manual_seed(cfg.seed)  # (initial weights draw from cfg.seed: param_init)
+        with torch.device("meta"):  # no rank holds the whole model: Trainable materializes
+            model = build_model(cfg)
         # --init-from (not when resuming: the checkpoint holds the weights): checked
         # against the whole model's shapes, taken before the pipeline split.
         init_from = cfg.init_from and not cfg.resume
@@ -266,7 +274,8 @@ class _Session:
             check_init_from(cfg)
             shapes = parameter_shapes(model)
         self.mesh = build_mesh(cfg.execution)
-        self.parts = Trainable(model, cfg, self.mesh)
+        # No initial values where a checkpoint fills every parameter (train() resumes).
+        self.parts = Trainable(model, cfg, self.mesh, draw=not (init_from or cfg.resume))
         self.stages, self.modules = self.parts.stages, self.parts.modules
         if init_from:  # into this rank's shards of the parallelized stages
             load_hf_checkpoint(self.modules, cfg.init_from, expected=shapes)

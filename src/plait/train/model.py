@@ -21,8 +21,6 @@ causal attention. The loss ignores targets equal to :data:`IGNORE` (chat prompts
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -120,7 +118,7 @@ class GPT(Decoder):
     and learned position embeddings summed."""
 
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__(cfg.seq_len)
+        super().__init__(cfg.seq_len, cfg.n_layer)
         self.cfg = cfg
         # Optional: a pipeline stage drops those of other stages (see the module docstring).
         tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -130,21 +128,7 @@ class GPT(Decoder):
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.d_model)
         self.head = tied_head(tok_emb, cfg.tie_weights)
         self.positions = None
-        self.init_weights()
-
-    def init_weights(self) -> None:
-        """GPT-2 style initialisation; deterministic given the torch seed."""
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                if name.endswith("weight"):
-                    nn.init.ones_(p)  # LayerNorm gains
-                else:
-                    nn.init.zeros_(p)
-            elif name.endswith(("proj.weight", "w2", "w2.weight")):  # into the residual
-                nn.init.normal_(p, std=residual_std)
-            else:
-                nn.init.normal_(p, std=0.02)
+        self.init_weights()  # the decoder's rule (plait.train.param_init)
 
     @property
     def moe_shape(self) -> tuple[int, int] | None:

@@ -42,9 +42,18 @@ class LlamaAttention(nn.Module):
         # shared by the heads) before the rotary embedding.
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self._rope = cfg  # reset_buffers recomputes inv_freq from it
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.positions: torch.Tensor | None = None
         self.repeat_kv = True
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq`` where it lives (after ``to_empty``: a model built on the
+        meta device): on the CPU in float64, as the constructor does, then copied, so its
+        values are the constructor's on every device."""
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        inv_freq.copy_(rope_inv_freq(self._rope))
 
     def forward(self, x: torch.Tensor, pack: Packing | None = None) -> torch.Tensor:
         b, t = x.shape[0], x.shape[1]  # x: (B, T, C)

@@ -7,8 +7,6 @@ each of them.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -27,7 +25,7 @@ class Llama(Decoder):
     returns them (as GPT)."""
 
     def __init__(self, cfg: LlamaConfig, seq_len: int) -> None:
-        super().__init__(seq_len)
+        super().__init__(seq_len, cfg.num_hidden_layers)
         if seq_len > cfg.max_position_embeddings:
             raise LlamaConfigError(
                 f"seq_len {seq_len} exceeds max_position_embeddings {cfg.max_position_embeddings}"
@@ -43,7 +41,7 @@ class Llama(Decoder):
         self.blocks = nn.ModuleList(LlamaBlock(cfg, i) for i in range(cfg.num_hidden_layers))
         self.ln_f: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = tied_head(tok_emb, cfg.tie_word_embeddings)
-        self.init_weights()
+        self.init_weights()  # the decoder's rule (plait.train.param_init)
 
     @property
     def moe_shape(self) -> tuple[int, int] | None:
@@ -66,18 +64,3 @@ class Llama(Decoder):
         for block in self.blocks:
             if isinstance(block, LlamaBlock):
                 block.attn.positions = value
-
-    def init_weights(self) -> None:
-        """Normal(0, 0.02) matrices (the experts' too), the projections into the residual
-        scaled down by depth, zero biases, unit norm gains; deterministic given the torch
-        seed."""
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.num_hidden_layers)
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() < 2:
-                nn.init.ones_(p)  # RMSNorm gains
-            elif name.endswith(("attn.proj.weight", "mlp.down.weight", "mlp.experts.w2")):
-                nn.init.normal_(p, std=residual_std)
-            else:
-                nn.init.normal_(p, std=0.02)
