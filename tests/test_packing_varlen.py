@@ -41,7 +41,7 @@ from plait.train.step import _rows as microbatches
 from plait.train.step import step_batch
 from plait.train.varlen import VarlenKernel, _flash_varlen, flash_call, varlen_kernel
 
-from train_helpers import TINY
+from train_helpers import TINY, documents_of
 
 T = 12
 #: Per row, where each document starts: uneven lengths, one-token documents (row 0 ends
@@ -50,13 +50,7 @@ STARTS = ((0, 3, 4, 9, 11), (0,), tuple(range(T)), (0, 1, 7))
 
 
 def _documents(starts: tuple[tuple[int, ...], ...] = STARTS, t: int = T) -> torch.Tensor:
-    rows = []
-    for row in starts:
-        ids = torch.zeros(t, dtype=torch.int64)
-        for s in row[1:]:
-            ids[s:] += 1
-        rows.append(ids)
-    return torch.stack(rows)
+    return documents_of(starts, t)
 
 
 def reference_varlen(

@@ -35,7 +35,7 @@ from plait.train.resolve import resolve
 from plait.train.step import global_loss, step_batch
 
 from harness import run_on_ranks
-from train_helpers import TINY, assert_losses_close, run_train, train_on_rank
+from train_helpers import TINY, assert_losses_close, documents_of, run_train, train_on_rank
 
 HF: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -63,13 +63,7 @@ BASE = TINY.replace(seq_len=T, n_layer=2, n_head=2, d_model=16, batch_size=4, st
 
 
 def _documents(starts: tuple[tuple[int, ...], ...], t: int = T) -> torch.Tensor:
-    rows = []
-    for row in starts:
-        ids = torch.zeros(t, dtype=torch.int64)
-        for s in row[1:]:
-            ids[s:] += 1
-        rows.append(ids)
-    return torch.stack(rows)
+    return documents_of(starts, t)
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from plait.train.config import TrainConfig
@@ -59,3 +60,15 @@ def assert_losses_close(actual: list[float], expected: list[float], tol: float =
     assert len(actual) == len(expected)
     for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
         assert math.isclose(a, e, rel_tol=0, abs_tol=tol), (step, a, e, actual, expected)
+
+
+def documents_of(starts: tuple[tuple[int, ...], ...], t: int) -> torch.Tensor:
+    """Document ids ``(rows, t)`` of rows whose documents start at ``starts`` (per row,
+    ascending, the first 0): ids count up from 0 in each row."""
+    rows = []
+    for row in starts:
+        ids = torch.zeros(t, dtype=torch.int64)
+        for s in row[1:]:
+            ids[s:] += 1
+        rows.append(ids)
+    return torch.stack(rows)
