@@ -72,7 +72,7 @@ def _config(data: Path, **changes: Any) -> TrainConfig:
 def _split_docs(data: TokenData, split: str) -> list[list[int]]:
     """The documents of ``split``, in their stored order, as lists of ids."""
     part = data.splits[split]
-    return [t.tolist() for t in part.tokens.long().split(part.lengths.tolist())]
+    return [part.document(i).tolist() for i in range(part.n_docs)]
 
 
 def _stream_rows(data: TokenData, split: str, epoch: int, rows: range) -> list[int]:
@@ -266,9 +266,8 @@ def _trained_text(data: TokenData, tok: Tokenizer) -> list[tuple[str, str]]:
     """Each stored training document: (its whole text, the text of its target tokens)."""
     part = data.splits["train"]
     out = []
-    for start, n in zip(part.starts.tolist(), part.lengths.tolist(), strict=True):
-        ids = part.tokens[start : start + n].long()
-        mask = part.trained[start : start + n]
+    for i in range(part.n_docs):
+        ids, mask = part.document(i).long(), part.document(i, part.trained)
         out.append((tok.decode(ids.tolist()), tok.decode(ids[mask].tolist())))
     return out
 
@@ -286,8 +285,7 @@ def test_chat_targets_are_the_answers(tmp_path: Path, bpe: HFTokenizer) -> None:
     expected = _expected_rows(data, "train", 0, range(rows))
     part = data.splits["train"]
     order = part.epoch(0)[0]
-    docs = part.trained.split(part.lengths.tolist())
-    mask = [m for i in order.tolist() for m in docs[i].tolist()]
+    mask = [m for i in order.tolist() for m in part.document(i, part.trained).tolist()]
     stream_rows = _stream_rows(data, "train", 0, range(rows))
     for r, row, targets in zip(stream_rows, expected, batch.targets.tolist(), strict=True):
         keep = mask[r * 8 + 1 : r * 8 + 9]
@@ -547,6 +545,30 @@ def test_cache_gives_the_same_batches(
     assert len(calls) == 3
 
 
+def test_cached_documents_are_read_in_place(tmp_path: Path) -> None:
+    """A run reading the cache holds no copy of the corpus: both splits read their
+    documents from the cache's one memory-mapped array (shared by every worker of a
+    machine); the batches and the fingerprint are those of a run without the cache, whose
+    documents are concatenated. Plain text has no loss mask: none is allocated."""
+    records = [{"text": t * 3} for t in TEXTS] * 3
+    cfg, cache = _config(_jsonl(tmp_path / "texts.jsonl", records)), tmp_path / "cache"
+    plain = load_data(cfg, use_cache=False)
+    load_data(cfg, cache)  # tokenizes and writes the cache
+    warm = load_data(cfg, cache)
+    train, val = warm.splits["train"], warm.splits["val"]
+    assert train.tokens is not val.tokens
+    assert train.tokens.data_ptr() == val.tokens.data_ptr()  # the cache's array, twice
+    assert len(train.tokens) == train.n_tokens + val.n_tokens
+    for part in (train, val):
+        assert part.trained is None and part.all_trained
+        assert all(
+            part.document(i).untyped_storage().data_ptr() == part.tokens.data_ptr()
+            for i in range(part.n_docs)
+        )
+    assert plain.splits["train"].tokens.data_ptr() != plain.splits["val"].tokens.data_ptr()
+    assert _same_data(plain, warm)
+
+
 def test_single_document_through_the_cache(tmp_path: Path) -> None:
     path = tmp_path / "one.txt"
     path.write_text("".join(TEXTS) * 20)
@@ -584,7 +606,7 @@ def test_changes_invalidate_the_cache(
     changed()
     (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": ENDOFTEXT}))
     with_eos = changed()  # the tokenizer's settings changed: documents end with its eos
-    assert with_eos.splits["train"].tokens[-1] == bpe.encode(ENDOFTEXT)[0]
+    assert with_eos.splits["train"].document(0)[-1] == bpe.encode(ENDOFTEXT)[0]
     changed(expect_new=False)  # back to a hit
     cfg = dataclasses.replace(cfg, text_field="body")  # other fields: other records
     with pytest.raises(ConfigError, match="neither a 'body' field"):

@@ -22,12 +22,20 @@ rows ``step * batch_size ...`` of the concatenation of epochs in that order (epo
 // rows per epoch), so a batch is a pure function of ``(seed, split, step)``:
 every rank builds the same global batch and keeps its part, and a resumed run sees exactly
 the batches the uninterrupted run would have, mid-epoch too, with no loader state to save.
+
+**Memory.** A split reads its documents where they are: documents from the token cache are
+views of one memory-mapped array (:mod:`plait.train.token_cache`), which every worker on a
+machine shares through the page cache, so no worker copies the corpus (a 10B-token corpus
+would otherwise take 40 GB per worker). Only documents that are not views of one array (a
+run without the cache) are concatenated. The loss mask takes memory only where some
+document has one (chats).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,17 +75,44 @@ class _Split:
         self.n_docs = len(docs)
         lengths = [len(d.tokens) for d in docs]
         self.lengths = torch.tensor(lengths, dtype=torch.int64)
-        self.starts = torch.cumsum(self.lengths, 0) - self.lengths  # in self.tokens
         self.n_tokens = int(self.lengths.sum())
-        self.tokens = torch.cat([d.tokens for d in docs]) if docs else torch.zeros(0)
-        self.trained = torch.ones(self.n_tokens, dtype=torch.bool)
-        for doc, start, n in zip(docs, self.starts.tolist(), lengths, strict=True):
-            if doc.trained is not None:
-                self.trained[start : start + n] = doc.trained
-        #: Every token takes loss (no chat prompts): a batch's loss tokens are all of them.
-        self.all_trained = bool(self.trained.all())
+        #: The tokens the documents are read from, and where each document starts in them:
+        #: the one array they are views of (the token cache's, shared), else their
+        #: concatenation (module docstring, "Memory").
+        self.tokens, self.starts = _stream(docs)
+        #: Per token of :attr:`tokens`, whether it takes loss as a target; None when every
+        #: token does (no chat prompts), as is then every target of a batch.
+        self.trained: torch.Tensor | None = None
+        if any(doc.trained is not None for doc in docs):
+            self.trained = torch.ones(len(self.tokens), dtype=torch.bool)
+            for doc, start, n in zip(docs, self.starts.tolist(), lengths, strict=True):
+                if doc.trained is not None:
+                    self.trained[start : start + n] = doc.trained
+        self.all_trained = self.trained is None or bool(
+            all(self.document(i, self.trained).all() for i in range(self.n_docs))
+        )
         self.rows_per_epoch = max(0, (self.n_tokens - 1) // seq_len)
         self._epochs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def document(self, i: int, of: torch.Tensor | None = None) -> torch.Tensor:
+        """Document ``i``'s tokens (a view), or its part of ``of`` (indexed like
+        :attr:`tokens`: :attr:`trained`)."""
+        start = int(self.starts[i])
+        return (self.tokens if of is None else of)[start : start + int(self.lengths[i])]
+
+    def hash_into(self, digest: Any) -> None:
+        """Feed ``digest`` the split's tokens, loss mask (one byte per token, 1 where
+        trained) and document lengths, each in document order: the bytes of their
+        concatenation, read document by document (nothing concatenated)."""
+        for i in range(self.n_docs):
+            digest.update(self.document(i).numpy())
+        if self.trained is not None:
+            for i in range(self.n_docs):
+                digest.update(self.document(i, self.trained).numpy())
+        else:  # every token trained: as many ones as tokens
+            for left in range(self.n_tokens, 0, -_ONES_CHUNK):
+                digest.update(_ONES[: min(left, _ONES_CHUNK)])
+        digest.update(self.lengths.numpy())
 
     def epoch(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The documents in ``epoch``'s order, where each ends in its stream, and the
@@ -109,8 +144,35 @@ class _Split:
             src[mine] = self.starts[order[k]] + pos - begins
             doc[mine] = k
         tokens = self.tokens[src].long()
-        targets = tokens[:, 1:].masked_fill(~self.trained[src[:, 1:]], IGNORE)
+        targets = tokens[:, 1:]
+        if self.trained is not None:
+            targets = targets.masked_fill(~self.trained[src[:, 1:]], IGNORE)
         return Batch(tokens[:, :-1], targets, doc[:, :-1] - doc[:, :1])
+
+
+_ONES_CHUNK = 1 << 20
+_ONES = b"\x01" * _ONES_CHUNK
+
+
+def _stream(docs: list[Document]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, starts)``: the 1-D array every document's tokens are a contiguous view of,
+    and each one's offset in it, where there is one (no copy); else the documents
+    concatenated and their offsets there."""
+    views = [d.tokens for d in docs if len(d.tokens)]
+    if views and all(
+        t.dim() == 1
+        and t.is_contiguous()
+        and t.dtype == views[0].dtype
+        and t.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()
+        for t in views
+    ):
+        first = views[0]
+        base = torch.empty(0, dtype=first.dtype).set_(first.untyped_storage())
+        starts = [d.tokens.storage_offset() if len(d.tokens) else 0 for d in docs]
+        return base, torch.tensor(starts, dtype=torch.int64)
+    lengths = torch.tensor([len(d.tokens) for d in docs], dtype=torch.int64)
+    tokens = torch.cat([d.tokens for d in docs]) if docs else torch.zeros(0, dtype=torch.int32)
+    return tokens, torch.cumsum(lengths, 0) - lengths
 
 
 def _split(docs: list[Document], seq_len: int) -> tuple[list[Document], list[Document]]:
@@ -176,10 +238,7 @@ class TokenData:
         )
         digest = hashlib.sha256(tokenizer.name.encode())
         for name in ("train", "val"):
-            part = self.splits[name]
-            digest.update(part.tokens.numpy().tobytes())
-            digest.update(part.trained.numpy().tobytes())
-            digest.update(part.lengths.numpy().tobytes())
+            self.splits[name].hash_into(digest)
         #: Identifies the packed data (tokens, loss mask, documents, tokenizer path): a
         #: resumed run compares it to warn when the data changed under it.
         self.fingerprint = digest.hexdigest()
