@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from plait.checkpoint import checkpoint
 from plait.train import packing as packing_module
+from plait.train import varlen as varlen_module
 from plait.train.compiled import CompileCounters
 from plait.train.gpt_config import GPTConfig
 from plait.train.llama import Llama, LlamaConfig
@@ -532,6 +533,28 @@ def test_the_installed_varlen_attn_takes_the_arguments() -> None:
     with pytest.raises(NotImplementedError):  # not TypeError: the signature fits
         flash(q, kv, kv, cu, 3, True)
     assert varlen_kernel(torch.device("cpu")) is None
+
+
+def test_the_environment_can_keep_the_dense_mask_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PLAIT_VARLEN=0``: a way around a torch whose kernel fails, keeping packing. Asked
+    as a CUDA GPU that runs flash (stood in here: no GPU needed)."""
+    monkeypatch.setattr(varlen_module, "_runs_flash", lambda device: True)
+    flash = flash_call(reference_varlen_signature)
+    monkeypatch.setattr(varlen_module, "_flash_varlen", lambda: flash)
+    cuda = torch.device("cuda")
+    kernel = varlen_kernel(cuda)
+    assert kernel is not None and kernel.run is flash
+    monkeypatch.setenv(varlen_module.DISABLE, "0")
+    assert varlen_kernel(cuda) is None
+    monkeypatch.setenv(varlen_module.DISABLE, "1")
+    assert varlen_kernel(cuda) is kernel
+
+
+def reference_varlen_signature(
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, *, window_size: Any
+) -> Any:
+    """A ``varlen_attn`` signature (never called)."""
+    raise AssertionError("not called")
 
 
 # ----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +27,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["VarlenKernel", "VarlenRun", "compute_dtype", "flash_call", "varlen_kernel"]
+__all__ = ["DISABLE", "VarlenKernel", "VarlenRun", "compute_dtype", "flash_call", "varlen_kernel"]
 
 logger = logging.getLogger(__name__)
+
+#: ``PLAIT_VARLEN=0`` in the environment keeps packed rows on SDPA with the dense mask on
+#: GPUs too: a way around a torch whose variable-length kernel fails (with torch.compile,
+#: say) without giving up packing.
+DISABLE = "PLAIT_VARLEN"
 
 #: ``run(q, k, v, cu_seqlens, longest, gqa)``: ``q`` ``(tokens, heads, d)``, ``k`` / ``v``
 #: ``(tokens, kv heads, d)`` (fewer with ``gqa``: each serves ``heads / kv heads``
@@ -153,10 +159,10 @@ def _runs_flash(device: torch.device) -> bool:
 
 def varlen_kernel(device: torch.device) -> VarlenKernel | None:
     """The variable-length kernel packed rows on ``device`` run through: flash's on CUDA
-    GPUs that run flash attention, where torch has ``varlen_attn``; None elsewhere (the
-    dense mask then). The same object for every call on one device (a compiled graph that
-    reads it is not recompiled)."""
-    if device.type != "cuda" or not _runs_flash(device):
+    GPUs that run flash attention, where torch has ``varlen_attn``, unless the environment
+    sets :data:`DISABLE` to ``0``; None elsewhere (the dense mask then). The same object
+    for every call on one device (a compiled graph that reads it is not recompiled)."""
+    if device.type != "cuda" or os.environ.get(DISABLE) == "0" or not _runs_flash(device):
         return None
     flash = _flash_varlen()
     return None if flash is None else _cuda_kernel(flash)
