@@ -281,16 +281,25 @@ def test_sharded_layouts_load_alike(
         assert_losses_close(result.losses, reference_run.losses)
 
 
-def test_export_roundtrip(reference_run: Any, tmp_path: Path) -> None:
+def test_export_roundtrip(
+    reference_run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run exported (sharded) reads into transformers with its checkpoint's logits, and
-    back into plait with the same weights."""
+    back into plait with the same weights. Neither loading draws initial values (the
+    model is built empty and the checkpoint fills it)."""
+    from plait.train import param_init
     from plait.train.checkpointing import latest_checkpoint
     from plait.train.sample import load_model
 
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("drew an initial value that the checkpoint overwrites")
+
     checkpoint = latest_checkpoint(reference_run.run_dir)
     assert checkpoint is not None
-    trained = load_model(checkpoint)
-    out = export_run(reference_run.run_dir, tmp_path / "export", max_shard_size="30KB")
+    with monkeypatch.context() as patched:
+        patched.setattr(param_init, "initial_value", refuse)
+        trained = load_model(checkpoint)
+        out = export_run(reference_run.run_dir, tmp_path / "export", max_shard_size="30KB")
     assert (out / "model.safetensors.index.json").is_file()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"

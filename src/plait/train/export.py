@@ -32,6 +32,7 @@ from plait.train.hf_names import CONFIG_FILE, is_tied, rules_for
 from plait.train.hf_save import export_state, parse_size, write_weights
 from plait.train.llama import FAMILIES
 from plait.train.loop import build_model
+from plait.train.materialize import empty_model
 from plait.train.presets import RUN_FILE, config_object
 from plait.train.resolve import model_config_bytes
 
@@ -131,7 +132,7 @@ def export_run(
         raise ConfigError(f"--out {out} exists and is not empty: choose a new directory")
     model_config = _source_config(config, run_dir)
     checkpointing.verify_checkpoint(checkpoint)
-    model = build_model(from_mapping(config))
+    model = empty_model(lambda: build_model(from_mapping(config)))  # the checkpoint fills it
     checkpointing.load_weights(checkpoint, model, verify=False)
     hf_config = _hf_config(model_config, model, next(model.parameters()).dtype)
     tensors = export_state(model, rules_for(hf_config))

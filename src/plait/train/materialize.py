@@ -29,8 +29,9 @@ embedding, or a block's stacked experts). A model whose parameters already have 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -40,7 +41,9 @@ from plait.train.config import ExecutionConfig
 from plait.train.parallelize import Stage
 from plait.train.param_init import init_parameters
 
-__all__ = ["is_meta", "materialize", "reset_buffers"]
+__all__ = ["empty_model", "is_meta", "materialize", "reset_buffers"]
+
+_Module = TypeVar("_Module", bound=nn.Module)
 
 
 def is_meta(modules: Sequence[nn.Module]) -> bool:
@@ -85,6 +88,28 @@ def _buffers_to(module: nn.Module, device: torch.device | str) -> None:
                 owner._buffers[name] = buffer.to(device)
 
 
+def _allocate(module: nn.Module, device: torch.device | str, buffers: torch.device | str) -> None:
+    """Steps 1 and 2 of the module docstring: storage for ``module``'s parameters on
+    ``device`` (ties kept) and its buffers, recomputed, on ``buffers``."""
+    shared = _shared(module)
+    module.to_empty(device=device)
+    for (first, name), *others in shared:  # the first holder's parameter everywhere
+        for owner, other in others:
+            owner._parameters[other] = first._parameters[name]
+    _buffers_to(module, buffers)
+    reset_buffers(module)
+
+
+def empty_model(build: Callable[[], _Module], device: torch.device | str = "cpu") -> _Module:
+    """``build()``'s model, built on the meta device and given storage on ``device``: its
+    buffers computed, its parameters uninitialised, for a checkpoint to fill (``plait
+    sample``, ``plait export``: no random draws for values about to be overwritten)."""
+    with torch.device("meta"):
+        model = build()
+    _allocate(model, device, device)
+    return model
+
+
 def materialize(stages: Sequence[Stage], execution: ExecutionConfig, seed: int | None) -> None:
     """This rank's ``stages`` (parallelized, built on the meta device) given storage on
     the run's device (``execution.device``; with ``--cpu-offload`` the parameters' shards
@@ -97,14 +122,8 @@ def materialize(stages: Sequence[Stage], execution: ExecutionConfig, seed: int |
         return
     device = execution.device
     for module in modules:
-        shared = _shared(module)
         # Offloaded shards straight to host memory: never all on the device at once.
-        module.to_empty(device="cpu" if execution.cpu_offload else device)
-        for (first, name), *others in shared:  # the first holder's parameter everywhere
-            for owner, other in others:
-                owner._parameters[other] = first._parameters[name]
-        _buffers_to(module, device)
-        reset_buffers(module)
+        _allocate(module, "cpu" if execution.cpu_offload else device, device)
     if seed is None:
         return
     for module in modules:

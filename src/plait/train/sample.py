@@ -21,6 +21,7 @@ from plait.train.checkpointing import (
 )
 from plait.train.config import ConfigError, from_mapping
 from plait.train.loop import build_model
+from plait.train.materialize import empty_model
 from plait.train.parallelize import Model
 from plait.train.tokenizer import load_tokenizer
 
@@ -32,7 +33,7 @@ def load_model(checkpoint: Path) -> Model:
     on CPU, in eval mode (its files checked first)."""
     verify_checkpoint(checkpoint)
     cfg = from_mapping(read_info(checkpoint).config)
-    model = build_model(cfg)
+    model = empty_model(lambda: build_model(cfg))  # no draws: the checkpoint fills it
     load_weights(checkpoint, model, verify=False)
     return model.eval()
 
