@@ -268,18 +268,8 @@ def test_cpu_run_keeps_the_dense_mask() -> None:
 # Through the models, with activation checkpointing
 # ----------------------------------------------------------------------------------------
 
-HF: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 64,
-    "vocab_size": 64,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 64,
-    "hidden_act": "silu",
-}
+#: test_train_packed's tiny Llama (grouped key/value heads) with a 64-token vocabulary.
+HF: dict[str, Any] = packed_step_module.HF | {"vocab_size": 64}
 
 
 def _gpt() -> torch.nn.Module:
