@@ -90,6 +90,7 @@ CUDA_TESTS = (
     "tests/test_fsdp_features.py::test_offloaded_units_built_on_the_cpu_run_on_cuda_with_their_buffers",
     "tests/test_experts_grouped.py::test_fused_cuda_kernel_matches_the_loop",
     "tests/test_packing_varlen.py::test_flash_varlen_on_cuda_matches_the_dense_mask",
+    "tests/test_train_async_checkpoint.py::test_stager_page_locks_its_arena_on_cuda",
 )
 
 #: The parts in the order they run (most wanted first: a short budget drops the tail), and

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from plait.train import checkpointing
-from plait.train.checkpointer import Checkpointer, Stager
+from plait.train.checkpointer import ALIGN, Checkpointer, Stager
 from plait.train.checkpointing import list_checkpoints, load_checkpoint, load_weights
 from plait.train.config import TrainConfig
 from plait.train.loop import model_config
@@ -80,6 +80,57 @@ def test_stager_copies_once_and_reuses_its_buffers() -> None:
     assert torch.equal(again["model"]["w"], weight)
     with pytest.raises(TypeError, match="cannot stage checkpoint entry model.w: str"):
         stager.stage({"model": {"w": "text"}})
+
+
+def test_stager_holds_one_arena_of_the_checkpoints_size() -> None:
+    """The staged tensors are views of one host arena of their size (each start aligned
+    to ALIGN bytes), not tensors rounded up one by one; a checkpoint of other shapes gets
+    a new arena; close releases it."""
+    state = {"model": {"w": torch.randn(3, 5), "b": torch.ones(7, dtype=torch.bfloat16)}}
+    state["optim"] = {"step": torch.tensor(4), "flags": torch.tensor([True, False, True])}
+    stager = Stager(pin=False)
+    staged = stager.stage(state)
+    sizes = [15 * 4, 7 * 2, 8, 3]
+    assert stager.nbytes == sum(sizes)
+    starts = _aligned_starts(sizes)
+    assert stager.reserved == starts[-1] + sizes[-1] == 99
+    tensors = [staged["model"]["w"], staged["model"]["b"]]
+    tensors += [staged["optim"]["step"], staged["optim"]["flags"]]
+    base = tensors[0].untyped_storage().data_ptr()
+    assert [t.data_ptr() - base for t in tensors] == starts
+    wanted = [*state["model"].values(), *state["optim"].values()]
+    for got, want in zip(tensors, wanted, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert not stager.pinned  # pin=False: a CPU run's arena stays pageable
+    state["model"]["w"] = torch.zeros(4, 5)  # another shape: another arena
+    again = stager.stage(state)
+    assert again["model"]["w"].untyped_storage().data_ptr() != base
+    assert stager.reserved == _aligned_starts([20 * 4, *sizes[1:]])[-1] + sizes[-1] == 115
+    stager.close()
+    assert stager.reserved == stager.nbytes == 0
+
+
+def _aligned_starts(sizes: list[int]) -> list[int]:
+    """Where tensors of ``sizes`` bytes start, one after another, each aligned to ALIGN."""
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(-(-(starts[-1] + size) // ALIGN) * ALIGN)
+    return starts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stager_page_locks_its_arena_on_cuda() -> None:
+    """On CUDA the arena is registered (page-locked): the staged copies are pinned, the
+    device-to-host copies asynchronous, and the host memory is the checkpoint's size,
+    not each tensor rounded up to a power of two."""
+    state = {"w": torch.randn(1000, 1000, device="cuda"), "b": torch.randn(3, device="cuda")}
+    stager = Stager(pin=True)
+    staged = stager.stage(state)
+    assert stager.pinned and all(t.is_pinned() for t in staged.values())
+    assert stager.reserved == -(-4_000_000 // ALIGN) * ALIGN + 12
+    assert all(torch.equal(staged[k], state[k].cpu()) for k in state)
+    stager.close()
+    assert not stager.pinned
 
 
 class _HeldManifest:

@@ -10,8 +10,9 @@ Asynchronous: :meth:`Checkpointer.save`, on the training thread, between two ste
 1. waits for the previous checkpoint's write, if it is still running (at most one write
    in flight, so at most one staged copy exists);
 2. stages: copies every tensor of this rank's checkpoint (parameters, optimizer state,
-   RNG states; its DTensor shards only) into host buffers, pinned on CUDA, allocated at
-   the first checkpoint and reused by the next ones (:class:`Stager`). The copy is taken
+   RNG states; its DTensor shards only) into one host arena of exactly their size,
+   page-locked on CUDA, allocated at the first checkpoint and reused by the next ones
+   (:class:`Stager`). The copy is taken
    exactly where a synchronous save reads the live tensors, so the two checkpoints hold
    the same values;
 3. hands the staged copy to a background thread, which writes it exactly as a synchronous
@@ -33,7 +34,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -92,23 +94,71 @@ class Stager:
 
     :meth:`stage` returns a state of the same structure whose tensors are copies (a
     DTensor's copy is a DTensor of the same mesh and placements around a copy of its
-    local shard). A buffer is reused while its tensor keeps its shape and dtype."""
+    local shard). The copies are views of one host arena of exactly their size (each
+    tensor's start aligned to :data:`ALIGN` bytes), kept while the checkpoint's tensors
+    keep their names, shapes and dtypes. With ``pin`` (CUDA runs) the arena is page-locked
+    by registering it with CUDA (``cudaHostRegister``), so device-to-host copies run
+    asynchronously: pinned tensors from torch's host allocator would each be rounded up to
+    a power of two, up to twice the checkpoint's size in host memory. Registration that
+    fails leaves the arena pageable (copies then wait; the values are the same), with a
+    warning. :meth:`close` releases the registration."""
 
     def __init__(self, pin: bool) -> None:
         self._pin = pin
         self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
+        self._layout: tuple[tuple[tuple[str, ...], torch.Size, torch.dtype], ...] = ()
+        self._arena: torch.Tensor | None = None
+        self._registered = False
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the staging buffers."""
+        """Bytes of the staged tensors."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of the arena: :attr:`nbytes` and the alignment between tensors."""
+        return 0 if self._arena is None else self._arena.numel()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is registered (page-locked) with CUDA."""
+        return self._registered
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``state`` (nested dicts of tensors) in the staging buffers."""
+        self._lay_out(list(_leaves(state, ())))
         staged = self._copy(state, ())
         if self._pin:  # the copies were queued non-blocking: done before the thread reads
             torch.cuda.current_stream().synchronize()
         return staged
+
+    def close(self) -> None:
+        """Release the arena (its CUDA registration first). Call once no staged copy is
+        in use (no write in flight)."""
+        if self._registered and self._arena is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+        self._arena, self._registered = None, False
+        self._buffers, self._layout = {}, ()
+
+    def _lay_out(self, leaves: list[tuple[tuple[str, ...], torch.Tensor]]) -> None:
+        """One arena for ``leaves`` (path, local tensor), unless the current one fits."""
+        layout = tuple((path, t.shape, t.dtype) for path, t in leaves)
+        if layout == self._layout:
+            return
+        self.close()
+        offsets, total = [], 0
+        for _, t in leaves:
+            total = -(-total // ALIGN) * ALIGN
+            offsets.append(total)
+            total += t.numel() * t.element_size()
+        arena = torch.empty(total, dtype=torch.uint8)
+        self._arena, self._layout = arena, layout
+        if self._pin and total and any(t.device.type == "cuda" for _, t in leaves):
+            self._registered = _register(arena)
+        for (path, t), start in zip(leaves, offsets, strict=True):
+            piece = arena[start : start + t.numel() * t.element_size()]
+            self._buffers[path] = piece.view(t.dtype).view(t.shape)
 
     def _copy(self, value: Any, path: tuple[str, ...]) -> Any:
         if isinstance(value, dict):
@@ -118,18 +168,43 @@ class Stager:
             # Around the host buffer with the original's spec (mesh, placements, global
             # shape): DTensor.from_local would move the buffer back to a CUDA mesh's device.
             return DTensor(local, value._spec, requires_grad=False)
-        if isinstance(value, torch.Tensor):
-            return self._buffer(path, value)
-        raise TypeError(f"cannot stage checkpoint entry {'.'.join(path)}: {type(value).__name__}")
+        return self._buffer(path, value)
 
     def _buffer(self, path: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.detach()
-        buffer = self._buffers.get(path)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = self._pin and tensor.device.type == "cuda"
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-            self._buffers[path] = buffer
-        return buffer.copy_(tensor, non_blocking=self._pin)
+        return self._buffers[path].copy_(tensor.detach(), non_blocking=self._registered)
+
+
+#: Bytes each staged tensor's start is aligned to in the arena (any dtype's element size).
+ALIGN = 16
+
+
+def _leaves(value: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+    """(path, tensor) of every tensor of a checkpoint state (a DTensor's local shard), in
+    the order :meth:`Stager._copy` visits them; TypeError naming an entry that is not one."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    elif isinstance(value, DTensor):
+        yield path, value.to_local()
+    elif isinstance(value, torch.Tensor):
+        yield path, value
+    else:
+        raise TypeError(f"cannot stage checkpoint entry {'.'.join(path)}: {type(value).__name__}")
+
+
+def _register(arena: torch.Tensor) -> bool:
+    """Page-lock ``arena`` with CUDA; False (and a warning) where CUDA refuses."""
+    # Flag 1, cudaHostRegisterPortable: page-locked for every CUDA context, as DCP's
+    # own stager registers its buffers.
+    error = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 1)
+    if int(error) == 0:
+        return True
+    warnings.warn(
+        f"plait train: could not page-lock the {arena.numel():,}-byte checkpoint staging "
+        f"buffer (cudaHostRegister: {error}); staging copies wait for the device instead",
+        stacklevel=3,
+    )
+    return False
 
 
 class Checkpointer:
@@ -190,8 +265,12 @@ class Checkpointer:
         return [] if pending is None else [pending.result()]
 
     def close(self) -> list[WriteReport]:
-        """Wait for the last write (the session's end: nothing is left being written)."""
-        return self.wait()
+        """Wait for the last write (the session's end: nothing is left being written),
+        then release the staging buffers."""
+        try:
+            return self.wait()
+        finally:
+            self.stager.close()
 
 
 class _Background:
