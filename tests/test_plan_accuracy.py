@@ -39,6 +39,8 @@ def test_a_plan_says_when_its_layout_is_of_a_missed_kind(
     long = _plan(capsys, "--seq-len", "131072", "--batch-size", "2", "--cp", "4")
     assert "accuracy: context parallelism at 64k tokens or more" in long
     assert "accuracy:" not in _plan(capsys, "--seq-len", "8192", "--batch-size", "8")
+    whole = _plan(capsys, "--seq-len", "32768", "--batch-size", "8", "--cp", "1")
+    assert "accuracy: sequences of 32k tokens or more without context parallelism" in whole
     (best,) = json.loads(
         _plan(capsys, "--seq-len", "131072", "--batch-size", "2", "--cp", "4", "--json")
     )
