@@ -330,9 +330,15 @@ def test_model_through_the_kernel_equals_the_dense_mask(
 # ----------------------------------------------------------------------------------------
 
 
-def test_step_batch_carries_the_bounds_cut_into_microbatches() -> None:
+def test_step_batch_carries_the_bounds_cut_into_microbatches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a kernel runs; elsewhere (this CPU, nothing substituted) nothing computes
+    boundaries no attention would read."""
     documents = _documents()
     inputs = torch.zeros_like(documents)
+    assert step_batch(inputs, inputs, documents, TINY, None).bounds is None
+    _substitute(monkeypatch, (torch.float32,))
     batch = step_batch(inputs, inputs, documents, TINY, None)
     bounds, longest = document_bounds(documents)
     assert batch.bounds is not None and torch.equal(batch.bounds, bounds)

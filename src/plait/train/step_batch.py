@@ -31,9 +31,9 @@ from plait import spmd
 from plait.context import shard_sequence
 from plait.layout import CP, Layout
 from plait.mesh import collective_device
+from plait.train import packing
 from plait.train.config import ExecutionConfig, TrainConfig
 from plait.train.model import IGNORE, document_positions
-from plait.train.packing import document_bounds
 
 __all__ = ["StepBatch", "global_loss", "global_loss_tensor", "gradient_ranks", "step_batch"]
 
@@ -52,7 +52,8 @@ class StepBatch:
     int32 and ``longest``: the rows' document boundaries and the longest document
     (:func:`plait.train.packing.document_bounds`, computed on the host, ``bounds`` moved
     with the rows), with which a GPU attends through flash's variable-length kernel; None
-    and 0 without documents and with context parallelism (its attention is its own)."""
+    and 0 without documents, with context parallelism (its attention is its own) and on a
+    device without that kernel."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -97,9 +98,11 @@ def step_batch(
     ``inputs``, ``targets`` and ``documents`` ``(b, T)`` of whole rows (host tensors, as the
     data gives them). Positions in documents are computed on the whole rows; then every
     tensor is cut to this rank's tokens of each row (``--cp``: ``shard_sequence``) and moved
-    to the device. Without ``--cp`` the rows' document boundaries are computed here too,
-    on the host (:func:`plait.train.packing.document_bounds`): the forward then needs no
-    device sync to attend through variable-length kernels. The global count of loss
+    to the device. Without ``--cp``, on a device with a variable-length attention kernel
+    (:func:`plait.train.packing.varlen_kernel`), the rows' document boundaries are
+    computed here too, on the host (:func:`plait.train.packing.document_bounds`): the
+    forward then needs no device sync to attend through it (elsewhere nothing would read
+    them). The global count of loss
     tokens is ``tokens`` when the caller knows it (data without masked targets), else one
     all-reduce of the local counts over the world (every rank calls this: a collective
     when there are several). ``cfg``: the execution group (layout, device,
@@ -115,8 +118,8 @@ def step_batch(
     layout = cfg.layout
     if _several_documents(documents) or (cfg.compile and layout.cp == 1):
         docs, positions = documents, document_positions(documents)
-        if layout.cp == 1:
-            bounds, longest = document_bounds(documents)
+        if layout.cp == 1 and packing.varlen_kernel(torch.device(cfg.device)) is not None:
+            bounds, longest = packing.document_bounds(documents)
     if layout.cp > 1:  # this rank's tokens of every row (the model knows their places)
         assert mesh is not None
         group = mesh[CP]

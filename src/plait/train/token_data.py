@@ -88,9 +88,9 @@ class _Split:
             for doc, start, n in zip(docs, self.starts.tolist(), lengths, strict=True):
                 if doc.trained is not None:
                     self.trained[start : start + n] = doc.trained
-        self.all_trained = self.trained is None or bool(
-            all(self.document(i, self.trained).all() for i in range(self.n_docs))
-        )
+        # Tokens of other documents (of the shared array) stay True: only this split's
+        # masks can make it False.
+        self.all_trained = self.trained is None or bool(self.trained.all())
         self.rows_per_epoch = max(0, (self.n_tokens - 1) // seq_len)
         self._epochs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
