@@ -40,7 +40,9 @@ def test_a_plan_says_when_its_layout_is_of_a_missed_kind(
     assert "accuracy: context parallelism at 64k tokens or more" in long
     assert "accuracy:" not in _plan(capsys, "--seq-len", "8192", "--batch-size", "8")
     whole = _plan(capsys, "--seq-len", "32768", "--batch-size", "8", "--cp", "1")
-    assert "accuracy: sequences of 32k tokens or more without context parallelism" in whole
+    # llm-foundry's and torchtitan's runs at 32k-65k without context parallelism are
+    # predicted within 6% since llm-foundry's attention kernel is priced as its own.
+    assert "accuracy:" not in whole
     (best,) = json.loads(
         _plan(capsys, "--seq-len", "131072", "--batch-size", "2", "--cp", "4", "--json")
     )

@@ -12,6 +12,7 @@ from plait.plan.calibration import (
     CALIBRATION_RUNS,
     DEVICE_RUNS,
     HOST_RUNS,
+    PublishedRun,
     calibrate,
     calibrate_devices,
     calibrate_host,
@@ -612,3 +613,30 @@ def test_torchtitan_selective_recompute_repeats_only_tps_gathers() -> None:
     full = dataclasses.replace(layout, ac="full")
     whole = _passes(model, full, work, H100, k, params, 0, titan, 0.0)
     assert whole.bwd == pytest.approx(rerun.bwd)
+
+
+def test_triton_attention_rate_is_the_least_squares_fit_of_llm_foundrys_tables() -> None:
+    fit = pytest.importorskip("benchmarks.foundry_attention")
+    published = pytest.importorskip("benchmarks.published_runs")
+    holdout = pytest.importorskip("benchmarks.published_holdout")
+    fresh = pytest.importorskip("benchmarks.published_fresh")
+    assert stacks.stack("llm-foundry").attention == "triton"
+
+    # Fitted on rows no validation set counts (nor the calibration rows): none is one of theirs.
+    def key(run: PublishedRun) -> tuple[object, ...]:
+        return (run.device, run.model, run.layout, run.work)
+
+    others = {key(r) for r in (*published.RUNS, *holdout.HOLDOUT, *fresh.FRESH)}
+    for chip, runs in fit.FIT_RUNS.items():
+        assert runs and not others & {key(r) for r in runs}, chip
+        assert all(r.device == chip and r.role == "calibration" for r in runs)
+        stated = stacks.TRITON_SLOWDOWN[chip]
+        assert fit.fit(chip) == pytest.approx(stated, abs=0.01), chip
+        # The fit is a real minimum: pricing the kernel as FlashAttention-2 is worse.
+        assert fit.objective(chip, stated) < fit.objective(chip, 1.0) / 2
+    # The fit restores every constant it tried.
+    assert stacks.ATTENTION[("triton", "h100")] == (
+        0.35 / stacks.TRITON_SLOWDOWN["h100"],
+        0.30 / stacks.TRITON_SLOWDOWN["h100"],
+    )
+    assert calibrate_stacks()["llm-foundry"] == pytest.approx(STACK_SCALE["llm-foundry"], rel=0.01)

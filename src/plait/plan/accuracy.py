@@ -59,16 +59,6 @@ REGIMES: tuple[Regime, ...] = (
         "understood, docs/plan.md 'Not modelled'",
     ),
     Regime(
-        "long-sequence",
-        lambda layout, model, work: layout.cp == 1 and work.seq_len >= 32768,
-        runs=4,
-        low=0.99,
-        high=1.21,
-        what="sequences of 32k tokens or more without context parallelism",
-        why="llm-foundry's MPT at 32k over-predicted by 12-21% (its Triton attention kernel "
-        "is priced as FlashAttention-2); torchtitan's at 32k within 5%",
-    ),
-    Regime(
         "moe",
         lambda layout, model, work: model.experts > 0,
         runs=2,

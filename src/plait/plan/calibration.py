@@ -4,12 +4,14 @@ to.
 
 The roofline (:mod:`plait.plan.roofline`) prices every kernel from cited figures (the
 devices' peaks and bandwidths, cuBLAS's maximum achievable matmul rate, flash
-attention's); none of those is fitted. What they leave out (clocks under the power cap,
-launch gaps, collectives sharing the SMs, operations the roofline does not list) is one
-factor dividing every kernel time, fitted here on the four runs that
-``benchmarks/published_runs.py`` marks ``"calibration"`` (one per code base and device
-generation), copied below with their sources so that the planner does not import the
-benchmarks (``tests/test_plan_cost.py`` checks both agree):
+attention's); none of those is fitted but llm-foundry's Triton attention's rate, which no
+figure gives (:data:`plait.plan.stacks.TRITON_SLOWDOWN`, fitted on llm-foundry's own tables
+by ``benchmarks/foundry_attention.py`` with this module's scales refitted at each trial).
+What they leave out (clocks under the power cap, launch gaps, collectives sharing the SMs,
+operations the roofline does not list) is one factor dividing every kernel time, fitted
+here on the four runs that ``benchmarks/published_runs.py`` marks ``"calibration"`` (one
+per code base and device generation), copied below with their sources so that the planner
+does not import the benchmarks (``tests/test_plan_cost.py`` checks both agree):
 
 * torchtitan Llama 3.1 8B, 8 x H100 (Grand Teton's 96 GB HBM2e at 500 W: the
   ``h100-hbm2e`` preset), FSDP 8, selective checkpointing, local batch 2 x 8,192: 5,762

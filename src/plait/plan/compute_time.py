@@ -39,7 +39,9 @@ ahead of its kernels) are the fitted constants, on the five runs
 ``benchmarks/published_runs.py`` marks ``"calibration"`` (one per stack, and a second
 generation of one stack) and the one ``benchmarks/published_fresh.py`` marks so
 (:mod:`plait.plan.calibration`, which recomputes them); the roofline's other figures are
-cited (:mod:`plait.plan.roofline`). Every other published row is a prediction.
+cited (:mod:`plait.plan.roofline`) but llm-foundry's attention rate
+(:data:`plait.plan.stacks.TRITON_SLOWDOWN`, fitted on rows of its tables no validation set
+counts). Every other published row is a prediction.
 
 **torch.compile and Float8** (``Software.compiled``, ``float8``): the block's kernels as
 :mod:`plait.plan.roofline` prices them (fused memory-bound passes; fp8 GEMMs and their
@@ -79,15 +81,15 @@ __all__ = [
     "stack_scale",
 ]
 
-EFFICIENCY = 0.8444
+EFFICIENCY = 0.8498
 """The sustained fraction: every roofline kernel time is divided by it (fitted by
 :mod:`plait.plan.calibration` on the published calibration runs; module docstring)."""
 
 STACK_SCALE: dict[str, float] = {
-    "torchtitan": 1.0427,
-    "megatron-2021": 1.0637,
-    "megatron-core": 1.1529,
-    "llm-foundry": 0.9213,
+    "torchtitan": 1.0335,
+    "megatron-2021": 1.0569,
+    "megatron-core": 1.1428,
+    "llm-foundry": 0.9366,
 }
 """Per software stack (:data:`plait.plan.stacks.STACKS`), the factor its sustained
 fraction is of ``EFFICIENCY`` (what its host overheads and kernels the roofline does not
@@ -108,7 +110,7 @@ def stack_scale(name: str) -> float:
     return STACK_SCALE.get(stack(name).scale_of or name, 1.0)
 
 
-DEVICE_SCALE: dict[str, float] = {"hopper": 0.9376}
+DEVICE_SCALE: dict[str, float] = {"hopper": 0.9399}
 """Per device generation (:func:`device_scale`), the factor its sustained fraction is of the
 A100's, at the same software stack: what a generation's kernels hold of the roofline's
 figures under a whole training step, which the kernel benchmarks behind

@@ -22,20 +22,18 @@ Other code bases run other kernels, priced from their byte counts, not fitted:
   per block and micro-batch that the GPU does not hide
   (:data:`plait.plan.compute_time.STACK_HOST`: the published tables show it as a fixed cost
   per block and micro-batch, the same at TP 1 to 8 and micro-batches of 1 to 4 samples);
-* ``llm-foundry`` (MPT): flash attention (FlashAttention-2 figures), low-precision
-  LayerNorm in one pass, eager GELU and residuals; 14 kernels. Its published tables ran
-  llm-foundry's Triton flash attention (``attn_impl: triton``, the default of its
-  ``submit_benchmarks.py`` then), which no cited figure prices on the H100: priced as
-  FlashAttention-2 (FlashAttention-2's paper puts it 1.3-1.5x faster forward and 2x
-  backward than that kernel on the A100; priced at those ratios, on the H100 too, and
-  the scales refitted, the tables' 32k-65k rows come to 0.81-0.87 but their 8k rows fall
-  from 0.98-1.09 to 0.87-0.92: not adopted; on the A100 alone, the paper's device, they
-  flatten that table's trend with sequence length (each model's rows from 512 to 65,536
-  tokens within 0.05 of each other, MPT-30B at 8k and the calibration row apart), but at
-  0.87-0.98, below that row, and through the Hopper scale fitted on the pair they move
-  torchtitan's and fms-fsdp's A100 rows up 4%: not adopted either. The H100 table (the
-  same sweep script and torch 2.1 image, ``h100new.csv`` before f2c13009a) would need
-  about half of those ratios, which no cited figure gives);
+* ``llm-foundry`` (MPT): llm-foundry's Triton flash attention (``attn_impl: triton``, the
+  default of its ``submit_benchmarks.py`` when its tables were measured), low-precision
+  LayerNorm in one pass, eager GELU and residuals; 14 kernels. No cited figure prices that
+  kernel on either device: it runs at FlashAttention-2's fractions divided by
+  :data:`TRITON_SLOWDOWN`, one factor per device fitted by least squares on the rows of
+  llm-foundry's own tables that no validation set counts (``benchmarks/foundry_attention.py``:
+  31 H100 and 26 A100 rows, 512 to 65,536 tokens). Priced as FlashAttention-2, both
+  tables were over-predicted more the longer the sequence (H100 from 0.97 at 512 tokens to
+  1.21 at 65,536, A100 from 0.91 to 1.35); fitted, each is flat within a few percent. The
+  A100's fitted 1.51 agrees with FlashAttention-2's paper (arXiv 2307.08691: 1.3-1.5x faster
+  forward and about 2x backward than attention in Triton on the A100); the H100's is
+  1.28;
 * ``plait`` / ``torchtitan``: 38 kernels (the fp32 RMSNorm alone is 8). torchtitan's
   selective checkpointing (its ``op`` policy) saves attention and every second matmul,
   recomputing the other matmuls and the memory-bound work.
@@ -186,6 +184,7 @@ __all__ = [
     "LOSS_BYTES",
     "STACKS",
     "STACK_NAMES",
+    "TRITON_SLOWDOWN",
     "Float8",
     "Stack",
     "attention_in_graph",
@@ -204,7 +203,8 @@ class Stack:
     kernel, which memory-bound passes and how many kernels a block launches."""
 
     name: str
-    attention: str  # "fa2" (flash attention 2), "cudnn" (TE / cuDNN), "materialized"
+    attention: str  # "fa2" (flash attention 2), "cudnn" (TE / cuDNN), "triton"
+    # (llm-foundry's Triton flash attention) or "materialized" (scores in HBM)
     norm: str  # "eager-fp32" (RMSNorm in fp32, op by op) or "fused" (one pass)
     activation: str  # "eager" (activation, then gate product) or "fused"
     rope: str  # "eager-fp32" (complex products in fp32) or "fused"
@@ -260,7 +260,7 @@ STACKS: dict[str, Stack] = {
         early_stop=False,
     ),
     "llm-foundry": Stack(
-        "llm-foundry", "fa2", "fused", "eager", "fused", False, 14, "plait", "fused"
+        "llm-foundry", "triton", "fused", "eager", "fused", False, 14, "plait", "fused"
     ),
 }
 STACKS["megatron-deepspeed"] = dataclasses.replace(
@@ -270,13 +270,21 @@ STACKS["megatron-deepspeed"] = dataclasses.replace(
 
 STACK_NAMES = tuple(STACKS)
 
+TRITON_SLOWDOWN: dict[str, float] = {"a100": 1.51, "h100": 1.28, "b200": 1.28}
+"""How many times slower than FlashAttention-2 llm-foundry's Triton flash attention runs,
+forward and backward, by chip family: fitted per device on llm-foundry's tables
+(``benchmarks/foundry_attention.py``; module docstring); the B200 as the H100 (no table)."""
+
+_FA2 = {"h100": (0.35, 0.30), "a100": (0.70, 0.60), "b200": (0.35, 0.30)}
 ATTENTION: dict[tuple[str, str], tuple[float, float]] = {
-    ("fa2", "h100"): (0.35, 0.30),
-    ("fa2", "a100"): (0.70, 0.60),
-    ("fa2", "b200"): (0.35, 0.30),
+    **{("fa2", chip): rates for chip, rates in _FA2.items()},
     ("cudnn", "h100"): (0.55, 0.45),
     ("cudnn", "a100"): (0.70, 0.60),
     ("cudnn", "b200"): (0.55, 0.45),
+    **{
+        ("triton", chip): (fwd / TRITON_SLOWDOWN[chip], bwd / TRITON_SLOWDOWN[chip])
+        for chip, (fwd, bwd) in _FA2.items()
+    },
 }
 """Flash attention kernels' fractions of the dense peak ``(forward, backward)``, causal
 FLOPs counted, by kernel and chip family (:func:`plait.plan.devices.family`; module
