@@ -211,6 +211,7 @@ def _build_schedule(
     group: dist.ProcessGroup | None = None,
     layers: str | None = None,
     wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
+    **schedule_kwargs: Any,
 ) -> tuple[Any, list[nn.Module]]:
     """This rank's stages of ``model`` and the schedule ``name`` over them."""
     style = schedule_spec(name).style
@@ -221,7 +222,7 @@ def _build_schedule(
     ]
     # The single-stage classes take a stage, the looped ones this rank's list of stages.
     given: Any = stages[0] if SCHEDULES[name].stages_per_rank == 1 else stages
-    return SCHEDULE_CLASSES[name](given, n_microbatches, loss_fn), modules
+    return SCHEDULE_CLASSES[name](given, n_microbatches, loss_fn, **schedule_kwargs), modules
 
 
 def _assert_grads_match(modules: list[nn.Module], reference: nn.Module, what: str) -> None:
@@ -553,6 +554,85 @@ def test_fully_shard_follows_the_schedule_fsdp_actions() -> None:
         assert names.count(names[first]) == 1 and names[last].endswith("RESHARD")
         # One all-gather and one reduce-scatter per unit per step, not per microbatch.
         assert result["gathers"] == result["units"] == result["reduces"]
+
+
+def _bounded_residency_body(name: str, bound: int) -> None:
+    """``max_active_stages``: at most ``bound`` stages full at once, stages gathered again
+    when they come back, and the same training as one process."""
+    import plait.pipeline.runtime as runtime
+
+    mesh = _dp_pp_mesh()
+    n_stages = 4 * per_rank(name) if SCHEDULES[name].stages_per_rank is None else 4
+    schedules: dict[int, Any] = {}
+    modules_of: dict[int, list[nn.Module]] = {}
+
+    def parallelize(model: nn.Module) -> nn.Module:
+        schedule, modules = _build_schedule(
+            name,
+            model,
+            n_stages,
+            4,
+            F.mse_loss,
+            group=mesh["pp"].get_group(),
+            wrap=lambda m: _shard(m, mesh["dp"]),
+            max_active_stages=bound,
+        )
+        stages = StageModules(modules)
+        schedules[id(stages)], modules_of[id(stages)] = schedule, modules
+        return stages
+
+    most = 0
+    original = runtime._Runner.run
+
+    def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> torch.Tensor:
+        nonlocal most
+        if id(model) not in schedules:  # the reference
+            return default_step(model, x, y, loss_fn)
+        modules = modules_of[id(model)]
+
+        def recording(self: Any, action: Any) -> None:
+            original(self, action)
+            nonlocal most
+            full = [m for m in modules if not any(isinstance(p, DTensor) for p in m.parameters())]
+            most = max(most, len(full))
+
+        losses: list[torch.Tensor] = []
+        runtime._Runner.run = recording  # type: ignore[method-assign]
+        try:
+            with spy_collectives("all_gather_single", "reduce_scatter_single") as calls:
+                schedules[id(model)].step(x, target=y, losses=losses)
+        finally:
+            runtime._Runner.run = original  # type: ignore[method-assign]
+        units = sum(len(layers_with_parameters(m)) for m in modules)
+        # Gathered again as stages come back into the window; reduced once per unit.
+        assert len(calls["all_gather_single"]) > units
+        assert len(calls["reduce_scatter_single"]) == units
+        return torch.stack(losses).mean() if losses else torch.zeros(())
+
+    check_parity(
+        lambda: layer_stack(n_stages),
+        parallelize,
+        random_batches(2, 16, 6, 6),
+        step=step,
+        data_rank=mesh["dp"].get_local_rank(),
+        data_world=2,
+    )
+    assert 1 <= most <= bound
+    with pytest.raises(ValueError, match="max_active_stages must be >= 1"):
+        _build_schedule(
+            name,
+            layer_stack(n_stages),
+            n_stages,
+            4,
+            F.mse_loss,
+            group=mesh["pp"].get_group(),
+            max_active_stages=0,
+        )
+
+
+@pytest.mark.parametrize(("name", "bound"), [("Interleaved1F1B", 1), ("ZBVZeroBubble", 1)])
+def test_bounded_stage_residency_trains_as_one_process(name: str, bound: int) -> None:
+    run_on_ranks(4, _bounded_residency_body, name, bound)
 
 
 # --- mixed precision: bf16 fully_shard stages ----------------------------------------------

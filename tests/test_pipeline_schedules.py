@@ -320,6 +320,75 @@ def test_add_fsdp_actions() -> None:
         add_fsdp_actions(schedule)
 
 
+def _residency(actions: list[Action]) -> tuple[list[set[int]], dict[int, int]]:
+    """The unsharded stages at each compute action, and the UNSHARDs per stage."""
+    full: set[int] = set()
+    seen: list[set[int]] = []
+    gathers: dict[int, int] = {}
+    for a in actions:
+        if a.kind is K.UNSHARD:
+            assert a.stage not in full, a
+            full.add(a.stage)
+            gathers[a.stage] = gathers.get(a.stage, 0) + 1
+        elif a.kind is K.RESHARD:
+            full.remove(a.stage)
+        elif a.kind.is_compute:
+            assert a.stage in full, a
+            seen.append(set(full))
+    assert not full  # every stage ends the step sharded
+    return seen, gathers
+
+
+@pytest.mark.parametrize(
+    ("name", "ranks", "stages"),
+    [
+        ("Interleaved1F1B", 2, 8),
+        ("LoopedBFS", 2, 6),
+        ("InterleavedZeroBubble", 2, 8),
+        ("ZBVZeroBubble", 2, 4),
+        ("DualPipeV", 2, 4),
+    ],
+)
+@pytest.mark.parametrize("bound", [1, 2, 3])
+def test_bounded_fsdp_residency_matches_torchs_lowering(
+    name: str, ranks: int, stages: int, bound: int
+) -> None:
+    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    compute = generate(name, ranks, stages, 8)
+    lowered = add_fsdp_actions(compute, bound)
+    unbounded = add_fsdp_actions(compute)
+    validate(
+        add_fsdp_actions(generate(name, ranks, stages, 8, communication=True), bound),
+        ranks,
+        stages,
+        8,
+        style=schedule_spec(name).style,
+    )
+    for rank, actions in lowered.items():
+        seen, gathers = _residency(actions)
+        assert max(len(s) for s in seen) <= bound
+        assert [a for a in actions if a.kind.is_compute] == compute[rank]
+        # torch's lowering of the same order: at every compute the same stages or fewer
+        # are full (plait frees a stage after its last compute, torch when it is evicted),
+        # and each stage is gathered as many times.
+        theirs = torch_schedules._add_unshard_reshard(
+            [torch_schedules._Action.from_str(str(a)) for a in compute[rank]], bound
+        )
+        their_seen, their_gathers = _residency([parse_action(str(a)) for a in theirs])
+        assert all(ours <= t for ours, t in zip(seen, their_seen, strict=True))
+        assert gathers == their_gathers
+        # Without a bound each stage is gathered once; with one, never fewer times.
+        _, once = _residency(unbounded[rank])
+        assert set(once.values()) == {1} and all(gathers[s] >= 1 for s in once)
+    if bound == 1 and stages > ranks:
+        assert any(n > 1 for a in lowered.values() for n in _residency(a)[1].values())
+
+
+def test_max_active_stages_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_active_stages must be >= 1"):
+        add_fsdp_actions(generate("1F1B", 2, 2, 2), 0)
+
+
 # --- the validator rejects broken schedules ----------------------------------------------
 
 

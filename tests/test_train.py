@@ -72,6 +72,14 @@ COMPOSITIONS: dict[str, dict[str, Any]] = {
         "n_layer": 2,
         "end_blocks": 1,
     },
+    # Two stages per rank, one gathered at a time: each is gathered again when it comes back.
+    "pp2_interleaved_one_active_stage": {
+        "pp": 2,
+        "dp_shard": 2,
+        "schedule": "Interleaved1F1B",
+        "n_layer": 4,
+        "max_active_stages": 1,
+    },
     # The V: rank 0 holds the first and the last stage, so neither block.
     "pp2_zbv_end_blocks": {
         "pp": 2,
@@ -321,6 +329,7 @@ REFUSED = [
         "--microbatches 3 does not divide the 8 sequences",
     ),
     (["--nproc", "2", "--pp", "2", "--schedule", "Zigzag"], "--schedule Zigzag: Unknown schedule"),
+    (["--nproc", "2", "--pp", "2", "--max-active-stages", "-1"], "-1: must be 0 or more"),
     (
         ["--nproc", "2", "--pp", "2", "--schedule", "Interleaved1F1B", "--stages-per-rank", "1"],
         "interleaves several stages per rank, but --stages-per-rank is 1",

@@ -99,19 +99,42 @@ class Order:
     pairs: dict[int, tuple[OverlappedPair, ...]]
 
 
-def generated(name: str, shape: Shape, *, fsdp: bool, in_order: bool = False) -> Order:
+def generated(
+    name: str,
+    shape: Shape,
+    *,
+    fsdp: bool,
+    in_order: bool = False,
+    max_active_stages: int | None = None,
+) -> Order:
     """The order of the schedule ``name`` (a key of SCHEDULES), lowered and checked;
-    ``fsdp``: add FSDP actions; ``in_order``: lowered for a backend that matches messages
-    in posting order (:mod:`~plait.pipeline.lowering`). Raises ValueError for a shape the
-    schedule cannot run."""
+    ``fsdp``: add FSDP actions, at most ``max_active_stages`` stages unsharded at once
+    (:func:`~plait.pipeline.schedules.add_fsdp_actions`); ``in_order``: lowered for a
+    backend that matches messages in posting order (:mod:`~plait.pipeline.lowering`).
+    Raises ValueError for a shape the schedule cannot run."""
     spec = SCHEDULES[name]
     compute = generate(name, shape.n_ranks, shape.n_stages, shape.n_microbatches)
     placement = {s: stage_to_rank(s, shape.n_ranks, spec.style) for s in range(shape.n_stages)}
     pairs = {} if spec.pairs is None else spec.pairs(shape.n_ranks, shape.n_microbatches)
-    return install(compute, placement, shape, fsdp=fsdp, pairs=pairs, in_order=in_order)
+    return install(
+        compute,
+        placement,
+        shape,
+        fsdp=fsdp,
+        pairs=pairs,
+        in_order=in_order,
+        max_active_stages=max_active_stages,
+    )
 
 
-def forward_only(name: str, shape: Shape, *, fsdp: bool, in_order: bool = False) -> Order:
+def forward_only(
+    name: str,
+    shape: Shape,
+    *,
+    fsdp: bool,
+    in_order: bool = False,
+    max_active_stages: int | None = None,
+) -> Order:
     """torch's forward-only order: one stage per rank, every microbatch's forward in turn.
     Raises ValueError (naming ``name``) unless there are as many stages as ranks."""
     if shape.n_stages != shape.n_ranks:
@@ -122,7 +145,9 @@ def forward_only(name: str, shape: Shape, *, fsdp: bool, in_order: bool = False)
     m = range(shape.n_microbatches)
     compute = {r: [Action(r, K.FORWARD, i) for i in m] for r in range(shape.n_ranks)}
     placement = {s: s for s in range(shape.n_stages)}
-    return install(compute, placement, shape, fsdp=fsdp, in_order=in_order)
+    return install(
+        compute, placement, shape, fsdp=fsdp, in_order=in_order, max_active_stages=max_active_stages
+    )
 
 
 def given(
@@ -133,6 +158,7 @@ def given(
     *,
     fsdp: bool,
     in_order: bool = False,
+    max_active_stages: int | None = None,
 ) -> Order:
     """An order handed over as data (rank -> actions), torch's
     ``_prepare_schedule_with_comms``: plait actions or pairs, or objects read by their text
@@ -163,7 +189,15 @@ def given(
     missing = [s for s in range(shape.n_stages) if s not in owners]
     if missing:
         raise ScheduleError(f"{name}: the schedule never runs stages {missing} of {shape.n_stages}")
-    return install(schedule, owners, shape, fsdp=fsdp, pairs=pairs, in_order=in_order)
+    return install(
+        schedule,
+        owners,
+        shape,
+        fsdp=fsdp,
+        pairs=pairs,
+        in_order=in_order,
+        max_active_stages=max_active_stages,
+    )
 
 
 def check_format(format: str) -> None:
@@ -182,6 +216,7 @@ def install(
     fsdp: bool,
     pairs: Pairs | None = None,
     in_order: bool = False,
+    max_active_stages: int | None = None,
 ) -> Order:
     """Adopt ``schedule`` (compute-only, or already lowered with communication actions):
     lower it (adding FSDP actions if ``fsdp``), derive the forward-only order, check both,
@@ -193,7 +228,7 @@ def install(
     if any(a.kind.is_comm for acts in schedule.values() for a in acts):
         train = schedule
         if fsdp and not any(a.kind.is_fsdp for acts in train.values() for a in acts):
-            train = add_fsdp_actions(train)
+            train = add_fsdp_actions(train, max_active_stages)
         forward_kinds = (K.FORWARD, K.SEND_F, K.RECV_F, K.UNSHARD, K.RESHARD)
         forwards = {r: [a for a in a_s if a.kind in forward_kinds] for r, a_s in train.items()}
         _check(train, placement, shape)
@@ -203,9 +238,10 @@ def install(
                 for first_step in (True, False):
                     check_in_order(order, placement, first_step=first_step)
     else:
-        train = _lower(compute, placement, shape, fsdp, in_order, pairs)
+        bound = max_active_stages if fsdp else None
+        train = _lower(compute, placement, shape, fsdp, in_order, pairs, bound)
         forwards = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in compute.items()}
-        forwards = _lower(forwards, placement, shape, fsdp, in_order)
+        forwards = _lower(forwards, placement, shape, fsdp, in_order, max_active_stages=bound)
     checked = {r: tuple(ps) for r, ps in (pairs or {}).items() if ps}
     for rank, rank_pairs in checked.items():
         _check_pairs(rank, compute.get(rank, []), rank_pairs)
@@ -219,13 +255,14 @@ def _lower(
     fsdp: bool,
     in_order: bool,
     pairs: Pairs | None = None,
+    max_active_stages: int | None = None,
 ) -> Schedule:
     """Add communication (and FSDP) actions to ``compute`` and check the result."""
     schedule = add_communication(
         compute, shape.n_ranks, placement, shape.n_stages, in_order=in_order, pairs=pairs
     )
     if fsdp:  # each rank lowers its own FSDP actions: they involve no other rank
-        schedule = add_fsdp_actions(schedule)
+        schedule = add_fsdp_actions(schedule, max_active_stages)
     _check(schedule, placement, shape)
     return schedule
 

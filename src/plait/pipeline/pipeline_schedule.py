@@ -104,11 +104,20 @@ class PipelineSchedule:
         defer_pp_recv: bool = False,
         *,
         use_full_backward: bool | None = None,
+        max_active_stages: int | None = None,
     ) -> None:
         """torch's constructor parameters, written once for every schedule class (each
         takes them in its torch positional order; this one is torch's
         ``_PipelineScheduleRuntime`` family's). TypeError / ValueError name the argument
-        at fault."""
+        at fault.
+
+        ``max_active_stages`` (plait's, keyword only): with ``fully_shard`` / ``replicate``
+        stages, how many of this rank's stages may hold their full parameters at once
+        (:func:`~plait.pipeline.schedules.add_fsdp_actions`). ``None``, the default, gathers
+        each stage once per step and keeps it until its last compute: the fewest
+        all-gathers, every local stage full through the middle of the step. torch's
+        runtime schedules bound it to 3, gathering a stage again when it comes back into
+        the window; pass 3 for torch's memory profile, or fewer for less."""
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int):
             raise TypeError(f"n_microbatches must be an int, got {n_microbatches!r}")
         if n_microbatches < 1:
@@ -123,6 +132,13 @@ class PipelineSchedule:
         self._backward_requires_autograd = backward_requires_autograd
         self._defer_pp_recv = defer_pp_recv  # receives are always posted ahead: no effect
         del use_full_backward  # deprecated in torch too: B or I/W follow the schedule's actions
+        if max_active_stages is not None and (
+            isinstance(max_active_stages, bool) or not isinstance(max_active_stages, int)
+        ):
+            raise TypeError(f"max_active_stages must be an int or None, got {max_active_stages!r}")
+        if max_active_stages is not None and max_active_stages < 1:
+            raise ValueError(f"max_active_stages must be >= 1 (or None), got {max_active_stages}")
+        self._max_active_stages = max_active_stages
         first = next(iter(self._stages.values()))
         self._shape = Shape(first.group_size, first.num_stages, n_microbatches)
         self._group_rank, self._group, self._device = first.group_rank, first.group, first.device
@@ -152,7 +168,13 @@ class PipelineSchedule:
         """This class's order (None: the classes whose order is given later)."""
         if self.name not in SCHEDULES:
             return None
-        return generated(self.name, self._shape, fsdp=bool(self._syncs), in_order=self._in_order)
+        return generated(
+            self.name,
+            self._shape,
+            fsdp=bool(self._syncs),
+            in_order=self._in_order,
+            max_active_stages=self._max_active_stages,
+        )
 
     def _adopt(self, order: Order) -> None:
         """Run ``order`` from now on: check this rank holds exactly its stages, connect them
@@ -187,7 +209,15 @@ class PipelineSchedule:
         rank and action if the order cannot run."""
         fsdp = bool(self._syncs)
         self._adopt(
-            given(self.name, actions, format, self._shape, fsdp=fsdp, in_order=self._in_order)
+            given(
+                self.name,
+                actions,
+                format,
+                self._shape,
+                fsdp=fsdp,
+                in_order=self._in_order,
+                max_active_stages=self._max_active_stages,
+            )
         )
 
     def _load_csv(

@@ -204,7 +204,13 @@ class _ScheduleForwardOnly(PipelineScheduleSingle):
     name = "ForwardOnly"
 
     def _generate(self) -> Order:
-        return forward_only(self.name, self._shape, fsdp=bool(self._syncs), in_order=self._in_order)
+        return forward_only(
+            self.name,
+            self._shape,
+            fsdp=bool(self._syncs),
+            in_order=self._in_order,
+            max_active_stages=self._max_active_stages,
+        )
 
     def step(
         self,

@@ -420,31 +420,70 @@ def generate(
     return add_fsdp_actions(schedule) if fsdp else schedule
 
 
-def add_fsdp_actions(schedule: Schedule) -> Schedule:
-    """Insert per-stage FSDP actions: ``UNSHARD`` right before a stage's first compute on
-    its rank, ``REDUCE_GRAD`` right after its last B / W, ``RESHARD`` right after its last
-    compute (after REDUCE_GRAD when they coincide). Works with or without communication.
+def add_fsdp_actions(schedule: Schedule, max_active_stages: int | None = None) -> Schedule:
+    """Insert per-stage FSDP actions: ``REDUCE_GRAD`` right after a stage's last B / W,
+    ``RESHARD`` right after its last compute (after REDUCE_GRAD when they coincide), and
+    ``UNSHARD`` / ``RESHARD`` before compute actions as ``max_active_stages`` says. Works
+    with or without communication.
 
-    A stage stays unsharded from its first to its last compute of the step: simple and
-    all-gathers once per step, at the price of holding every local stage's full
-    parameters through the middle of the schedule.
+    ``max_active_stages=None``: a stage is unsharded right before its first compute of the
+    step and stays so until its last: one all-gather per stage and step, at the price of
+    holding every local stage's full parameters through the middle of the schedule.
+    ``max_active_stages=n`` (n >= 1) bounds that, as torch's runtime lowering does (its
+    ``_add_unshard_reshard``, n=3 there): before each compute action, the next ``n``
+    distinct stages this rank computes are the active ones; any other unsharded stage is
+    resharded, and any active one not unsharded is unsharded. At most ``n`` stages are
+    full at once, and a stage evicted between its computes is gathered again (its
+    gradients accumulated so far stay: only the parameters are freed). Raises ValueError
+    for ``n < 1``.
     """
+    if max_active_stages is not None and max_active_stages < 1:
+        raise ValueError(f"max_active_stages must be >= 1 (or None), got {max_active_stages}")
     if any(a.kind.is_fsdp for actions in schedule.values() for a in actions):
         raise ValueError("add_fsdp_actions: the schedule already has FSDP actions")
     out: Schedule = {}
     for rank, actions in schedule.items():
         compute = [(n, a) for n, a in enumerate(actions) if a.kind.is_compute]
-        first = {a.stage: n for n, a in reversed(compute)}
         last = {a.stage: n for n, a in compute}
         grads = (K.FULL_BACKWARD, K.BACKWARD_WEIGHT)
         last_grad = {a.stage: n for n, a in compute if a.kind in grads}
-        out[rank] = []
+        upcoming = [a.stage for _, a in compute]
+        active: list[int] = []  # unsharded stages, in the order they were gathered
+        out[rank] = rank_out = []
+        computed = 0
         for n, a in enumerate(actions):
-            if first.get(a.stage) == n:
-                out[rank].append(Action(a.stage, K.UNSHARD))
-            out[rank].append(a)
+            if a.kind.is_compute:
+                window = _next_stages(upcoming, computed, max_active_stages)
+                computed += 1
+                evicted = (
+                    [] if max_active_stages is None else [s for s in active if s not in window]
+                )
+                for stage in evicted:
+                    rank_out.append(Action(stage, K.RESHARD))
+                    active.remove(stage)
+                for stage in window:
+                    if stage not in active:
+                        rank_out.append(Action(stage, K.UNSHARD))
+                        active.append(stage)
+            rank_out.append(a)
             if last_grad.get(a.stage) == n:
-                out[rank].append(Action(a.stage, K.REDUCE_GRAD))
+                rank_out.append(Action(a.stage, K.REDUCE_GRAD))
             if last.get(a.stage) == n:
-                out[rank].append(Action(a.stage, K.RESHARD))
+                rank_out.append(Action(a.stage, K.RESHARD))
+                active.remove(a.stage)
     return out
+
+
+def _next_stages(upcoming: list[int], start: int, limit: int | None) -> list[int]:
+    """The first ``limit`` distinct stages of ``upcoming[start:]`` (``None``: just the
+    first, the one about to run: without a bound a stage is gathered when first needed,
+    never ahead, and never evicted)."""
+    if limit is None:
+        return upcoming[start : start + 1]
+    window: list[int] = []
+    for stage in upcoming[start:]:
+        if stage not in window:
+            window.append(stage)
+            if len(window) == limit:
+                break
+    return window

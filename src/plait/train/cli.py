@@ -176,6 +176,12 @@ _FLAGS: dict[str, list[tuple[str, str]]] = {
             "with --pp: blocks the embedding and the head each count for in the split of the "
             "blocks among stages (torchtitan's first/last_stage_less_layers, 1 there)",
         ),
+        (
+            "max_active_stages",
+            "with --pp over fully_shard or replicate: the most local stages whose parameters "
+            "are gathered at once, a stage gathered again when it comes back (0: no bound, "
+            "each gathered once per step; torch's runtime schedules hold 3)",
+        ),
         ("microbatches", f"per step: pipeline microbatches or accumulation ({_AUTO})"),
         ("ac", "activation checkpointing of each block"),
         ("mp", "compute precision (bf16: fully_shard mixed precision)"),

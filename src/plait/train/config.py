@@ -138,8 +138,9 @@ class BalanceConfig(_Group):
 class ExecutionConfig(_Group):
     """How the ranks run the model: the parallel ``layout`` (every mesh size and its
     choices), the processes and their device, precision and CPU offload, the speed flags
-    (``compile``, ``float8``: they change how each rank computes, as the layout does), and
-    ``fault_timeout``, how long a collective waits for a peer."""
+    (``compile``, ``float8``: they change how each rank computes, as the layout does),
+    ``fault_timeout``, how long a collective waits for a peer, and ``max_active_stages``,
+    how many pipeline stages a rank holds gathered at once (0: no bound)."""
 
     layout: Layout
     nproc: int
@@ -149,6 +150,7 @@ class ExecutionConfig(_Group):
     compile: bool
     float8: bool
     fault_timeout: float
+    max_active_stages: int
 
 
 @dataclass(frozen=True)
@@ -266,6 +268,9 @@ class TrainConfig:
     schedule: str = "1F1B"
     stages_per_rank: int = 0  # auto: what the schedule holds (1, or 2 for looped schedules)
     end_blocks: int = 0  # with pp: the embedding and the head each weigh this many blocks
+    # with pp and fully_shard / replicate: local stages full at once (0: no bound, each
+    # stage gathered once per step; torch's runtime schedules hold 3)
+    max_active_stages: int = 0
     microbatches: int = 0  # auto: pp * stages_per_rank with a pipeline, else 1
     ac: str = "none"
     mp: str = "fp32"

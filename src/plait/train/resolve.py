@@ -260,6 +260,7 @@ _AT_LEAST_ZERO = (  # 0: auto, or off (see TrainConfig)
     rules.DP_SHARD,
     "stages_per_rank",
     "end_blocks",
+    "max_active_stages",
     "microbatches",
     "warmup",
     "ckpt_every",
