@@ -57,11 +57,59 @@ def _pipelined(cfg: BenchConfig, which: str, schedule: str) -> Step:
     return _pipeline_step(pipe, modules, cfg, first=0 in ids, last=n_stages - 1 in ids)
 
 
+def _fsdp_pipelined(cfg: BenchConfig, which: str, max_active_stages: int | None = None) -> Step:
+    """Interleaved1F1B over 4 stages per rank on a (dp 2, pp world/2) mesh, every block and
+    each stage's root ``fully_shard``-ed over dp, by ``which`` ("plait" / "torch"); each dp
+    replica runs its half of the batch (so the tokens are counted once, as a pipeline's).
+    ``max_active_stages``: plait's bound on the stages gathered at once (torch's runtime
+    holds 3)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % 2 or cfg.batch % 2:
+        raise ValueError("the pp x fsdp modes need an even --nproc and --batch")
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "pp"))
+    pp_rank, pp_world = mesh["pp"].get_local_rank(), world // 2
+    n_stages = pp_world * 4
+    ids = stages_of_rank(pp_rank, pp_world, n_stages, SCHEDULES["Interleaved1F1B"].style)
+    torch.manual_seed(0)
+    modules = split_model(GPT(cfg.gpt), n_stages, layers="blocks", stages=ids)
+    if which == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from plait.fsdp import fully_shard
+    for module in modules:
+        for block in module.blocks:  # type: ignore[union-attr]
+            if any(True for _ in block.parameters()):  # kept on this stage
+                fully_shard(block, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+    api = _api(which)
+    cpu, group = torch.device("cpu"), mesh["pp"].get_group()
+    stages = [
+        api.PipelineStage(m, s, n_stages, cpu, group=group)
+        for m, s in zip(modules, ids, strict=True)
+    ]
+    extra = {} if which == "torch" else {"max_active_stages": max_active_stages}
+    pipe = api.ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=lm_loss, **extra)
+    half = cfg.batch // 2
+    dp_rank = mesh["dp"].get_local_rank()
+    inputs, targets = (t[dp_rank * half : (dp_rank + 1) * half] for t in _pipeline_batch(cfg))
+    return _pipeline_step(
+        pipe, modules, cfg, first=0 in ids, last=n_stages - 1 in ids, batch=(inputs, targets)
+    )
+
+
 def _pipeline_step(
-    pipe: Any, modules: list[nn.Module], cfg: BenchConfig, *, first: bool, last: bool
+    pipe: Any,
+    modules: list[nn.Module],
+    cfg: BenchConfig,
+    *,
+    first: bool,
+    last: bool,
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Step:
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-4)
-    inputs, targets = _pipeline_batch(cfg)
+    inputs, targets = _pipeline_batch(cfg) if batch is None else batch
     args = (inputs,) if first else ()
     kwargs = {"target": targets} if last else {}
 
@@ -88,6 +136,11 @@ def _modes() -> list[Mode]:
         modes.append(
             Mode(torch_name, partial(_pipelined, which="torch", schedule=schedule), pipeline=True)
         )
+    fsdp = "torch_pp_fsdp_interleaved"
+    for name, bound in (("pp_fsdp_interleaved", None), ("pp_fsdp_interleaved_active2", 2)):
+        build = partial(_fsdp_pipelined, which="plait", max_active_stages=bound)
+        modes.append(Mode(name, build, torch_counterpart=fsdp, pipeline=True))
+    modes.append(Mode(fsdp, partial(_fsdp_pipelined, which="torch"), pipeline=True))
     return modes
 
 

@@ -548,8 +548,9 @@ def test_fully_shard_follows_the_schedule_fsdp_actions() -> None:
         first = names.index(next(a for a in names if a.endswith("UNSHARD")))
         last = max(i for i, a in enumerate(names) if a.endswith("RESHARD"))
         reduce_at = max(i for i, a in enumerate(names) if a.endswith("REDUCE_GRAD"))
-        # Unsharded exactly from UNSHARD (inclusive) to RESHARD (exclusive).
-        assert [s for _, s in trace] == [i < first or i >= last for i in range(len(trace))]
+        # UNSHARD issues the gathers and the first compute awaits them: unsharded from that
+        # compute (inclusive) to RESHARD (exclusive).
+        assert [s for _, s in trace] == [i <= first or i >= last for i in range(len(trace))]
         assert all(not n.endswith(("B0", "B1", "B2", "B3")) for n in names[reduce_at:])
         assert names.count(names[first]) == 1 and names[last].endswith("RESHARD")
         # One all-gather and one reduce-scatter per unit per step, not per microbatch.

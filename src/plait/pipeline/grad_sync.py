@@ -12,8 +12,10 @@ actions, see :func:`~plait.pipeline.schedules.add_fsdp_actions`):
   dtype (:meth:`StageGradSync.stash_grads`): with a bf16 ``MixedPrecisionPolicy`` the sum
   over microbatches is then exact in fp32, also for the weight gradients that a split
   backward's ``W`` adds to ``.grad`` by hand (no hook sees those);
-* ``UNSHARD`` all-gathers every unit of the stage (all issued, then all awaited) and
-  ``RESHARD`` frees them: the parameters are full exactly in between;
+* ``UNSHARD`` issues the all-gather of every unit of the stage and ``RESHARD`` frees
+  them: the parameters are full in between. The gathers are awaited just before the
+  stage's next compute (:meth:`StageGradSync.wait_unshard`), as torch's runtime does, so an
+  UNSHARD placed ahead (``max_active_stages``) overlaps the computes before it;
 * ``REDUCE_GRAD`` reduces the accumulated gradients once: one reduce-scatter per unit,
   one all-reduce per ``replicate`` bucket;
 * after the step, the flags are restored.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from plait.fsdp.api import FSDPModule, fsdp_states_in
+from plait.fsdp.api import FSDPModule, UnshardHandle, fsdp_states_in
 from plait.fsdp.group import FSDPParamGroup
 from plait.fsdp.state import FSDPState
 from plait.hooks import traced
@@ -59,6 +61,7 @@ class StageGradSync:
             if any(p.reduce_dtype != p.param_dtype for p in unit.params)
         ]
         self._saved_fsdp: list[_FSDPFlags] = []
+        self._gathering: list[UnshardHandle] = []  # issued by unshard, not yet awaited
 
     @property
     def active(self) -> bool:
@@ -78,6 +81,9 @@ class StageGradSync:
             unit.requires_gradient_sync = False
 
     def end_step(self) -> None:
+        # A step that failed may leave a gather issued: the unit completes it when it
+        # next reshards or unshards (waiting here could wait on a peer that died).
+        self._gathering = []
         for (s, unit), f in zip(self.fsdp_units, self._saved_fsdp, strict=True):
             # A unit first run inside the pipeline never resolved its default: keep False.
             if f.reshard_after_forward is not None:
@@ -87,11 +93,20 @@ class StageGradSync:
         self._saved_fsdp = []
 
     def unshard(self) -> None:
+        """Issue every unit's all-gather; :meth:`wait_unshard` completes them."""
         with traced("plait.pipeline.unshard"):
-            handles = [m.unshard(async_op=True) for m in self.fsdp_modules]
-            for h in handles:
-                if h is not None:
-                    h.wait()
+            for m in self.fsdp_modules:
+                handle = m.unshard(async_op=True)
+                if handle is not None:
+                    self._gathering.append(handle)
+
+    def wait_unshard(self) -> None:
+        """Complete the all-gathers :meth:`unshard` issued (none pending: nothing)."""
+        if self._gathering:
+            with traced("plait.pipeline.wait_unshard"):
+                for handle in self._gathering:
+                    handle.wait()
+                self._gathering = []
 
     def stash_grads(self) -> None:
         """After a backward action (B, I or W): move the unsharded gradients it left in
@@ -100,6 +115,7 @@ class StageGradSync:
             unit.stash_grads()
 
     def reshard(self) -> None:
+        self.wait_unshard()  # a gather still in flight writes into what reshard frees
         with traced("plait.pipeline.reshard"):
             for m in self.fsdp_modules:
                 m.reshard()

@@ -290,6 +290,7 @@ class _Runner:
             self.pending.append(action)
             return
         self.flush()
+        self.gathered(action)
         function = None if action in self.paired else self.functions.get(action.kind.value)
         with traced(f"plait.pipeline.{action}"):
             if function is None:
@@ -301,15 +302,26 @@ class _Runner:
         """An overlapped pair as one step: its custom function, once its receives are
         posted (they come before it)."""
         self.flush()
+        for half in pair.sub_actions:
+            self.gathered(half)
         with traced(f"plait.pipeline.{pair}"):
             self.functions[OVERLAP_F_B](pair, self.context)
+
+    def gathered(self, action: Action) -> None:
+        """Before a compute action: complete its stage's all-gathers, which its UNSHARD
+        may have issued ahead (``max_active_stages``), as torch's runtime waits before
+        computing on a stage. Custom functions get the stage gathered too."""
+        if action.kind.is_compute and (sync := self.syncs.get(action.stage)) is not None:
+            sync.wait_unshard()
 
     def perform(self, action: Action | OverlappedPair) -> None:
         """The runtime's own work for a compute or FSDP action (a pair: F then B)."""
         if isinstance(action, OverlappedPair):
             self.perform(action.forward)
             self.perform(action.backward)
-        elif action.kind is K.FORWARD:
+            return
+        self.gathered(action)  # (a custom function's run_action comes here directly)
+        if action.kind is K.FORWARD:
             self.forward(self.stages[action.stage], action.microbatch)  # type: ignore[arg-type]
         elif action.kind.is_compute:
             self.backward(self.stages[action.stage], action)
