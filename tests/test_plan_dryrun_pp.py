@@ -3,6 +3,8 @@ a schedule, in one process, against the prediction for rank 0."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from plait.layout import Layout
@@ -40,3 +42,45 @@ def test_plan_command_dry_runs_a_pipeline(capsys: pytest.CaptureFixture[str]) ->
     assert line.startswith("dry run of pp=4 dp_shard=4 1F1Bx1") and "(rank 0 of 16" in line
     change = float(line.rsplit("(", 1)[1].rstrip("%)"))
     assert abs(change) < 5
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_bound_on_gathered_stages_is_predicted_as_the_dry_run_measures_it() -> None:
+    # 8 ranks: pp 2 x dp_shard 4, Interleaved1F1B with 4 stages per rank over 8 blocks.
+    work = Workload(128, 32, "fp32")
+    model = gpt(8, 8, 512, work.seq_len)
+    base = Layout(dp_shard=4, pp=2, schedule="Interleaved1F1B", stages_per_rank=4, microbatches=8)
+    peaks = {}
+    for bound in (0, 1):
+        layout = dataclasses.replace(base, max_active_stages=bound)
+        measured = dry_run(config_of_layout(model, layout, work), 8)
+        predicted = first_rank_memory(model, layout, work).total
+        assert predicted == pytest.approx(measured.peak, rel=0.05), bound
+        peaks[bound] = measured.peak
+    # One stage of four held gathered, and the next one's all-gather output while it is
+    # gathered again: two stages' parameters (fp32 blocks of 512) fewer at the peak.
+    assert peaks[1] < peaks[0]
+
+
+def test_a_bound_on_gathered_stages_costs_all_gathers() -> None:
+    from plait.plan.candidate import describe, evaluate
+    from plait.plan.comm import communication
+    from plait.plan.devices import device
+    from plait.plan.schedule import layout_gathers, layout_shape
+
+    work = Workload(4096, 512)
+    model = gpt(32, 32, 4096, work.seq_len)
+    base = Layout(dp_shard=8, pp=4, schedule="Interleaved1F1B", stages_per_rank=4, microbatches=16)
+    bounded = dataclasses.replace(base, max_active_stages=2)
+    h100 = device("h100")
+    free, held = evaluate(model, base, work, h100), evaluate(model, bounded, work, h100)
+    assert held.memory.total < free.memory.total
+    assert held.timing.step_time > free.timing.step_time
+    assert layout_gathers(base) == 1 and layout_gathers(bounded) > 2
+    load = layout_shape(model, base).ranks[0]
+    gathered = [
+        sum(c.bytes for c in communication(model, lay, work, h100, load) if c.op == "all_gather")
+        for lay in (base, bounded)
+    ]
+    assert gathered[1] == pytest.approx(gathered[0] * layout_gathers(bounded), rel=0.01)
+    assert "active=2" in describe(bounded) and "active" not in describe(base)

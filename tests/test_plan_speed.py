@@ -164,7 +164,8 @@ def test_search_equals_the_search_without_shortcuts(
 #: the search code before the shortcuts; record it again (same way) when the timing or
 #: memory model changes the figures, or the search tries more (2026-11-29: the pipelines
 #: with the embedding and the head weighing a block, ``end_blocks=1``; 2026-11-30: the
-#: shared sustained fraction refitted once llm-foundry's attention had its own rate).
+#: shared sustained fraction refitted once llm-foundry's attention had its own rate; then
+#: ``Layout.max_active_stages``, 0 in every candidate, joined each layout's repr).
 RECORDED_10240 = {
     "top": [
         "dp_replicate=10 dp_shard=512 tp=2 ac=full",
@@ -177,7 +178,7 @@ RECORDED_10240 = {
         "pp=16 dp_replicate=4 dp_shard=40 tp=4 InterleavedZeroBubblex8 ends=1 mb=64 ac=full",
     ],
     "n": 894,
-    "digest": "5a7ada0631629ccb",
+    "digest": "cf403480888f47e9",
 }
 
 _COLD_SEARCH = """

@@ -48,8 +48,11 @@ class Layout:
     ranks, and ``cp_method`` its attention (:data:`~plait.layout.CP_METHODS`);
     ``end_blocks``: with a pipeline, the blocks' worth of work the first stage's embedding
     and the last stage's head each count for when the blocks are split among the stages
-    (:func:`~plait.layout.stage_blocks`; torchtitan's default is 1). Nothing is checked on
-    construction: :func:`~plait.layout.check` says whether a layout can run.
+    (:func:`~plait.layout.stage_blocks`; torchtitan's default is 1);
+    ``max_active_stages``: with a pipeline over ``fully_shard`` / ``replicate`` stages, the
+    most stages a rank holds gathered at once (0: no bound, each gathered once per step;
+    :func:`plait.pipeline.add_fsdp_actions`). Nothing is checked on construction:
+    :func:`~plait.layout.check` says whether a layout can run.
     """
 
     dp_replicate: int = 1
@@ -66,6 +69,7 @@ class Layout:
     reshard_after_forward: bool = True
     stages_per_rank: int = 1
     end_blocks: int = 0
+    max_active_stages: int = 0
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -134,6 +134,8 @@ def describe(layout: Layout) -> str:
         parts.append(f"{layout.schedule}x{layout.stages_per_rank}")
         if layout.end_blocks:
             parts.append(f"ends={layout.end_blocks}")
+        if layout.max_active_stages:
+            parts.append(f"active={layout.max_active_stages}")
     if layout.microbatches > 1:
         parts.append(f"mb={layout.microbatches}")
     parts.append(f"ac={layout.ac}")

@@ -14,10 +14,11 @@ elements after tp, ``e`` the compute dtype's bytes, ``n`` tokens per microbatch)
   ``dp_shard x cp``, :func:`~plait.plan.shards.fsdp_ranks`, and its collectives have that
   many ranks): all-gathers of every unit in the compute dtype, per microbatch (blocks twice
   with ``reshard_after_forward``, forward and backward; the root once), or once per step
-  under a pipeline; one fp32 reduce-scatter of every unit per step (gradient accumulation
-  and pipelines reduce once, at the end). Both move ``fully_shard``'s buffers, each
-  parameter padded to a multiple of the group's ranks on dim 0
-  (:func:`~plait.plan.shards.padded_params`). With ``Software.float8_all_gather``
+  under a pipeline (``max_active_stages``: as often as the schedule gathers each stage
+  again, :func:`~plait.plan.schedule.layout_gathers`); one fp32 reduce-scatter of every
+  unit per step (gradient accumulation and pipelines reduce once, at the end). Both move
+  ``fully_shard``'s buffers, each parameter padded to a multiple of the group's ranks on
+  dim 0 (:func:`~plait.plan.shards.padded_params`). With ``Software.float8_all_gather``
   (torchao's fp8 all-gather) the blocks' weights are gathered in fp8, 1 byte per
   parameter (the few norm weights among them too, a negligible over-count); the root unit
   and a MoE's routed experts (no Float8Linears) stay in the compute dtype; the weights'
@@ -80,7 +81,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from plait.layout import CP, DP_REPLICATE, DP_SHARD, EFSDP, EP, MESH_DIMS, PP, TP
-from plait.plan.schedule import RankLoad
+from plait.plan.schedule import RankLoad, layout_gathers
 from plait.plan.shards import (
     RankParams,
     compute_bytes,
@@ -354,17 +355,16 @@ def communication(
     out: list[Collective] = []
     fsdp = fsdp_dim(layout)
 
-    def add(dim: str, op: str, nbytes: float, calls: int) -> None:
-        if nbytes > 0:
+    def add(dim: str, op: str, nbytes: float, calls: float) -> None:
+        if nbytes > 0:  # calls: a bounded pipeline gathers a stage a fractional mean of times
             span = ep_span(layout, dim == EP and software.ep_inner)
-            out.append(
-                Collective(dim, op, nbytes, calls, link_bandwidth(dim, layout, device, span))
-            )
+            bandwidth = link_bandwidth(dim, layout, device, span)
+            out.append(Collective(dim, op, nbytes, round(calls), bandwidth))
 
     units = p.blocks + (1 if p.root else 0)
     if ds > 1:
-        if layout.pp > 1:
-            gathers, per_block = 1, 1
+        if layout.pp > 1:  # each stage once per step, or as often as its bound says
+            gathers = per_block = layout_gathers(layout)
         else:
             gathers, per_block = m, m * (2 if layout.reshard_after_forward else 1)
         # ep > 1 or tp > 1: the experts are a group of their own, on efsdp (x tp); else

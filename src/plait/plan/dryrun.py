@@ -145,7 +145,7 @@ def pipeline_step(parts: Trainable, cfg: TrainConfig, inputs: torch.Tensor) -> N
     receive is stated. ValueError for a schedule with split backwards."""
     from plait.pipeline.actions import ActionKind
     from plait.pipeline.grad_sync import StageGradSync
-    from plait.pipeline.schedules import generate, schedule_spec
+    from plait.pipeline.schedules import add_fsdp_actions, generate, schedule_spec
 
     name = schedule_spec(cfg.schedule).name
     if name not in DRY_RUN_SCHEDULES:
@@ -154,22 +154,29 @@ def pipeline_step(parts: Trainable, cfg: TrainConfig, inputs: torch.Tensor) -> N
             f"({', '.join(DRY_RUN_SCHEDULES)})"
         )
     rank = dist.get_rank(parts.pipeline_group)
-    actions = generate(name, cfg.pp, cfg.pp * cfg.stages_per_rank, cfg.microbatches)[rank]
     modules = {s.index: s.module for s in parts.stages}
-    syncs = [sync for sync in map(StageGradSync, modules.values()) if sync.active]
+    syncs = {i: s for i, m in modules.items() if (s := StageGradSync(m)).active}
+    order = generate(name, cfg.pp, cfg.pp * cfg.stages_per_rank, cfg.microbatches)
+    if syncs:  # gathered, freed and reduced where the schedule says, as in training
+        order = add_fsdp_actions(order, cfg.max_active_stages or None)
     chunks = inputs.chunk(cfg.microbatches)
     boundary: torch.Tensor | None = None  # the first stage's output: a boundary's shape
     outputs: dict[tuple[int, int], torch.Tensor] = {}
-    for sync in syncs:
-        sync.begin_step()
-        sync.unshard()  # plait's schedules gather a stage once per step
+    for each in syncs.values():
+        each.begin_step()
     try:
         with loss_context(cfg), forward_context(cfg):
-            for a in actions:
-                if a.microbatch is None:
-                    continue  # no compute: the runtime's own steps, done above and below
-                key = (a.stage, a.microbatch)
-                if a.kind is ActionKind.FORWARD:
+            for a in order[rank]:
+                sync: StageGradSync | None = syncs.get(a.stage)
+                if a.kind is ActionKind.UNSHARD and sync is not None:
+                    sync.unshard()
+                    sync.wait_unshard()
+                elif a.kind is ActionKind.RESHARD and sync is not None:
+                    sync.reshard()
+                elif a.kind is ActionKind.REDUCE_GRAD and sync is not None:
+                    sync.reduce_grads()
+                elif a.kind is ActionKind.FORWARD:
+                    assert a.microbatch is not None
                     if a.stage == 0:
                         x = chunks[a.microbatch]
                     else:
@@ -179,19 +186,17 @@ def pipeline_step(parts: Trainable, cfg: TrainConfig, inputs: torch.Tensor) -> N
                     out = modules[a.stage](x)
                     if a.stage == 0:
                         boundary = out.detach()
-                    outputs[key] = out
+                    outputs[(a.stage, a.microbatch)] = out
                 elif a.kind is ActionKind.FULL_BACKWARD:
-                    out = outputs.pop(key)
+                    assert a.microbatch is not None
+                    out = outputs.pop((a.stage, a.microbatch))
                     out.backward(torch.ones_like(out))
                     del out
-                    for sync in syncs:
+                    if sync is not None:
                         sync.stash_grads()
-        for sync in syncs:
-            sync.reduce_grads()
-            sync.reshard()
     finally:
-        for sync in syncs:
-            sync.end_step()
+        for each in syncs.values():
+            each.end_step()
 
 
 def _vocabulary(model: torch.nn.Module) -> int:

@@ -74,6 +74,9 @@ _LAYOUT_HELP = {
     "from --seq-len 16384 on, else 1)",
     "end_blocks": "with a pipeline: blocks the embedding and the head each count for in "
     "the split among stages (default: 0, an even split of the blocks)",
+    "max_active_stages": "with a pipeline: the most stages a rank holds gathered at once, a "
+    "stage gathered again when it comes back (default: 0, no bound: each gathered once per "
+    "step; torch's runtime schedules hold 3)",
 }
 
 #: Per help group (its title), its flags, in ``--help``'s order.
@@ -211,7 +214,13 @@ PLAN_FLAGS: Mapping[str, tuple[Flag, ...]] = {
     "layout (plait train's flags; given ones are fixed)": (
         *(
             Flag(name, _LAYOUT_HELP.get(name), int)
-            for name in (*LAYOUT_DIMS, "stages_per_rank", "end_blocks", "microbatches")
+            for name in (
+                *LAYOUT_DIMS,
+                "stages_per_rank",
+                "end_blocks",
+                "max_active_stages",
+                "microbatches",
+            )
         ),
         Flag(
             "cp_method",

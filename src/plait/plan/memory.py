@@ -16,8 +16,10 @@ seq_len / cp``: context parallelism's ranks share a batch and split its sequence
 * **unsharded** (``ds > 1``): the all-gathered units in flight, in the compute dtype. The
   root unit (embeddings, head) stays gathered from forward through backward
   (``fully_shard`` does not reshard the root after forward); blocks: the current one and the
-  prefetched next, or every block with ``reshard_after_forward=False``; under a pipeline the
-  whole stage (plait's schedules gather a stage once per step, ``add_fsdp_actions``).
+  prefetched next, or every block with ``reshard_after_forward=False``; under a pipeline
+  every local stage (plait's schedules gather a stage once per step, ``add_fsdp_actions``),
+  or with ``max_active_stages`` that many of the rank's largest stages and one more: the
+  all-gather output of the stage being gathered again, mid-step.
   With ``Software.float8_all_gather`` a dense model's gathered blocks are fp8, 1 byte per
   parameter. Float8 changes nothing else here: torchao's ``Float8Linear`` saves its
   high-precision input and weight for backward and casts again there (no fp8 copies
@@ -167,6 +169,11 @@ def _gathered(r: MemoryRank) -> tuple[float, float]:
     if r.ds > 1:
         keep_all = r.pipelined or not r.layout.reshard_after_forward
         gathered_blocks = r.load.layers if keep_all else 2
+        if r.pipelined and r.layout.max_active_stages:  # a bound on the stages held full
+            # ... and, gathered mid-step, a stage's all-gather output beside them while it
+            # is copied out (the unbounded order gathers before the activations build up).
+            active = r.load.stage_layers * (r.layout.max_active_stages + 1)
+            gathered_blocks = min(gathered_blocks, active)
         # fp8 all-gathers hold the dense blocks' weights in fp8 (MoE blocks: as they are)
         fp8 = r.software.float8_all_gather and not r.model.experts
         block_e = 1 if fp8 else r.e

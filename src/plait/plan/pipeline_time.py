@@ -13,6 +13,12 @@ the fill and drain exposes one send. The collectives that ran hidden slow the co
 beside them down (``contention``, :func:`plait.plan.timing.interference`): the busiest
 rank's.
 
+With ``max_active_stages`` a stage is gathered again each time it comes back into the
+rank's window (:func:`~plait.plan.schedule.layout_gathers` times per step). Those gathers
+are issued at their UNSHARD, ahead of the compute that awaits them: with a window of one
+stage right before it, so each is exposed whole; with more, one action ahead, so each is
+exposed beyond one microbatch's forward through a stage.
+
 On a measured CPU, the uniform makespan times the slowest stage, as checked against real
 runs, and every send a rank makes is exposed where communication shares the compute's
 cores. Where workers outnumber the cores (a measured CPU's ``oversubscription`` above 1,
@@ -27,7 +33,13 @@ from collections.abc import Callable
 
 from plait.plan.comm_time import microbatch_hop
 from plait.plan.rank_time import RankTimes
-from plait.plan.schedule import PipelineShape, RankLoad, pipeline_stages, stage_makespan
+from plait.plan.schedule import (
+    PipelineShape,
+    RankLoad,
+    layout_gathers,
+    pipeline_stages,
+    stage_makespan,
+)
 from plait.plan.spec import DeviceSpec, Layout, ModelSpec, Workload
 
 __all__ = ["measured_pipeline_step", "pipeline_step"]
@@ -57,14 +69,29 @@ def pipeline_step(
     owners = tuple(rank for _, rank in stages)
     pipeline = stage_makespan(tuple(durations), owners, pp, m, shape.makespan)
     start, end = _exposed_sync(times, fwd, bwd, owners, pp)
+    again = layout_gathers(layout) - 1  # each stage's gathers beyond its first, per step
+    ahead = layout.max_active_stages > 1  # issued one action early (module docstring)
+    regather = max(
+        sum(
+            again * max(0.0, times[s].gather - (fwd[s] if ahead else 0.0))
+            for s in range(len(stages))
+            if owners[s] == r
+        )
+        for r in range(pp)
+    )
     hop = microbatch_hop(model, layout, work, device)
-    exposed = start + end + 2 * (pp * v - 1) * hop
+    exposed = start + end + regather + 2 * (pp * v - 1) * hop
     # Interference: the busiest rank's gathers and reductions beyond what is exposed ran
     # beside compute and slowed it down.
     busy = max(
-        sum(times[s].gather + times[s].reduce for s in range(len(stages)) if owners[s] == r)
+        sum(
+            (1 + again) * times[s].gather + times[s].reduce
+            for s in range(len(stages))
+            if owners[s] == r
+        )
         for r in range(pp)
     )
+    busy -= regather
     exposed += contention * max(0.0, busy - start - end)
     compute = max(sum(t.compute for s, t in enumerate(times) if owners[s] == r) for r in range(pp))
     host = max(t.host for t in times) * v
@@ -136,7 +163,8 @@ def measured_pipeline_step(
     hops = 2 * (layout.pp * layout.stages_per_rank - 1)
     if not device.overlap:  # every send a rank makes takes its cores' time
         hops = max(hops, 2 * m * layout.stages_per_rank)
-    exposed = max(t.gather + t.reduce for t in times.values()) + hops * hop
+    gathers = layout_gathers(layout)  # a stage gathered again: serial here, all exposed
+    exposed = max(gathers * t.gather + t.reduce for t in times.values()) + hops * hop
     pipeline = shape.makespan * unit
     share = device.oversubscription
     if share > 1:  # ranks sharing cores fill each other's bubbles (see the docstring)

@@ -62,7 +62,7 @@ from plait.plan.comm import fsdp_dim, ring
 from plait.plan.comm_time import cp_exposed, link_seconds, moe_exchanges, tp_exposed
 from plait.plan.compute_time import KernelTimes
 from plait.plan.roofline import BANDWIDTH_FRACTION, OPTIMIZER_BYTES, profile
-from plait.plan.schedule import RankLoad
+from plait.plan.schedule import RankLoad, layout_gathers
 from plait.plan.shards import (
     RankParams,
     compute_bytes,
@@ -249,11 +249,12 @@ def _update_seconds(layout: Layout, device: DeviceSpec, elements: float) -> floa
 
 def _host_seconds(layout: Layout, device: DeviceSpec, p: RankParams) -> float:
     """The optimizer step, and ``fully_shard``'s host work per unit (measured devices;
-    else 0): per microbatch, but under a pipeline once per step, as plait's schedules
-    gather and reduce each stage once (``add_fsdp_actions``)."""
+    else 0): per microbatch, but under a pipeline once per gather of a stage, as plait's
+    schedules gather and reduce each stage (``add_fsdp_actions``: once per step without
+    ``max_active_stages``)."""
     host = _update_seconds(layout, device, p.total)
     if fsdp_ranks(layout) > 1:
-        passes = 1 if layout.pp > 1 else layout.microbatches
+        passes = layout_gathers(layout) if layout.pp > 1 else layout.microbatches
         host += passes * (p.blocks + (1 if p.root else 0)) * device.unit_overhead
     return host
 

@@ -116,6 +116,8 @@ def _layout_flags(
         flags += [f"--schedule {layout.schedule}", f"--stages-per-rank {layout.stages_per_rank}"]
         if layout.end_blocks:
             flags.append(f"--end-blocks {layout.end_blocks}")
+        if layout.max_active_stages:
+            flags.append(f"--max-active-stages {layout.max_active_stages}")
     flags += [
         f"--microbatches {layout.microbatches}",
         f"--ac {layout.ac}",

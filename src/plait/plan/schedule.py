@@ -31,8 +31,8 @@ import functools
 from dataclasses import dataclass
 
 from plait.layout.schedule import stage_blocks
-from plait.pipeline.actions import Schedule, stage_to_rank
-from plait.pipeline.schedules import generate, schedule_spec
+from plait.pipeline.actions import ActionKind, Schedule, stage_to_rank
+from plait.pipeline.schedules import add_fsdp_actions, generate, schedule_spec
 from plait.pipeline.simulate import DEFAULT_COSTS, peak_live, simulate
 from plait.plan.spec import Layout, ModelSpec
 
@@ -40,9 +40,11 @@ __all__ = [
     "PipelineShape",
     "RankLoad",
     "closed_form_makespan",
+    "layout_gathers",
     "layout_shape",
     "pipeline_shape",
     "pipeline_stages",
+    "stage_gathers",
     "stage_makespan",
 ]
 
@@ -382,3 +384,30 @@ def stage_makespan(
         return max(busy)
     others = (sum(durations) - max(durations)) / (n_stages - 1)
     return max(busy) + rest * others
+
+
+@functools.lru_cache(maxsize=256)
+def stage_gathers(
+    schedule: str, pp: int, stages_per_rank: int, microbatches: int, max_active_stages: int
+) -> float:
+    """How many times a pipeline rank gathers each of its stages per step, on average, the
+    busiest rank's: 1 without a bound on the stages gathered at once (``0``) or with one of
+    at least the stages a rank holds; else the UNSHARDs of the schedule as plait lowers it
+    (:func:`plait.pipeline.add_fsdp_actions`) over the rank's stages."""
+    v = stages_per_rank
+    if max_active_stages <= 0 or max_active_stages >= v or pp == 1:
+        return 1.0
+    order = add_fsdp_actions(generate(schedule, pp, pp * v, microbatches), max_active_stages)
+    unshard = ActionKind.UNSHARD
+    return max(sum(a.kind is unshard for a in acts) for acts in order.values()) / v
+
+
+def layout_gathers(layout: Layout) -> float:
+    """:func:`stage_gathers` of ``layout``."""
+    return stage_gathers(
+        layout.schedule,
+        layout.pp,
+        layout.stages_per_rank,
+        layout.microbatches,
+        layout.max_active_stages,
+    )

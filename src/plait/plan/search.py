@@ -146,8 +146,10 @@ def _layouts(
     shape: ModelShape, work: Workload, world: World, per_node: int, pinned: Pinned
 ) -> Iterator[Layout]:
     sp, ends = pinned.layout.sequence_parallel, pinned.layout.end_blocks
+    active = pinned.layout.max_active_stages
     for grid in grids(pinned.sizes, world.size):
-        base = Layout(sequence_parallel=sp, end_blocks=ends).with_sizes(grid)
+        base = Layout(sequence_parallel=sp, end_blocks=ends, max_active_stages=active)
+        base = base.with_sizes(grid)
         assert type(base) is Layout  # what _with copies
         if base.tp > per_node and not pinned.given(TP):
             continue

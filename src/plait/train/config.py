@@ -138,9 +138,8 @@ class BalanceConfig(_Group):
 class ExecutionConfig(_Group):
     """How the ranks run the model: the parallel ``layout`` (every mesh size and its
     choices), the processes and their device, precision and CPU offload, the speed flags
-    (``compile``, ``float8``: they change how each rank computes, as the layout does),
-    ``fault_timeout``, how long a collective waits for a peer, and ``max_active_stages``,
-    how many pipeline stages a rank holds gathered at once (0: no bound)."""
+    (``compile``, ``float8``: they change how each rank computes, as the layout does), and
+    ``fault_timeout``, how long a collective waits for a peer."""
 
     layout: Layout
     nproc: int
@@ -150,7 +149,6 @@ class ExecutionConfig(_Group):
     compile: bool
     float8: bool
     fault_timeout: float
-    max_active_stages: int
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class PipelineStepper:
             layout.microbatches,
             loss_fn=_microbatch_loss,
             scale_grads=False,
-            max_active_stages=execution.max_active_stages or None,
+            max_active_stages=layout.max_active_stages or None,
         )
         self.has_loss = any(s.is_last for s in stages)
 
