@@ -84,3 +84,27 @@ def test_a_bound_on_gathered_stages_costs_all_gathers() -> None:
     ]
     assert gathered[1] == pytest.approx(gathered[0] * layout_gathers(bounded), rel=0.01)
     assert "active=2" in describe(bounded) and "active" not in describe(base)
+
+
+def test_the_search_bounds_gathered_stages_only_when_nothing_fits_without() -> None:
+    from plait.plan import plan
+    from plait.plan.devices import device, override
+    from plait.plan.search import PlanError, describe
+
+    model, work = gpt(32, 32, 4096, 2048), Workload(2048, 64)
+    fixed = {
+        "pp": 2,
+        "dp_shard": 4,
+        "schedule": "Interleaved1F1B",
+        "stages_per_rank": 4,
+        "microbatches": 16,
+        "ac": "full",
+    }
+    # Every local stage gathered: 31.3 GiB; one (and one being gathered again): 28.3 GiB.
+    roomy, tight = (override(device("h100"), memory=gib * 2**30) for gib in (40, 33))
+    assert {c.layout.max_active_stages for c in plan(model, work, roomy, 8, **fixed)} == {0}
+    found = plan(model, work, tight, 8, **fixed)
+    assert {c.layout.max_active_stages for c in found} == {1}
+    assert "active=1" in describe(found[0].layout)
+    with pytest.raises(PlanError, match="fits in no layout"):
+        plan(model, work, tight, 8, max_active_stages=0, **fixed)

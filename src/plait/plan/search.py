@@ -18,9 +18,11 @@ there), searched with ``ring`` attention; the other methods (``--cp-method``) ar
 tried on the best layouts found (:func:`_other_cp_methods`); interleaved schedules are
 searched at their least stages per rank (2), then the best of them again at every other
 :func:`stages_options` (:func:`_other_stages`), then the best pipelines with the embedding
-and the head weighing a block each (:func:`_weighted_ends`). ZeRO data parallelism and
-Megatron-LM's activations (:class:`~plait.plan.spec.PlanLayout`) only when asked (``zero``,
-``recipe``): plait train runs neither. Fixed flags pin their field.
+and the head weighing a block each (:func:`_weighted_ends`). Pipelines hold every local
+stage gathered (``max_active_stages`` 0) unless no layout fits so: then the pipelined ones
+are tried again at each bound of :data:`BOUNDS` below their stages per rank. ZeRO data
+parallelism and Megatron-LM's activations (:class:`~plait.plan.spec.PlanLayout`) only when
+asked (``zero``, ``recipe``): plait train runs neither. Fixed flags pin their field.
 A layout fits when its peak rank's memory is at most ``memory_fraction`` of the
 device's (the rest: allocator, CUDA context, workspaces). Memory is predicted first and
 timing only for what fits; the pipeline's figures (makespan, bubble, activation peaks)
@@ -78,6 +80,7 @@ from plait.plan.timing import EFFICIENCY
 
 __all__ = [
     "AC_SEARCHED",
+    "BOUNDS",
     "CP_METHOD_RETRIES",
     "CP_MIN_TOKENS",
     "CP_SEARCH_MIN_SEQ",
@@ -276,6 +279,21 @@ def _weighted_ends(found: list[Candidate], layers: int, stages: bool) -> Iterato
                 yield variant
 
 
+BOUNDS = (1, 2, 3)
+"""The bounds on a pipeline rank's gathered stages (``max_active_stages``) tried when no
+layout fits without one: below the rank's stages, up to torch's runtime's 3."""
+
+
+def _bounded(layouts: Iterator[Layout]) -> Iterator[Layout]:
+    """The pipelined ``layouts`` of more than one stage per rank, with each bound of
+    :data:`BOUNDS` below their stages per rank."""
+    for layout in layouts:
+        if layout.pp > 1:
+            for bound in BOUNDS:
+                if bound < layout.stages_per_rank:
+                    yield _with(layout, max_active_stages=bound)
+
+
 def _options(layout: Layout, pinned: Pinned) -> Iterator[Layout]:
     """``layout`` with each checkpointing mode and each ``reshard_after_forward`` that
     matters (only ``fully_shard`` without a pipeline reshards between the passes)."""
@@ -329,6 +347,13 @@ def plan(
     pricing = Pricing(model, work, device, budget, efficiency, software)
     grid = _layouts(shape, work, world, device.gpus_per_node, pinned)
     fitting, smallest = _price_all(pricing, _flavours(grid, zero, recipe))
+    if not fitting and not pinned.given("max_active_stages"):
+        # Nothing fits with every local stage gathered: bound how many are (as torch's
+        # runtime holds 3), at the price of gathering stages again.
+        grid = _layouts(shape, work, world, device.gpus_per_node, pinned)
+        fitting, least = _price_all(pricing, _flavours(_bounded(grid), zero, recipe))
+        if least is not None and (smallest is None or least[0] < smallest[0]):
+            smallest = least
     if smallest is None:
         raise PlanError(
             f"no layout of {gpus} devices can run {model.name} with --global-batch "
