@@ -79,13 +79,15 @@ def reference_varlen(
 
 
 class Calls:
-    """A kernel's run wrapped to count its calls."""
+    """A kernel's run wrapped to count its calls and the key/value heads it is given."""
 
     def __init__(self, run: Callable[..., torch.Tensor]) -> None:
         self.run, self.n = run, 0
+        self.kv_heads: set[int] = set()
 
     def __call__(self, *args: Any) -> torch.Tensor:
         self.n += 1
+        self.kv_heads.add(args[1].shape[1])  # k: (tokens, kv heads, d)
         return self.run(*args)
 
 
@@ -319,6 +321,11 @@ def test_model_through_the_kernel_equals_the_dense_mask(
     blocks = len(model.blocks)
     assert calls.n == blocks * (2 if recompute else 1), "every block, and its recompute"
     assert masks == []
+    if name.startswith("llama"):  # grouped heads go in as they are, repeat_kv or not
+        attn = model.blocks[0].attn
+        assert (
+            calls.kv_heads == {attn.k.out_features // attn.head_dim} != {HF["num_attention_heads"]}
+        )
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
     assert grads.keys() == expected_grads.keys()
     for n, g in grads.items():

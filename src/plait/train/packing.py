@@ -42,6 +42,7 @@ __all__ = [
     "document_mask",
     "document_positions",
     "packing",
+    "takes_grouped_heads",
     "varlen_kernel",  # the seam step_batch and packing() ask, which tests substitute
 ]
 
@@ -238,6 +239,16 @@ def causal_attention(
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa
         )
+
+
+def takes_grouped_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: Packing | None
+) -> bool:
+    """Whether :func:`causal_attention` of ``q``, ``k``, ``v`` (no dropout) with ``pack``
+    runs the variable-length kernel, which takes grouped key/value heads as they are: a
+    caller that repeats them to the query heads for SDPA's sake need not (it costs
+    ``heads / kv_heads`` times the keys and values, and their gradients)."""
+    return pack is not None and pack.spans is not None and pack.spans.kernel.takes(q, k, v, 0.0)
 
 
 def _varlen_attention(

@@ -12,7 +12,7 @@ from torch import nn
 from plait.train.llama.config import LlamaConfig
 from plait.train.llama.rms_norm import RMSNorm
 from plait.train.llama.rotary import apply_rotary, rope_inv_freq
-from plait.train.packing import Packing, causal_attention
+from plait.train.packing import Packing, causal_attention, takes_grouped_heads
 
 __all__ = ["LlamaAttention"]
 
@@ -26,9 +26,10 @@ class LlamaAttention(nn.Module):
     (the default), or handed to it grouped with ``enable_gqa``. Context parallelism turns
     it off (:func:`plait.train.parallelize.parallelize`): :mod:`plait.context` takes
     grouped heads and exchanges them at their own width, ``heads / kv_heads`` times fewer
-    bytes than repeated ones. Elsewhere they stay repeated, as SDPA's memory-efficient
-    kernel (CUDA, fp32) takes no ``enable_gqa`` and such a call would fall back to the
-    math kernel."""
+    bytes than repeated ones. Packed rows that run the variable-length kernel
+    (:func:`~plait.train.packing.takes_grouped_heads`) get them grouped too. Elsewhere they
+    stay repeated, as SDPA's memory-efficient kernel (CUDA, fp32) takes no ``enable_gqa``
+    and such a call would fall back to the math kernel."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -73,7 +74,9 @@ class LlamaAttention(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         groups = q.shape[1] // k.shape[1]
-        if groups > 1 and self.repeat_kv:  # each kv head serves `groups` consecutive q heads
+        # Each kv head serves `groups` consecutive q heads; the variable-length kernel takes
+        # them grouped, SDPA's memory-efficient one (CUDA, fp32) repeated.
+        if groups > 1 and self.repeat_kv and not takes_grouped_heads(q, k, v, pack):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         y = causal_attention(q, k, v, pack, enable_gqa=k.shape[1] != q.shape[1])
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
