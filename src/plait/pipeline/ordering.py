@@ -238,7 +238,7 @@ def install(
                 for first_step in (True, False):
                     check_in_order(order, placement, first_step=first_step)
     else:
-        bound = max_active_stages if fsdp else None
+        bound = max_active_stages
         train = _lower(compute, placement, shape, fsdp, in_order, pairs, bound)
         forwards = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in compute.items()}
         forwards = _lower(forwards, placement, shape, fsdp, in_order, max_active_stages=bound)
