@@ -108,3 +108,5 @@ def test_the_search_bounds_gathered_stages_only_when_nothing_fits_without() -> N
     assert "active=1" in describe(found[0].layout)
     with pytest.raises(PlanError, match="fits in no layout"):
         plan(model, work, tight, 8, max_active_stages=0, **fixed)
+    with pytest.raises(PlanError, match="--max-active-stages -1: .* 0 for no bound"):
+        plan(model, work, tight, 8, max_active_stages=-1, **fixed)

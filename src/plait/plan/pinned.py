@@ -104,6 +104,11 @@ def check_pinned(model: ModelSpec, shape: ModelShape, world: World, pinned: Pinn
         _refuse(check_schedule(SCHEDULES, pinned.layout.schedule))
     if pinned.given(PP) or pinned.layout.end_blocks < 0:
         _refuse(_pipeline_reasons(shape, pinned))
+    if pinned.layout.max_active_stages < 0:
+        raise PlanError(
+            f"--max-active-stages {pinned.layout.max_active_stages}: the most stages a "
+            "pipeline rank holds gathered at once; give 1 or more, or 0 for no bound"
+        )
     if pinned.given(EP):
         _refuse(_ep_reasons(shape, world, pinned))
 
