@@ -290,12 +290,12 @@ class _Runner:
             self.pending.append(action)
             return
         self.flush()
-        self.gathered(action)
         function = None if action in self.paired else self.functions.get(action.kind.value)
         with traced(f"plait.pipeline.{action}"):
             if function is None:
-                self.perform(action)
+                self.perform(action)  # which waits for the stage's gathers
             else:
+                self.gathered(action)
                 function(action, self.context)
 
     def run_pair(self, pair: OverlappedPair) -> None:

@@ -71,13 +71,17 @@ def pipeline_step(
     start, end = _exposed_sync(times, fwd, bwd, owners, pp)
     again = layout_gathers(layout) - 1  # each stage's gathers beyond its first, per step
     ahead = layout.max_active_stages > 1  # issued one action early (module docstring)
-    regather = max(
-        sum(
-            again * max(0.0, times[s].gather - (fwd[s] if ahead else 0.0))
-            for s in range(len(stages))
-            if owners[s] == r
+    regather = (
+        max(
+            sum(
+                again * max(0.0, times[s].gather - (fwd[s] if ahead else 0.0))
+                for s in range(len(stages))
+                if owners[s] == r
+            )
+            for r in range(pp)
         )
-        for r in range(pp)
+        if again
+        else 0.0
     )
     hop = microbatch_hop(model, layout, work, device)
     exposed = start + end + regather + 2 * (pp * v - 1) * hop

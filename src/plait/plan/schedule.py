@@ -403,7 +403,10 @@ def stage_gathers(
 
 
 def layout_gathers(layout: Layout) -> float:
-    """:func:`stage_gathers` of ``layout``."""
+    """:func:`stage_gathers` of ``layout`` (1 at once without a bound: the search prices
+    tens of thousands of layouts, nearly all without one)."""
+    if layout.max_active_stages <= 0:
+        return 1.0
     return stage_gathers(
         layout.schedule,
         layout.pp,
