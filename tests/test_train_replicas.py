@@ -9,12 +9,14 @@ group 1 holds group 0's weights bitwise, and every step's loss of each group equ
 one torch's ``fully_shard`` under torchft gives with the same failure
 (``replica_reference.py``, run here as its own 2 x 2 processes); the run resumed with
 ``--resume --steps 8`` continues both groups as torch's reference trains the 8 steps in one
-go. The checks and the configuration are tested without processes. Every process has a
-deadline.
+go. Groups of ``--cp 2 --tp 2 --float8`` (4 ranks each) go through a kill and a heal too,
+checked against one HSDP job of the same layout whose replicas are the groups. The checks
+and the configuration are tested without processes. Every process has a deadline.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +38,9 @@ from plait.train.model import GPT
 from plait.train.replicas import check_replica_groups, replicas_config
 from plait.train.resolve import resolve
 
+from harness import run_on_ranks
+from train_helpers import assert_losses_close, train_on_rank
+
 FLAGS = "--device cpu --seq-len 32 --n-layer 2 --n-head 2 --d-model 32 --batch-size 8 "
 FLAGS += "--steps 6 --warmup 1 --eval-every 0 --eval-batches 1 --ckpt-every 0 --grad-clip 0 "
 FLAGS += "--min-lr-ratio 1 "  # a constant rate after warm-up: a longer resumed run has the same
@@ -52,9 +57,16 @@ def losses(run_dir: Path) -> dict[int, tuple[float, int]]:
     }
 
 
-def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+def grad_norms(run_dir: Path) -> dict[int, float]:
+    """step -> gradient norm before clipping, of a run's metrics.jsonl."""
+    return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r}
+
+
+def final_weights(run_dir: Path, step: int, latest: bool = True) -> dict[str, torch.Tensor]:
+    """The weights of ``run_dir``'s checkpoint of ``step`` (``latest``: its newest)."""
     path = latest_checkpoint(run_dir)
-    assert path is not None and path.name == f"step_{step:06d}"
+    assert path is not None and (not latest or path.name == f"step_{step:06d}")
+    path = path.parent / f"step_{step:06d}"
     model = GPT(model_config(MODEL))
     load_weights(path, model)
     return model.state_dict()
@@ -111,13 +123,68 @@ def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
     assert group1 == reference[1, 1]
 
 
+#: A group's layout in the composed test: fully_shard over its 2 cp ranks, each a tp pair,
+#: with float8 all-gathers, gradients clipped (the norm of the quorum's averaged gradients).
+INNER = "--dp-shard 1 --cp 2 --tp 2 --float8 --nproc 4 --grad-clip 1"
+COMPOSED = FLAGS.replace("--grad-clip 0 ", "").replace("--dp-shard 2", INNER)
+#: Its steps 1 and 2 as one job of 8 ranks, HSDP with the groups as its replicas (each
+#: rank quantizes its own activations to float8, as in the groups: one process would not).
+HSDP = MODEL.replace(
+    device="cpu", batch_size=8, steps=2, warmup=1, eval_every=0, eval_batches=1,
+    ckpt_every=0, min_lr_ratio=1, grad_clip=1, dp_replicate=2, cp=2, tp=2, float8=True,
+)  # fmt: skip
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="needs torchao (the float8 extra)"
+)
+def test_groups_with_context_and_tensor_parallelism_heal_and_train_like_hsdp(
+    tmp_path: Path,
+) -> None:
+    """Each group ``--cp 2 --tp 2 --float8`` (4 ranks), checkpointing every 2 steps; group
+    1's rank 1 is SIGKILLed in step 3. In the steps both groups trained (1 and 2) their
+    gradient norm and mean loss are those of one HSDP job whose replicas are the groups, and
+    after them both hold its weights bitwise; the restarted group resumes its step-2
+    checkpoint, heals, and ends with bitwise the live group's weights: the all-reduce hooks
+    and the healing state hold tensor-parallel and float8 shards as they hold plain ones."""
+    run_dir = tmp_path / "plait"
+    plait_train(
+        run_dir,
+        *COMPOSED.split(),
+        "--ckpt-every",
+        "2",
+        "--keep",
+        "3",
+        PLAIT_TEST_KILL_RANK_AT_STEP=f"5:{KILL_STEP}",  # group 1's rank 1
+        PLAIT_TEST_REPLICAS_REJOIN_AT_STEP=str(REJOIN_STEP),
+    )
+    group0, group1 = losses(run_dir / "group0"), losses(run_dir / "group1")
+    assert [group0[s][1] for s in range(1, 7)] == [2, 2, 1, 1, 2, 2]
+    assert sorted(group1) == [1, 2, REJOIN_STEP, 6]
+    assert_groups_equal(run_dir, 6)
+
+    hsdp = run_on_ranks(8, train_on_rank, HSDP, str(tmp_path / "hsdp"))[0]
+    assert_losses_close([(group0[s][0] + group1[s][0]) / 2 for s in (1, 2)], hsdp.losses)
+    expected, norms = final_weights(tmp_path / "hsdp", 2), grad_norms(tmp_path / "hsdp")
+    for g in (0, 1):
+        # (a sum over the groups instead of their mean would double the norm)
+        assert [grad_norms(run_dir / f"group{g}")[s] for s in (1, 2)] == [norms[1], norms[2]]
+        weights = final_weights(run_dir / f"group{g}", 2, latest=False)
+        for name, value in expected.items():
+            assert torch.equal(weights[name], value), (g, name)
+
+
 def test_checks_refuse_unsupported_layouts() -> None:
     base = MODEL.replace(device="cpu", batch_size=8, replica_groups=2)
     check_replica_groups(resolve(base.replace(dp_shard=2), 2))  # fine
-    with pytest.raises(ConfigError, match="--tp 2"):
-        resolve(base.replace(dp_shard=2, tp=2), 4)
+    check_replica_groups(resolve(base.replace(dp_shard=1, cp=2, tp=2, float8=True), 4))
+    for flag, change in (("--pp 2", {"pp": 2}), ("--dp-replicate 2", {"dp_replicate": 2})):
+        with pytest.raises(ConfigError, match=f"with {flag}: replica groups train a dense"):
+            resolve(base.replace(dp_shard=2, **change), 4)
+    with pytest.raises(ConfigError, match="--experts"):
+        resolve(base.replace(dp_shard=2, experts=4), 2)
     with pytest.raises(ConfigError, match="at least 2 ranks"):
-        resolve(base.replace(dp_shard=1), 1)
+        resolve(base.replace(dp_shard=1, tp=2), 2)
     with pytest.raises(ConfigError, match="multiple of 8"):
         resolve(base.replace(dp_shard=4, batch_size=4), 4)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -185,9 +186,10 @@ class Trainable:
         #: dense model).
         self.expert_load: torch.Tensor | None = None
 
-    def update(self) -> torch.Tensor:
-        """After a step's backward: complete pending gradient sums, clip, update, drop the
-        gradients, and (with experts) read the step's expert load and move the balancing
+    def update(self, commit: Callable[[], bool] | None = None) -> torch.Tensor:
+        """After a step's backward: complete pending gradient sums, clip, update unless
+        ``commit`` (torchft's ``should_commit``, asked after the clip) answers False, drop
+        the gradients, and (with experts) read the step's expert load and move the balancing
         biases. Returns the gradient norm before clipping (a 0-d tensor)."""
         finish_partial_grads(self.params)
         duplicates = []
@@ -195,9 +197,10 @@ class Trainable:
             self.tied.sum_grads()
             duplicates = self.tied.duplicates()
         norm = clip_grad_norm(self.params, self.optim, self.pipeline_group, duplicates)
-        self.optimizer.step()
-        # --float8 weights: their scales for the next all-gather.
-        float8_scales(self.modules, self.execution)
+        if commit is None or commit():
+            self.optimizer.step()
+            # --float8 weights: their scales for the next all-gather.
+            float8_scales(self.modules, self.execution)
         self.optimizer.zero_grad(set_to_none=True)
         if self.moe_shape is not None:
             self.expert_load = self._gather_expert_load(self.moe_shape)

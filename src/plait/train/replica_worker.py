@@ -2,8 +2,10 @@
 under torchft.
 
 The group builds the model as any ``plait train`` run does (:class:`plait.train.loop.
-_Session`: ``fully_shard`` per block, then the root, over the group's ``--dp-shard``
-ranks), reading its share of every global batch (:mod:`plait.train.replicas`). torchft is
+_Session`: tensor parallelism, then ``fully_shard`` per block and the root over the group's
+``--dp-shard`` x ``--cp`` ranks), reading its share of every global batch
+(:mod:`plait.train.replicas`); each rank's peers in the other groups are the ranks of the
+same number, holding the same shards. torchft is
 wired as torchtitan wires it for HSDP:
 
 * a ``torchft.Manager`` per group (its own gloo / NCCL process group across the groups,
@@ -50,7 +52,7 @@ from plait import spmd
 from plait.fsdp import FSDPModule
 from plait.train.config import TrainConfig
 from plait.train.loop import TrainResult, _Session, model_flops_per_token
-from plait.train.optimizer import clip_grad_norm, finish_partial_grads, lr_at, set_lr
+from plait.train.optimizer import lr_at, set_lr
 from plait.train.replicas import (
     HOST_VARIABLE,
     LIGHTHOUSE_VARIABLE,
@@ -189,13 +191,14 @@ class _Replica:
     def update(self) -> tuple[bool, float]:
         """After the backward (gradients averaged over the quorum by the hooks): clip, and
         step the optimizer if torchft commits. Returns (committed, gradient norm)."""
-        parts = self.session.parts
-        finish_partial_grads(parts.params)
-        norm = clip_grad_norm(parts.params, parts.optim, None, [])
-        committed = self.manager.should_commit()
-        if committed:
-            parts.optimizer.step()
-        parts.optimizer.zero_grad(set_to_none=True)
+        committed = False
+
+        def commit() -> bool:
+            nonlocal committed
+            committed = self.manager.should_commit()
+            return committed
+
+        norm = self.session.parts.update(commit)
         self.take_snapshot()
         return committed, float(norm)
 

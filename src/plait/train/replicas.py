@@ -2,18 +2,20 @@
 
 With ``--replica-groups R`` the run trains ``R`` copies of the model, the *replica groups*,
 each on ``--nproc`` processes that shard it with ``fully_shard`` over their ``--dp-shard``
-ranks. The groups are tied together by torchft (the ``ft`` extra, ``pip install
-"plait[ft]"``), not by a process group: at every step the groups that are alive form a
-quorum at torchft's *lighthouse*, and each group's reduce-scattered gradient shards are
-averaged over that quorum (:mod:`plait.train.replica_worker`). A group that dies drops
-out: the others redo the step it died in without it and go on. A group that comes back
-heals: it receives the model and optimizer state of a live group (torchft's checkpoint
-transport) and trains the next step with them, its weights bitwise those of the live
-group.
+x ``--cp`` ranks (at least 2), optionally with ``--tp`` and ``--float8`` inside the group
+(a dense model: no ``--pp``, ``--dp-replicate``, ``--ep`` or experts yet). The groups are
+tied together by torchft (the ``ft`` extra, ``pip install "plait[ft]"``), not by a process
+group: at every step the groups that are alive form a quorum at torchft's *lighthouse*, and
+each group's reduce-scattered gradient shards are averaged over that quorum
+(:mod:`plait.train.replica_worker`). A group that dies drops out: the others redo the step
+it died in without it and go on. A group that comes back heals: it receives the model and
+optimizer state of a live group (torchft's checkpoint transport) and trains the next step
+with them, its weights bitwise those of the live group.
 
 The global batch (``--batch-size``) is split into ``R`` equal shares, one per group, and
-each group's share over its ``--dp-shard`` ranks: rank ``r`` of group ``g`` reads part
-``g * dp_shard + r`` of ``R * dp_shard`` of every global batch. A step that a group misses
+each group's share over its ``--dp-shard`` ranks (its cp and tp ranks share their dp
+rank's rows): dp rank ``r`` of group ``g`` reads part ``g * dp_shard + r`` of ``R *
+dp_shard`` of every global batch. A step that a group misses
 averages the gradients of the groups that took part: it sees fewer samples (``(R - m) /
 R`` of the global batch with ``m`` groups missing), and its gradient is their mean.
 
@@ -103,20 +105,21 @@ def check_replica_groups(cfg: TrainConfig) -> None:
     if cfg.replica_groups < 2:
         return
     flag = f"--replica-groups {cfg.replica_groups}"
-    others = {"--pp": cfg.pp, "--dp-replicate": cfg.dp_replicate, "--tp": cfg.tp}
-    others.update({"--cp": cfg.cp, "--ep": cfg.ep})
+    others = {"--pp": cfg.pp, "--dp-replicate": cfg.dp_replicate, "--ep": cfg.ep}
     given = [f"{name} {size}" for name, size in others.items() if size > 1]
-    if given or cfg.experts or cfg.float8:
-        what = ", ".join(given + ["--experts"] * bool(cfg.experts) + ["--float8"] * cfg.float8)
+    if given or cfg.experts:
+        what = ", ".join(given + ["--experts"] * bool(cfg.experts))
         raise ConfigError(
-            f"{flag} with {what}: replica groups shard the model with --dp-shard only (each "
-            "group fully_shards a dense model): drop those flags"
+            f"{flag} with {what}: replica groups train a dense model, each group with "
+            "fully_shard over --dp-shard x --cp ranks and optionally --tp and --float8 "
+            "(the groups are the data-parallel replicas; pipelines and experts are not "
+            "supported yet): drop those flags"
         )
-    if cfg.dp_shard < 2:
+    if cfg.dp_shard * cfg.cp < 2:
         raise ConfigError(
-            f"{flag} with --dp-shard {cfg.dp_shard}: each group must shard the model over at "
-            "least 2 ranks (the groups' gradients are averaged by fully_shard's all-reduce "
-            "hook): use --dp-shard 2 or more"
+            f"{flag} with --dp-shard {cfg.dp_shard} --cp {cfg.cp}: each group must shard the "
+            "model over at least 2 ranks (fully_shard shards over --dp-shard x --cp, and the "
+            "groups' gradients are averaged by its all-reduce hook): use --dp-shard 2 or more"
         )
     parts = cfg.replica_groups * cfg.dp
     if cfg.batch_size % parts:
