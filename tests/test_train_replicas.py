@@ -9,8 +9,9 @@ group 1 holds group 0's weights bitwise, and every step's loss of each group equ
 one torch's ``fully_shard`` under torchft gives with the same failure
 (``replica_reference.py``, run here as its own 2 x 2 processes); the run resumed with
 ``--resume --steps 8`` continues both groups as torch's reference trains the 8 steps in one
-go. Groups of ``--cp 2 --tp 2 --float8`` (4 ranks each) go through a kill and a heal too,
-checked against one HSDP job of the same layout whose replicas are the groups. The checks
+go. Groups of ``--cp 2 --tp 2 --float8`` and of ``--pp 2 --dp-shard 2`` (4 ranks each) go
+through a kill and a heal too, checked against one HSDP job of the same layout whose
+replicas are the groups. The checks
 and the configuration are tested without processes. Every process has a deadline.
 """
 
@@ -123,38 +124,37 @@ def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
     assert group1 == reference[1, 1]
 
 
-#: A group's layout in the composed test: fully_shard over its 2 cp ranks, each a tp pair,
-#: with float8 all-gathers, gradients clipped (the norm of the quorum's averaged gradients).
-INNER = "--dp-shard 1 --cp 2 --tp 2 --float8 --nproc 4 --grad-clip 1"
-COMPOSED = FLAGS.replace("--grad-clip 0 ", "").replace("--dp-shard 2", INNER)
-#: Its steps 1 and 2 as one job of 8 ranks, HSDP with the groups as its replicas (each
-#: rank quantizes its own activations to float8, as in the groups: one process would not).
+#: Groups of 4 ranks in other layouts (each with checkpoints every 2 steps, gradients
+#: clipped: the norm of the quorum's averaged gradients): fully_shard over 2 cp ranks, each
+#: a tp pair, with float8 all-gathers; a pipeline of 2 stages over 2 fully_shard ranks.
+#: Each with its steps 1 and 2 as one job of 8 ranks, HSDP with the groups as its replicas
+#: (one process would not be bitwise: each rank scales its own activations to float8).
+LAYOUTS = {
+    "cp2_tp2_float8": ("--dp-shard 1 --cp 2 --tp 2 --float8", {"cp": 2, "tp": 2, "float8": True}),
+    "pp2_dp_shard2": ("--dp-shard 2 --pp 2", {"dp_shard": 2, "pp": 2}),
+}
 HSDP = MODEL.replace(
     device="cpu", batch_size=8, steps=2, warmup=1, eval_every=0, eval_batches=1,
-    ckpt_every=0, min_lr_ratio=1, grad_clip=1, dp_replicate=2, cp=2, tp=2, float8=True,
+    ckpt_every=0, min_lr_ratio=1, grad_clip=1, dp_replicate=2,
 )  # fmt: skip
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("torchao") is None, reason="needs torchao (the float8 extra)"
-)
-def test_groups_with_context_and_tensor_parallelism_heal_and_train_like_hsdp(
-    tmp_path: Path,
-) -> None:
-    """Each group ``--cp 2 --tp 2 --float8`` (4 ranks), checkpointing every 2 steps; group
-    1's rank 1 is SIGKILLed in step 3. In the steps both groups trained (1 and 2) their
-    gradient norm and mean loss are those of one HSDP job whose replicas are the groups, and
-    after them both hold its weights bitwise; the restarted group resumes its step-2
-    checkpoint, heals, and ends with bitwise the live group's weights: the all-reduce hooks
-    and the healing state hold tensor-parallel and float8 shards as they hold plain ones."""
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_groups_of_other_layouts_heal_and_train_like_hsdp(name: str, tmp_path: Path) -> None:
+    """Group 1's rank 1 is SIGKILLed in step 3. In the steps both groups trained (1 and 2)
+    their gradient norm and mean loss are those of the HSDP job, and after them both hold
+    its weights bitwise; the restarted group resumes its step-2 checkpoint, heals, and ends
+    with bitwise the live group's weights: the all-reduce hooks and the healing state hold
+    tensor-parallel, float8 and pipeline-stage shards as they hold plain ones."""
+    flags, layout = LAYOUTS[name]
+    if layout.get("float8") and importlib.util.find_spec("torchao") is None:
+        pytest.skip("needs torchao (the float8 extra)")
+    inner = f"{flags} --nproc 4 --grad-clip 1 --ckpt-every 2 --keep 3"
+    composed = FLAGS.replace("--grad-clip 0 ", "").replace("--ckpt-every 0 ", "")
     run_dir = tmp_path / "plait"
     plait_train(
         run_dir,
-        *COMPOSED.split(),
-        "--ckpt-every",
-        "2",
-        "--keep",
-        "3",
+        *composed.replace("--dp-shard 2", inner).split(),
         PLAIT_TEST_KILL_RANK_AT_STEP=f"5:{KILL_STEP}",  # group 1's rank 1
         PLAIT_TEST_REPLICAS_REJOIN_AT_STEP=str(REJOIN_STEP),
     )
@@ -163,7 +163,7 @@ def test_groups_with_context_and_tensor_parallelism_heal_and_train_like_hsdp(
     assert sorted(group1) == [1, 2, REJOIN_STEP, 6]
     assert_groups_equal(run_dir, 6)
 
-    hsdp = run_on_ranks(8, train_on_rank, HSDP, str(tmp_path / "hsdp"))[0]
+    hsdp = run_on_ranks(8, train_on_rank, HSDP.replace(**layout), str(tmp_path / "hsdp"))[0]
     assert_losses_close([(group0[s][0] + group1[s][0]) / 2 for s in (1, 2)], hsdp.losses)
     expected, norms = final_weights(tmp_path / "hsdp", 2), grad_norms(tmp_path / "hsdp")
     for g in (0, 1):
@@ -178,9 +178,9 @@ def test_checks_refuse_unsupported_layouts() -> None:
     base = MODEL.replace(device="cpu", batch_size=8, replica_groups=2)
     check_replica_groups(resolve(base.replace(dp_shard=2), 2))  # fine
     check_replica_groups(resolve(base.replace(dp_shard=1, cp=2, tp=2, float8=True), 4))
-    for flag, change in (("--pp 2", {"pp": 2}), ("--dp-replicate 2", {"dp_replicate": 2})):
-        with pytest.raises(ConfigError, match=f"with {flag}: replica groups train a dense"):
-            resolve(base.replace(dp_shard=2, **change), 4)
+    check_replica_groups(resolve(base.replace(dp_shard=2, pp=2), 4))
+    with pytest.raises(ConfigError, match="with --dp-replicate 2: replica groups train a dense"):
+        resolve(base.replace(dp_shard=2, dp_replicate=2), 4)
     with pytest.raises(ConfigError, match="--experts"):
         resolve(base.replace(dp_shard=2, experts=4), 2)
     with pytest.raises(ConfigError, match="at least 2 ranks"):

@@ -2,8 +2,8 @@
 under torchft.
 
 The group builds the model as any ``plait train`` run does (:class:`plait.train.loop.
-_Session`: tensor parallelism, then ``fully_shard`` per block and the root over the group's
-``--dp-shard`` x ``--cp`` ranks), reading its share of every global batch
+_Session`: its pipeline stages, tensor parallelism, then ``fully_shard`` per block and each
+stage's root over the group's ``--dp-shard`` x ``--cp`` ranks), reading its share of every global batch
 (:mod:`plait.train.replicas`); each rank's peers in the other groups are the ranks of the
 same number, holding the same shards. torchft is
 wired as torchtitan wires it for HSDP:
@@ -11,7 +11,7 @@ wired as torchtitan wires it for HSDP:
 * a ``torchft.Manager`` per group (its own gloo / NCCL process group across the groups,
   ``min_replica_size=1``) talks to the lighthouse; each step starts with a quorum of the
   groups alive;
-* every ``FSDPModule`` gets ``set_all_reduce_hook``: after the group's reduce-scatter, each
+* every ``FSDPModule`` (of every local stage) gets ``set_all_reduce_hook``: after the group's reduce-scatter, each
   gradient shard is averaged over the quorum's groups (torchft's ``ManagedProcessGroup``);
 * the optimizer steps only when ``manager.should_commit()`` says every rank of the group
   got through the step (a group that died mid-step fails the others' all-reduce: they do
@@ -167,10 +167,11 @@ class _Replica:
             dist.all_reduce(reduced, group=managed, op=dist.ReduceOp.AVG)
 
         hooked = 0
-        for module in session.modules[0].modules():
-            if isinstance(module, FSDPModule):
-                module.set_all_reduce_hook(all_reduce_hook)
-                hooked += 1
+        for stage in session.modules:  # this rank's pipeline stages (one without --pp)
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_all_reduce_hook(all_reduce_hook)
+                    hooked += 1
         assert hooked, "--replica-groups: no fully_shard module to hook"
         self.take_snapshot()
 
@@ -180,12 +181,13 @@ class _Replica:
         optimizer state, which change only in ``optimizer.step()``, once torchft has
         stopped serving the step's checkpoint (``should_commit``)."""
         self.snapshot = {
-            "model": self.session.modules[0].state_dict(),
+            "model": [stage.state_dict() for stage in self.session.modules],
             "optim": self.session.optimizer.state_dict(),
         }
 
     def _load(self, state: dict[str, Any]) -> None:
-        self.session.modules[0].load_state_dict(state["model"])
+        for stage, values in zip(self.session.modules, state["model"], strict=True):
+            stage.load_state_dict(values)
         self.session.optimizer.load_state_dict(state["optim"])
 
     def update(self) -> tuple[bool, float]:

@@ -2,8 +2,8 @@
 
 With ``--replica-groups R`` the run trains ``R`` copies of the model, the *replica groups*,
 each on ``--nproc`` processes that shard it with ``fully_shard`` over their ``--dp-shard``
-x ``--cp`` ranks (at least 2), optionally with ``--tp`` and ``--float8`` inside the group
-(a dense model: no ``--pp``, ``--dp-replicate``, ``--ep`` or experts yet). The groups are
+x ``--cp`` ranks (at least 2), optionally with ``--tp``, ``--pp`` and ``--float8`` inside
+the group (a dense model: no ``--dp-replicate``, ``--ep`` or experts yet). The groups are
 tied together by torchft (the ``ft`` extra, ``pip install "plait[ft]"``), not by a process
 group: at every step the groups that are alive form a quorum at torchft's *lighthouse*, and
 each group's reduce-scattered gradient shards are averaged over that quorum
@@ -105,15 +105,15 @@ def check_replica_groups(cfg: TrainConfig) -> None:
     if cfg.replica_groups < 2:
         return
     flag = f"--replica-groups {cfg.replica_groups}"
-    others = {"--pp": cfg.pp, "--dp-replicate": cfg.dp_replicate, "--ep": cfg.ep}
+    others = {"--dp-replicate": cfg.dp_replicate, "--ep": cfg.ep}
     given = [f"{name} {size}" for name, size in others.items() if size > 1]
     if given or cfg.experts:
         what = ", ".join(given + ["--experts"] * bool(cfg.experts))
         raise ConfigError(
             f"{flag} with {what}: replica groups train a dense model, each group with "
-            "fully_shard over --dp-shard x --cp ranks and optionally --tp and --float8 "
-            "(the groups are the data-parallel replicas; pipelines and experts are not "
-            "supported yet): drop those flags"
+            "fully_shard over --dp-shard x --cp ranks, optionally with --tp, --pp and "
+            "--float8 (the groups are the data-parallel replicas; experts are not supported "
+            "yet): drop those flags"
         )
     if cfg.dp_shard * cfg.cp < 2:
         raise ConfigError(
