@@ -3,16 +3,17 @@ under torchft.
 
 The group builds the model as any ``plait train`` run does (:class:`plait.train.loop.
 _Session`: its pipeline stages, tensor parallelism, then ``fully_shard`` per block and each
-stage's root over the group's ``--dp-shard`` x ``--cp`` ranks), reading its share of every global batch
-(:mod:`plait.train.replicas`); each rank's peers in the other groups are the ranks of the
-same number, holding the same shards. torchft is
-wired as torchtitan wires it for HSDP:
+stage's root over the group's ``--dp-shard`` x ``--cp`` ranks), reading its share of every
+global batch (:mod:`plait.train.replicas`); each rank's peers in the other groups are the
+ranks of the same number, holding the same shards. torchft is wired as torchtitan wires it
+for HSDP:
 
 * a ``torchft.Manager`` per group (its own gloo / NCCL process group across the groups,
   ``min_replica_size=1``) talks to the lighthouse; each step starts with a quorum of the
   groups alive;
-* every ``FSDPModule`` (of every local stage) gets ``set_all_reduce_hook``: after the group's reduce-scatter, each
-  gradient shard is averaged over the quorum's groups (torchft's ``ManagedProcessGroup``);
+* every ``FSDPModule`` (of every local stage) gets ``set_all_reduce_hook``: after the
+  group's reduce-scatter, each gradient shard is averaged over the quorum's groups
+  (torchft's ``ManagedProcessGroup``);
 * the optimizer steps only when ``manager.should_commit()`` says every rank of the group
   got through the step (a group that died mid-step fails the others' all-reduce: they do
   not commit, and redo the step with the next quorum, without it);
