@@ -9,8 +9,8 @@ group 1 holds group 0's weights bitwise, and every step's loss of each group equ
 one torch's ``fully_shard`` under torchft gives with the same failure
 (``replica_reference.py``, run here as its own 2 x 2 processes); the run resumed with
 ``--resume --steps 8`` continues both groups as torch's reference trains the 8 steps in one
-go. Groups of ``--cp 2 --tp 2 --float8`` and of ``--pp 2 --dp-shard 2`` (4 ranks each) go
-through a kill and a heal too, checked against one HSDP job of the same layout whose
+go. Groups of ``--cp 2 --tp 2 --float8``, of ``--pp 2 --dp-shard 2`` and of experts over
+``--ep 2`` go through a kill and a heal too, checked against one HSDP job of the same layout whose
 replicas are the groups. The checks
 and the configuration are tested without processes. Every process has a deadline.
 """
@@ -63,12 +63,15 @@ def grad_norms(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r}
 
 
-def final_weights(run_dir: Path, step: int, latest: bool = True) -> dict[str, torch.Tensor]:
-    """The weights of ``run_dir``'s checkpoint of ``step`` (``latest``: its newest)."""
+def final_weights(
+    run_dir: Path, step: int, model_cfg: TrainConfig = MODEL, latest: bool = True
+) -> dict[str, torch.Tensor]:
+    """The weights of ``run_dir``'s checkpoint of ``step`` (``latest``: its newest) in a
+    one-process model of ``model_cfg``."""
     path = latest_checkpoint(run_dir)
     assert path is not None and (not latest or path.name == f"step_{step:06d}")
     path = path.parent / f"step_{step:06d}"
-    model = GPT(model_config(MODEL))
+    model = GPT(model_config(model_cfg))
     load_weights(path, model)
     return model.state_dict()
 
@@ -83,9 +86,9 @@ def plait_train(run_dir: Path, *flags: str, **env: str) -> subprocess.CompletedP
     return done
 
 
-def assert_groups_equal(run_dir: Path, step: int) -> None:
+def assert_groups_equal(run_dir: Path, step: int, model_cfg: TrainConfig = MODEL) -> None:
     """The two groups' checkpoints of ``step`` hold bitwise the same weights."""
-    weights0, weights1 = (final_weights(run_dir / f"group{g}", step) for g in (0, 1))
+    weights0, weights1 = (final_weights(run_dir / f"group{g}", step, model_cfg) for g in (0, 1))
     for name, value in weights0.items():
         assert torch.equal(value, weights1[name]), name
 
@@ -124,14 +127,24 @@ def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
     assert group1 == reference[1, 1]
 
 
-#: Groups of 4 ranks in other layouts (each with checkpoints every 2 steps, gradients
-#: clipped: the norm of the quorum's averaged gradients): fully_shard over 2 cp ranks, each
-#: a tp pair, with float8 all-gathers; a pipeline of 2 stages over 2 fully_shard ranks.
-#: Each with its steps 1 and 2 as one job of 8 ranks, HSDP with the groups as its replicas
-#: (one process would not be bitwise: each rank scales its own activations to float8).
+#: Groups in other layouts (each with checkpoints every 2 steps, gradients clipped: the
+#: norm of the quorum's averaged gradients): fully_shard over 2 cp ranks, each a tp pair,
+#: with float8 all-gathers; a pipeline of 2 stages over 2 fully_shard ranks; experts over 2
+#: ep ranks (balanced per sequence). Each with its steps 1 and 2 as one job, HSDP with the
+#: groups as its replicas (one process would not be bitwise: each rank scales its own
+#: activations to float8). name -> (flags, the layout's settings, ranks per group).
 LAYOUTS = {
-    "cp2_tp2_float8": ("--dp-shard 1 --cp 2 --tp 2 --float8", {"cp": 2, "tp": 2, "float8": True}),
-    "pp2_dp_shard2": ("--dp-shard 2 --pp 2", {"dp_shard": 2, "pp": 2}),
+    "cp2_tp2_float8": (
+        "--dp-shard 1 --cp 2 --tp 2 --float8",
+        {"cp": 2, "tp": 2, "float8": True},
+        4,
+    ),
+    "pp2_dp_shard2": ("--dp-shard 2 --pp 2", {"dp_shard": 2, "pp": 2}, 4),
+    "moe_ep2": (
+        "--dp-shard 2 --experts 4 --top-k 2 --ep 2",
+        {"dp_shard": 2, "experts": 4, "top_k": 2, "ep": 2},
+        2,
+    ),
 }
 HSDP = MODEL.replace(
     device="cpu", batch_size=8, steps=2, warmup=1, eval_every=0, eval_batches=1,
@@ -145,33 +158,35 @@ def test_groups_of_other_layouts_heal_and_train_like_hsdp(name: str, tmp_path: P
     their gradient norm and mean loss are those of the HSDP job, and after them both hold
     its weights bitwise; the restarted group resumes its step-2 checkpoint, heals, and ends
     with bitwise the live group's weights: the all-reduce hooks and the healing state hold
-    tensor-parallel, float8 and pipeline-stage shards as they hold plain ones."""
-    flags, layout = LAYOUTS[name]
+    tensor-parallel, float8, pipeline-stage and expert shards as they hold plain ones."""
+    flags, layout, nproc = LAYOUTS[name]
     if layout.get("float8") and importlib.util.find_spec("torchao") is None:
         pytest.skip("needs torchao (the float8 extra)")
-    inner = f"{flags} --nproc 4 --grad-clip 1 --ckpt-every 2 --keep 3"
+    inner = f"{flags} --nproc {nproc} --grad-clip 1 --ckpt-every 2 --keep 3"
     composed = FLAGS.replace("--grad-clip 0 ", "").replace("--ckpt-every 0 ", "")
     run_dir = tmp_path / "plait"
     plait_train(
         run_dir,
         *composed.replace("--dp-shard 2", inner).split(),
-        PLAIT_TEST_KILL_RANK_AT_STEP=f"5:{KILL_STEP}",  # group 1's rank 1
+        PLAIT_TEST_KILL_RANK_AT_STEP=f"{nproc + 1}:{KILL_STEP}",  # group 1's rank 1
         PLAIT_TEST_REPLICAS_REJOIN_AT_STEP=str(REJOIN_STEP),
     )
     group0, group1 = losses(run_dir / "group0"), losses(run_dir / "group1")
     assert [group0[s][1] for s in range(1, 7)] == [2, 2, 1, 1, 2, 2]
     assert sorted(group1) == [1, 2, REJOIN_STEP, 6]
-    assert_groups_equal(run_dir, 6)
+    reference = HSDP.replace(**layout)
+    model = MODEL.replace(experts=reference.experts, top_k=reference.top_k)
+    assert_groups_equal(run_dir, 6, model)
 
-    hsdp = run_on_ranks(8, train_on_rank, HSDP.replace(**layout), str(tmp_path / "hsdp"))[0]
+    hsdp = run_on_ranks(2 * nproc, train_on_rank, reference, str(tmp_path / "hsdp"))[0]
     assert_losses_close([(group0[s][0] + group1[s][0]) / 2 for s in (1, 2)], hsdp.losses)
-    expected, norms = final_weights(tmp_path / "hsdp", 2), grad_norms(tmp_path / "hsdp")
+    expected, norms = final_weights(tmp_path / "hsdp", 2, model), grad_norms(tmp_path / "hsdp")
     for g in (0, 1):
         # (a sum over the groups instead of their mean would double the norm)
         assert [grad_norms(run_dir / f"group{g}")[s] for s in (1, 2)] == [norms[1], norms[2]]
-        weights = final_weights(run_dir / f"group{g}", 2, latest=False)
-        for name, value in expected.items():
-            assert torch.equal(weights[name], value), (g, name)
+        weights = final_weights(run_dir / f"group{g}", 2, model, latest=False)
+        for key, value in expected.items():
+            assert torch.equal(weights[key], value), (g, key)
 
 
 def test_checks_refuse_unsupported_layouts() -> None:
@@ -179,10 +194,14 @@ def test_checks_refuse_unsupported_layouts() -> None:
     check_replica_groups(resolve(base.replace(dp_shard=2), 2))  # fine
     check_replica_groups(resolve(base.replace(dp_shard=1, cp=2, tp=2, float8=True), 4))
     check_replica_groups(resolve(base.replace(dp_shard=2, pp=2), 4))
-    with pytest.raises(ConfigError, match="with --dp-replicate 2: replica groups train a dense"):
+    with pytest.raises(ConfigError, match="--dp-replicate 2: the groups are the data-parallel"):
         resolve(base.replace(dp_shard=2, dp_replicate=2), 4)
-    with pytest.raises(ConfigError, match="--experts"):
-        resolve(base.replace(dp_shard=2, experts=4), 2)
+    moe = base.replace(dp_shard=2, experts=4, top_k=2, aux_loss_type="sequence")
+    check_replica_groups(resolve(moe, 2))
+    with pytest.raises(ConfigError, match="--aux-loss-type global: the experts' token counts"):
+        resolve(moe.replace(aux_loss_type="global"), 2)
+    with pytest.raises(ConfigError, match="--bias-update-speed: the experts' token counts"):
+        resolve(moe.replace(bias_update_speed=0.001), 2)
     with pytest.raises(ConfigError, match="at least 2 ranks"):
         resolve(base.replace(dp_shard=1, tp=2), 2)
     with pytest.raises(ConfigError, match="multiple of 8"):

@@ -2,15 +2,15 @@
 
 With ``--replica-groups R`` the run trains ``R`` copies of the model, the *replica groups*,
 each on ``--nproc`` processes that shard it with ``fully_shard`` over their ``--dp-shard``
-x ``--cp`` ranks (at least 2), optionally with ``--tp``, ``--pp`` and ``--float8`` inside
-the group (a dense model: no ``--dp-replicate``, ``--ep`` or experts yet). The groups are
-tied together by torchft (the ``ft`` extra, ``pip install "plait[ft]"``), not by a process
-group: at every step the groups that are alive form a quorum at torchft's *lighthouse*, and
-each group's reduce-scattered gradient shards are averaged over that quorum
-(:mod:`plait.train.replica_worker`). A group that dies drops out: the others redo the step
-it died in without it and go on. A group that comes back heals: it receives the model and
-optimizer state of a live group (torchft's checkpoint transport) and trains the next step
-with them, its weights bitwise those of the live group.
+x ``--cp`` ranks (at least 2), any other parallelism inside the group but
+``--dp-replicate`` (with experts: balanced by per-sequence losses only, whose counts need
+no other group). The groups are tied together by torchft (the ``ft`` extra, ``pip install
+"plait[ft]"``), not by a process group: at every step the groups that are alive form a
+quorum at torchft's *lighthouse*, and each group's reduce-scattered gradient shards are
+averaged over that quorum (:mod:`plait.train.replica_worker`). A group that dies drops out:
+the others redo the step it died in without it and go on. A group that comes back heals: it
+receives the model and optimizer state of a live group (torchft's checkpoint transport) and
+trains the next step with them, its weights bitwise those of the live group.
 
 The global batch (``--batch-size``) is split into ``R`` equal shares, one per group, and
 each group's share over its ``--dp-shard`` ranks (its cp and tp ranks share their dp
@@ -105,15 +105,18 @@ def check_replica_groups(cfg: TrainConfig) -> None:
     if cfg.replica_groups < 2:
         return
     flag = f"--replica-groups {cfg.replica_groups}"
-    others = {"--dp-replicate": cfg.dp_replicate, "--ep": cfg.ep}
-    given = [f"{name} {size}" for name, size in others.items() if size > 1]
-    if given or cfg.experts:
-        what = ", ".join(given + ["--experts"] * bool(cfg.experts))
+    if cfg.dp_replicate > 1:
         raise ConfigError(
-            f"{flag} with {what}: replica groups train a dense model, each group with "
-            "fully_shard over --dp-shard x --cp ranks, optionally with --tp, --pp and "
-            "--float8 (the groups are the data-parallel replicas; experts are not supported "
-            "yet): drop those flags"
+            f"{flag} with --dp-replicate {cfg.dp_replicate}: the groups are the data-parallel "
+            "replicas; inside a group fully_shard shards over --dp-shard x --cp ranks: drop "
+            "--dp-replicate (or use more groups)"
+        )
+    global_balance = cfg.aux_loss_type == "global" and cfg.aux_loss_coeff > 0
+    if cfg.experts and (cfg.bias_update_speed > 0 or global_balance):
+        what = "--bias-update-speed" if cfg.bias_update_speed > 0 else "--aux-loss-type global"
+        raise ConfigError(
+            f"{flag} with {what}: the experts' token counts would cover one group's tokens, "
+            "not the global batch's: use --aux-loss-type sequence and --bias-update-speed 0"
         )
     if cfg.dp_shard * cfg.cp < 2:
         raise ConfigError(
