@@ -202,6 +202,8 @@ def test_checks_refuse_unsupported_layouts() -> None:
         resolve(moe.replace(aux_loss_type="global"), 2)
     with pytest.raises(ConfigError, match="--bias-update-speed: the experts' token counts"):
         resolve(moe.replace(bias_update_speed=0.001), 2)
+    with pytest.raises(ConfigError, match="mixtral-8x7b's router_aux_loss_coef: the experts'"):
+        resolve(base.replace(model_config="mixtral-8x7b", dp_shard=2), 2)
     with pytest.raises(ConfigError, match="at least 2 ranks"):
         resolve(base.replace(dp_shard=1, tp=2), 2)
     with pytest.raises(ConfigError, match="multiple of 8"):

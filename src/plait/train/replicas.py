@@ -100,8 +100,10 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def check_replica_groups(cfg: TrainConfig) -> None:
-    """ConfigError unless ``cfg`` (resolved) is a layout replica groups support."""
+def check_replica_groups(cfg: TrainConfig, global_counts: str = "") -> None:
+    """ConfigError unless ``cfg`` (resolved) is a layout replica groups support.
+    ``global_counts``: what of the model balances its experts by counts over the global
+    batch ("" if nothing does), which a group would count over its own tokens only."""
     if cfg.replica_groups < 2:
         return
     flag = f"--replica-groups {cfg.replica_groups}"
@@ -111,12 +113,12 @@ def check_replica_groups(cfg: TrainConfig) -> None:
             "replicas; inside a group fully_shard shards over --dp-shard x --cp ranks: drop "
             "--dp-replicate (or use more groups)"
         )
-    global_balance = cfg.aux_loss_type == "global" and cfg.aux_loss_coeff > 0
-    if cfg.experts and (cfg.bias_update_speed > 0 or global_balance):
-        what = "--bias-update-speed" if cfg.bias_update_speed > 0 else "--aux-loss-type global"
+    if global_counts:
         raise ConfigError(
-            f"{flag} with {what}: the experts' token counts would cover one group's tokens, "
-            "not the global batch's: use --aux-loss-type sequence and --bias-update-speed 0"
+            f"{flag} with {global_counts}: the experts' token counts would cover one group's "
+            "tokens, not the global batch's: balance them per sequence (the GPT's "
+            "--aux-loss-type sequence, --bias-update-speed 0; a config.json's "
+            "router_aux_loss_coef 0)"
         )
     if cfg.dp_shard * cfg.cp < 2:
         raise ConfigError(
