@@ -130,9 +130,10 @@ def test_group_killed_heals_and_matches_torch(tmp_path: Path) -> None:
 #: Groups in other layouts (each with checkpoints every 2 steps, gradients clipped: the
 #: norm of the quorum's averaged gradients): fully_shard over 2 cp ranks, each a tp pair,
 #: with float8 all-gathers; a pipeline of 2 stages over 2 fully_shard ranks; experts over 2
-#: ep ranks (balanced per sequence). Each with its steps 1 and 2 as one job, HSDP with the
-#: groups as its replicas (one process would not be bitwise: each rank scales its own
-#: activations to float8). name -> (flags, the layout's settings, ranks per group).
+#: ep ranks, balanced by token counts over the global batch (a loss and a bias). Each with
+#: its steps 1 and 2 as one job, HSDP with the groups as its replicas (one process would not
+#: be bitwise: each rank scales its own activations to float8). name -> (flags, the
+#: layout's settings, ranks per group).
 LAYOUTS = {
     "cp2_tp2_float8": (
         "--dp-shard 1 --cp 2 --tp 2 --float8",
@@ -141,8 +142,9 @@ LAYOUTS = {
     ),
     "pp2_dp_shard2": ("--dp-shard 2 --pp 2", {"dp_shard": 2, "pp": 2}, 4),
     "moe_ep2": (
-        "--dp-shard 2 --experts 4 --top-k 2 --ep 2",
-        {"dp_shard": 2, "experts": 4, "top_k": 2, "ep": 2},
+        "--dp-shard 2 --experts 4 --top-k 2 --ep 2 --aux-loss-type global --bias-update-speed 0.01",
+        {"dp_shard": 2, "experts": 4, "top_k": 2, "ep": 2}
+        | {"aux_loss_type": "global", "bias_update_speed": 0.01},
         2,
     ),
 }
@@ -196,14 +198,7 @@ def test_checks_refuse_unsupported_layouts() -> None:
     check_replica_groups(resolve(base.replace(dp_shard=2, pp=2), 4))
     with pytest.raises(ConfigError, match="--dp-replicate 2: the groups are the data-parallel"):
         resolve(base.replace(dp_shard=2, dp_replicate=2), 4)
-    moe = base.replace(dp_shard=2, experts=4, top_k=2, aux_loss_type="sequence")
-    check_replica_groups(resolve(moe, 2))
-    with pytest.raises(ConfigError, match="--aux-loss-type global: the experts' token counts"):
-        resolve(moe.replace(aux_loss_type="global"), 2)
-    with pytest.raises(ConfigError, match="--bias-update-speed: the experts' token counts"):
-        resolve(moe.replace(bias_update_speed=0.001), 2)
-    with pytest.raises(ConfigError, match="mixtral-8x7b's router_aux_loss_coef: the experts'"):
-        resolve(base.replace(model_config="mixtral-8x7b", dp_shard=2), 2)
+    check_replica_groups(resolve(base.replace(dp_shard=2, experts=4, top_k=2, ep=2), 2))
     with pytest.raises(ConfigError, match="at least 2 ranks"):
         resolve(base.replace(dp_shard=1, tp=2), 2)
     with pytest.raises(ConfigError, match="multiple of 8"):

@@ -41,16 +41,19 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = ["balance_loss", "bias_step", "global_counts", "sequence_balance_loss", "z_loss"]
 
 
-def global_counts(counts: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    """``counts`` (integers) summed over every rank of ``mesh`` (each dim in turn; a copy).
+def global_counts(
+    counts: torch.Tensor,
+    mesh: DeviceMesh | None,
+    groups: tuple[dist.ProcessGroup, ...] = (),
+) -> torch.Tensor:
+    """``counts`` (integers) summed over every rank of ``mesh`` (each dim in turn), then
+    over each of ``groups`` (a copy).
 
-    ``None``: one process holds the whole batch, ``counts`` is already global.
+    ``None`` and no groups: one process holds the whole batch, ``counts`` is already global.
     """
     total = counts.detach().clone()
-    if mesh is None:
-        return total
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
+    dims = [] if mesh is None else [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    for group in [*dims, *groups]:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total

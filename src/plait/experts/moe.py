@@ -28,7 +28,10 @@ on the layout):
 one batch; :func:`set_load_balance_mesh` (or ``expert_parallel``) sets it. Left ``None``,
 the layer balances over the ranks its experts are sharded over (the ep ranks: enough for
 pure expert parallelism; data parallelism beside it must widen it), or over its own tokens
-when the experts are not sharded, as one process does.
+when the experts are not sharded, as one process does. Training forwards also sum over
+``load_balance_groups`` (:func:`set_load_balance_groups`): process groups outside the mesh
+whose ranks hold other tokens of the batch, e.g. torchft's managed group across
+fault-tolerant replica groups.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ __all__ = [
     "AuxLossType",
     "MoE",
     "expert_load",
+    "set_load_balance_groups",
     "set_load_balance_mesh",
     "split_routed_rows",
     "update_expert_bias",
@@ -133,6 +137,7 @@ class MoE(nn.Module):
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False
         )
         self.load_balance_mesh: DeviceMesh | None = None
+        self.load_balance_groups: tuple[dist.ProcessGroup, ...] = ()
         #: Ranks that hold the same tokens and split the routed rows between them
         #: (:func:`split_routed_rows`); None: this rank computes them all.
         self.row_split: dist.ProcessGroup | None = None
@@ -154,7 +159,8 @@ class MoE(nn.Module):
         # (E,) picks per expert; a scatter, not bincount: its shape is known before the data
         counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=picks.device)
         counts.scatter_add_(0, picks, torch.ones_like(picks))
-        load = global_counts(counts, self._balance_mesh())  # (E,) over the whole batch
+        groups = self.load_balance_groups if self.training else ()
+        load = global_counts(counts, self._balance_mesh(), groups)  # (E,) the whole batch's
         # Picks sorted by expert; stable, so each expert's rows stay in token order (the
         # order that makes expert parallelism reproduce one process exactly).
         order = torch.argsort(picks, stable=True)  # (N*k,)
@@ -220,9 +226,10 @@ class MoE(nn.Module):
         return with_aux
 
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
-        """Apply the bias step for the load counted since the last call, then reset it."""
-        if self.expert_bias is not None and self.bias_update_speed is not None:
+    def update_expert_bias(self, move: bool = True) -> None:
+        """Apply the bias step for the load counted since the last call (unless ``move`` is
+        False: a step that was dropped), then reset it."""
+        if move and self.expert_bias is not None and self.bias_update_speed is not None:
             bias_step(self.expert_bias, self.tokens_per_expert, self.bias_update_speed)
         self.tokens_per_expert.zero_()
 
@@ -274,16 +281,25 @@ def set_load_balance_mesh(module: nn.Module, mesh: DeviceMesh | None) -> None:
         moe.load_balance_mesh = mesh
 
 
+def set_load_balance_groups(module: nn.Module, groups: tuple[dist.ProcessGroup, ...]) -> None:
+    """Every ``MoE`` in ``module`` also sums its training forwards' token counts over each of
+    ``groups``, after its ``load_balance_mesh``: ranks outside the mesh that hold other
+    tokens of the same batch (torchft's managed group across replica groups)."""
+    for _, moe in _moe_layers(module):
+        moe.load_balance_groups = groups
+
+
 @torch.no_grad()
-def update_expert_bias(module: nn.Module) -> None:
+def update_expert_bias(module: nn.Module, move: bool = True) -> None:
     """End of a training step for every ``MoE`` in ``module``: move each expert bias
-    against the step's load (where ``bias_update_speed`` is set) and reset the counts.
+    against the step's load (where ``bias_update_speed`` is set; not when ``move`` is False,
+    for a step that was dropped) and reset the counts.
 
     Call it after ``optimizer.step()`` (after all microbatches of the step). Every rank
     computes the same update from the same global counts: no communication.
     """
     for _, moe in _moe_layers(module):
-        moe.update_expert_bias()
+        moe.update_expert_bias(move)
 
 
 def expert_load(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -197,15 +197,15 @@ class Trainable:
             self.tied.sum_grads()
             duplicates = self.tied.duplicates()
         norm = clip_grad_norm(self.params, self.optim, self.pipeline_group, duplicates)
-        if commit is None or commit():
+        committed = commit is None or commit()
+        if committed:
             self.optimizer.step()
-            # --float8 weights: their scales for the next all-gather.
-            float8_scales(self.modules, self.execution)
+            float8_scales(self.modules, self.execution)  # for the next float8 all-gather
         self.optimizer.zero_grad(set_to_none=True)
         if self.moe_shape is not None:
             self.expert_load = self._gather_expert_load(self.moe_shape)
-            for module in self.modules:
-                update_expert_bias(module)  # resets the counts for the next step
+            for module in self.modules:  # resets the counts for the next step
+                update_expert_bias(module, move=committed)
         return norm
 
     def _gather_expert_load(self, shape: tuple[int, int]) -> torch.Tensor:

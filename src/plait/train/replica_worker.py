@@ -13,7 +13,8 @@ for HSDP:
   groups alive;
 * every ``FSDPModule`` (of every local stage) gets ``set_all_reduce_hook``: after the
   group's reduce-scatter, each gradient shard is averaged over the quorum's groups
-  (torchft's ``ManagedProcessGroup``);
+  (torchft's ``ManagedProcessGroup``), and an MoE's token counts (its balance loss over
+  the global batch, its bias) are summed over the groups too;
 * the optimizer steps only when ``manager.should_commit()`` says every rank of the group
   got through the step (a group that died mid-step fails the others' all-reduce: they do
   not commit, and redo the step with the next quorum, without it);
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from plait import spmd
+from plait.experts import set_load_balance_groups
 from plait.fsdp import FSDPModule
 from plait.train.config import TrainConfig
 from plait.train.loop import TrainResult, _Session, model_flops_per_token
@@ -169,6 +171,8 @@ class _Replica:
 
         hooked = 0
         for stage in session.modules:  # this rank's pipeline stages (one without --pp)
+            # Experts balance over the global batch: every group's tokens.
+            set_load_balance_groups(stage, (managed,))
             for module in stage.modules():
                 if isinstance(module, FSDPModule):
                     module.set_all_reduce_hook(all_reduce_hook)

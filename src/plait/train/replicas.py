@@ -3,14 +3,14 @@
 With ``--replica-groups R`` the run trains ``R`` copies of the model, the *replica groups*,
 each on ``--nproc`` processes that shard it with ``fully_shard`` over their ``--dp-shard``
 x ``--cp`` ranks (at least 2), any other parallelism inside the group but
-``--dp-replicate`` (with experts: balanced by per-sequence losses only, whose counts need
-no other group). The groups are tied together by torchft (the ``ft`` extra, ``pip install
-"plait[ft]"``), not by a process group: at every step the groups that are alive form a
-quorum at torchft's *lighthouse*, and each group's reduce-scattered gradient shards are
-averaged over that quorum (:mod:`plait.train.replica_worker`). A group that dies drops out:
-the others redo the step it died in without it and go on. A group that comes back heals: it
-receives the model and optimizer state of a live group (torchft's checkpoint transport) and
-trains the next step with them, its weights bitwise those of the live group.
+``--dp-replicate``. The groups are tied together by torchft (the ``ft`` extra, ``pip
+install "plait[ft]"``), not by a process group: at every step the groups that are alive
+form a quorum at torchft's *lighthouse*, and each group's reduce-scattered gradient shards
+are averaged over that quorum, and the token counts that balance a model's experts summed
+over it (:mod:`plait.train.replica_worker`). A group that dies drops out: the others redo
+the step it died in without it and go on. A group that comes back heals: it receives the
+model and optimizer state of a live group (torchft's checkpoint transport) and trains the
+next step with them, its weights bitwise those of the live group.
 
 The global batch (``--batch-size``) is split into ``R`` equal shares, one per group, and
 each group's share over its ``--dp-shard`` ranks (its cp and tp ranks share their dp
@@ -100,10 +100,8 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def check_replica_groups(cfg: TrainConfig, global_counts: str = "") -> None:
-    """ConfigError unless ``cfg`` (resolved) is a layout replica groups support.
-    ``global_counts``: what of the model balances its experts by counts over the global
-    batch ("" if nothing does), which a group would count over its own tokens only."""
+def check_replica_groups(cfg: TrainConfig) -> None:
+    """ConfigError unless ``cfg`` (resolved) is a layout replica groups support."""
     if cfg.replica_groups < 2:
         return
     flag = f"--replica-groups {cfg.replica_groups}"
@@ -112,13 +110,6 @@ def check_replica_groups(cfg: TrainConfig, global_counts: str = "") -> None:
             f"{flag} with --dp-replicate {cfg.dp_replicate}: the groups are the data-parallel "
             "replicas; inside a group fully_shard shards over --dp-shard x --cp ranks: drop "
             "--dp-replicate (or use more groups)"
-        )
-    if global_counts:
-        raise ConfigError(
-            f"{flag} with {global_counts}: the experts' token counts would cover one group's "
-            "tokens, not the global batch's: balance them per sequence (the GPT's "
-            "--aux-loss-type sequence, --bias-update-speed 0; a config.json's "
-            "router_aux_loss_coef 0)"
         )
     if cfg.dp_shard * cfg.cp < 2:
         raise ConfigError(

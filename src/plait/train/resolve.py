@@ -187,21 +187,8 @@ def resolve(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     )
     _check_features(cfg)
     float8.check(cfg, shape.d_model)
-    check_replica_groups(cfg, _global_counts(cfg))
+    check_replica_groups(cfg)
     return cfg
-
-
-def _global_counts(cfg: TrainConfig) -> str:
-    """What of ``cfg``'s model balances its experts by token counts over the global batch
-    (:func:`~plait.train.replicas.check_replica_groups`), in flag words; "" if nothing."""
-    if cfg.model_config:
-        llama = llama_config(cfg)
-        coef = llama.num_experts > 0 and llama.router_aux_loss_coef > 0
-        return f"{cfg.model_config}'s router_aux_loss_coef" if coef else ""
-    if cfg.experts and cfg.bias_update_speed > 0:
-        return "--bias-update-speed"
-    global_loss = cfg.aux_loss_type == "global" and cfg.aux_loss_coeff > 0
-    return "--aux-loss-type global" if cfg.experts and global_loss else ""
 
 
 def _vocab_size(cfg: TrainConfig) -> int:
