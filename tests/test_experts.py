@@ -156,6 +156,8 @@ def test_expert_bias_step_and_load_counting() -> None:
     checkpoint(moe)  # the recompute in backward must not count the tokens again
     moe(x).sum().backward()
     assert int(moe.tokens_per_expert.sum()) == 12 * TOP_K
+    update_expert_bias(moe, move=False)  # a dropped step: its counts go, the bias stays
+    assert torch.equal(moe.expert_bias, want) and int(moe.tokens_per_expert.sum()) == 0
 
 
 def test_regroup_transposes_the_block_grid() -> None:
