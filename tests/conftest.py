@@ -56,6 +56,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 #: reorder (most tests first) had put them last again, all together.
 SLOWEST_FIRST = (
     "test_train_replicas.py",
+    "test_train_replica_layouts.py",
     "test_train_restart.py",
     "test_train_compile.py",
     "test_train_tp.py",
