@@ -19,8 +19,9 @@ from plait.plan import Workload, device, evaluate, gpt, measure
 from plait.plan.calibrate import RunRecord, calibrate, for_workers, read_run, scaled
 from plait.plan.cli import main
 from plait.plan.spec import DeviceSpec
-from plait.plan.train_plan import plan_of_config
+from plait.plan.train_plan import plan_of_config, planned_layout
 from plait.train.config import TrainConfig
+from plait.train.replicas import metrics_run_dir
 
 RUN = TrainConfig(
     n_layer=2,
@@ -233,3 +234,15 @@ def test_what_cannot_be_fitted_is_refused_by_name(
     empty = _run_dir(tmp_path, RUN, [], "empty")
     with pytest.raises(ValueError, match="holds no step_time"):
         read_run(empty)
+
+
+def test_replica_groups_are_planned_as_the_hsdp_job_they_train_like() -> None:
+    # Each group reads 1 / R of the global batch: R groups of --dp-shard 2 are priced as
+    # dp_replicate R x dp_shard 2, and --plan compares with the groups' own metrics.
+    groups = dataclasses.replace(RUN, replica_groups=2)
+    assert planned_layout(groups) == dataclasses.replace(RUN.layout, dp_replicate=2)
+    hsdp = dataclasses.replace(RUN, dp_replicate=2, nproc=4)
+    cpu = device("cpu")
+    assert plan_of_config(groups, cpu) == plan_of_config(hsdp, cpu)
+    assert metrics_run_dir(groups) == Path(RUN.run_dir) / "group0"
+    assert metrics_run_dir(RUN) == Path(RUN.run_dir)

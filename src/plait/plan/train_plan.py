@@ -8,7 +8,12 @@ flags are the planner's :class:`~plait.plan.spec.Software` (:func:`software_of_c
 ``--compile`` is ``compiled``, ``--float8`` torchao's tensorwise recipe, with the blocks'
 weights all-gathered in fp8 where ``fully_shard`` shards them (``dp_shard x cp > 1``, as
 :func:`plait.train.float8.gathers_float8`). A device without an fp8 peak (an A100, a CPU,
-where plait emulates float8) has no float8 prediction: ValueError."""
+where plait emulates float8) has no float8 prediction: ValueError.
+
+``--replica-groups R`` is priced as the one job it trains like (:func:`planned_layout`):
+HSDP with the groups as its ``R`` replicas, each group's gradients averaged with the
+others' over the network as HSDP's replicas average theirs (torchft's per-step quorum is
+not priced)."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ __all__ = [
     "plan_of_config",
     "plan_summary",
     "plan_versus_run",
+    "planned_layout",
     "software_of_config",
 ]
 
@@ -73,12 +79,22 @@ def plan_of_config(cfg: TrainConfig, device: DeviceSpec | None = None) -> Candid
     (:func:`software_of_config`). ValueError for ``--ac offload`` (not modelled) and for
     ``--float8`` on a device without fp8 (an A100, a CPU)."""
     model = model_of_config(cfg)
-    layout = cfg.layout
+    layout = planned_layout(cfg)
     if cfg.ac not in ("none", "selective", "full"):
         raise ValueError(f"--plan: --ac {cfg.ac} is not modelled (none, selective, full are)")
     work = Workload(cfg.seq_len, cfg.batch_size, cfg.mp)
     software = software_of_config(cfg)
     return evaluate(model, layout, work, device or local_device(cfg.device), software=software)
+
+
+def planned_layout(cfg: TrainConfig) -> Layout:
+    """The layout ``cfg`` trains as: its own, or with ``--replica-groups R`` its groups'
+    layout with ``R`` times the replicas (every group a replica of one HSDP job: each
+    reads ``1 / R`` of the global batch)."""
+    layout = cfg.layout
+    if cfg.replica_groups > 1:
+        return dataclasses.replace(layout, dp_replicate=layout.dp_replicate * cfg.replica_groups)
+    return layout
 
 
 def config_of_layout(model: ModelSpec, layout: Layout, work: Workload) -> TrainConfig:
@@ -158,7 +174,7 @@ def plan_versus_run(
     t = plan_of_config(cfg, dev).timing
     steady = step_times[1:] or step_times
     measured = statistics.median(steady)
-    tokens = cfg.batch_size * cfg.seq_len / measured / cfg.layout.world
+    tokens = cfg.batch_size * cfg.seq_len / measured / planned_layout(cfg).world
     which = f"median of {len(steady)} step(s)" + (", the first left out" if step_times[1:] else "")
     return (
         f"plan vs run on {dev.name}: step {t.step_time:.3g} s predicted, {measured:.3g} s "

@@ -44,7 +44,7 @@ from plait.train.loggers import check_logging
 from plait.train.loop import CONFIG_FILE, model_settings
 from plait.train.metrics import FILENAME as METRICS_FILENAME
 from plait.train.presets import preset_names
-from plait.train.replicas import group_run_dir, replicas_config
+from plait.train.replicas import group_run_dir, metrics_run_dir, replicas_config
 from plait.train.resolve import resolve
 from plait.train.restart import check_torchrun_restarts, restarted
 from plait.train.sample import sample_command
@@ -394,7 +394,7 @@ def _train(
         print(_describe(cfg), file=sys.stderr, flush=True)
         if show_plan and planner is not None:
             print(planner(cfg), file=sys.stderr, flush=True)
-    metrics = Path(cfg.run_dir) / METRICS_FILENAME
+    metrics = metrics_run_dir(cfg) / METRICS_FILENAME  # --plan compares with it
     written = metrics.stat().st_size if metrics.exists() else 0  # by earlier sessions
     try:
         launch(cfg)

@@ -67,6 +67,7 @@ __all__ = [
     "group_run_dir",
     "launch_replicas",
     "lighthouse_status",
+    "metrics_run_dir",
     "replica_group",
     "replicas_config",
 ]
@@ -140,6 +141,14 @@ def replica_group() -> int:
 def group_run_dir(run_dir: str | Path, group: int) -> Path:
     """Where replica group ``group`` writes its metrics and checkpoints."""
     return Path(run_dir) / f"group{group}"
+
+
+def metrics_run_dir(cfg: TrainConfig) -> Path:
+    """The run directory whose metrics this process reports on: the run's, or with replica
+    groups its group's (the first group's in the launcher that started them all)."""
+    if cfg.replica_groups > 1:
+        return group_run_dir(cfg.run_dir, int(os.environ.get(GROUP_VARIABLE, "0")))
+    return Path(cfg.run_dir)
 
 
 def lighthouse_status(url: str) -> tuple[int, int] | None:
