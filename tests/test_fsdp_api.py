@@ -776,17 +776,19 @@ def test_shared_modules_and_parameters_are_managed_once() -> None:
 
 
 _WITHOUT_INIT = """
-import sys, torch
+import os, sys, torch
 from torch import nn
 import plait
 m = nn.Linear(4, 4)
-try:
-    getattr(plait, sys.argv[1])(m)
-except RuntimeError as err:
-    print("error:", err)
-else:
-    m(torch.randn(2, 4)).sum().backward()
-    print("trained", type(m).__name__, torch.distributed.get_world_size())
+for env in ({}, dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])):
+    os.environ.update(env)  # first bare, then as torchrun leaves it
+    try:
+        getattr(plait, sys.argv[1])(m)
+    except RuntimeError as err:
+        print("error:", err)
+    else:
+        m(torch.randn(2, 4)).sum().backward()
+        print("trained", type(m).__name__, torch.distributed.get_world_size())
 """
 
 
@@ -794,7 +796,7 @@ else:
 def test_without_a_process_group_the_environment_starts_one(api: str) -> None:
     # torch's fully_shard and replicate initialise the default process group from the
     # environment (torchrun's variables) when none exists; without those variables plait
-    # says what to do.
+    # says what to do. One process tries both: bare, then with torchrun's variables.
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -803,21 +805,17 @@ def test_without_a_process_group_the_environment_starts_one(api: str) -> None:
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    torchrun = dict(env, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    runs = {}
-    for name, run_env in (("torchrun", torchrun), ("bare", env)):
-        out = subprocess.run(
-            [sys.executable, "-c", _WITHOUT_INIT, api],
-            env=run_env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        runs[name] = out.stdout.strip() or out.stderr[-2000:]
-    cls = "FSDPLinear" if api == "fully_shard" else "ReplicateLinear"
-    assert runs["torchrun"] == f"trained {cls} 1"
-    assert runs["bare"].startswith(f"error: {api} needs a default process group"), runs["bare"]
-    assert (
-        "environment variable RANK expected" in runs["bare"]
-        and "run under torchrun" in runs["bare"]
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_INIT, api, str(port)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr[-2000:]
+    bare, torchrun = lines
+    cls = "FSDPLinear" if api == "fully_shard" else "ReplicateLinear"
+    assert torchrun == f"trained {cls} 1"
+    assert bare.startswith(f"error: {api} needs a default process group"), bare
+    assert "environment variable RANK expected" in bare and "run under torchrun" in bare
