@@ -70,11 +70,13 @@ def final_weights(
     return model.state_dict()
 
 
-def plait_train(run_dir: Path, *flags: str, **env: str) -> subprocess.CompletedProcess[str]:
+def plait_train(
+    run_dir: Path, *flags: str, deadline: float = DEADLINE, **env: str
+) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "plait", "train", *flags, "--run-dir", str(run_dir)]
     environment = dict(os.environ, OMP_NUM_THREADS="1", **env)
     done = subprocess.run(
-        command, env=environment, capture_output=True, text=True, timeout=DEADLINE
+        command, env=environment, capture_output=True, text=True, timeout=deadline
     )
     assert done.returncode == 0, f"exit code {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done
