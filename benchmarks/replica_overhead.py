@@ -30,11 +30,9 @@ from pathlib import Path
 
 import torch
 
-from plait.train.checkpointing import latest_checkpoint, load_weights
+from benchmarks.failure_drill import final_weights
 from plait.train.config import TrainConfig
-from plait.train.loop import model_config
 from plait.train.metrics import read_metrics
-from plait.train.model import GPT
 
 DEADLINE = 900  # seconds one plait train may take
 
@@ -53,14 +51,6 @@ def _step_time(run_dir: Path, warmup: int) -> float:
     """The median step time of ``run_dir``'s steps after the first ``warmup``."""
     times = [r["step_time"] for r in read_metrics(run_dir) if "loss" in r and r["step"] > warmup]
     return statistics.median(times)
-
-
-def _weights(run_dir: Path, model: TrainConfig) -> dict[str, torch.Tensor]:
-    path = latest_checkpoint(run_dir)
-    assert path is not None, f"{run_dir} has no checkpoint"
-    gpt = GPT(model_config(model))
-    load_weights(path, gpt)
-    return gpt.state_dict()
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, list[float]]:
@@ -91,7 +81,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, list[float]]:
             metrics = run_dir / "group0" if "--replica-groups" in extra else run_dir
             times[name].append(_step_time(metrics, args.warmup))
         first, second = (dirs[name] for name in variants)
-        hsdp, groups = _weights(first, model), _weights(second / "group0", model)
+        hsdp, groups = final_weights(first, model), final_weights(second / "group0", model)
         if any(not torch.equal(hsdp[k], groups[k]) for k in hsdp):
             raise SystemExit(f"repeat {repeat}: the replica groups' weights differ from HSDP's")
         last = ", ".join(f"{name} {t[-1] * 1e3:.1f} ms" for name, t in times.items())
