@@ -29,7 +29,7 @@ from plait.pipeline.actions import (
 )
 from plait.pipeline.in_order import check_in_order
 from plait.pipeline.lowering import add_communication
-from plait.pipeline.ordering import Shape, generated, given, pair_steps
+from plait.pipeline.ordering import Lowering, Shape, generated, given, pair_steps
 from plait.pipeline.schedules import generate, schedule_spec
 
 import test_pipeline_runtime as runtime_tests
@@ -63,7 +63,7 @@ def test_every_schedule_lowered_in_order_runs_under_nccls_rules(name: str) -> No
     # OVERLAP_F_B function), each as a first step (activation receives settled in place)
     # and as a later one.
     for ranks, stages, m in _shapes(name):
-        order = generated(name, Shape(ranks, stages, m), fsdp=True, in_order=True)
+        order = generated(name, Shape(ranks, stages, m), Lowering(fsdp=True, in_order=True))
         paired = {
             r: [a for step in pair_steps(acts, order.pairs.get(r, ())) for a in _actions(step)]
             for r, acts in order.train.items()
@@ -103,11 +103,11 @@ def test_an_order_lowered_elsewhere_is_checked_for_nccl() -> None:
     owners = {s: stage_to_rank(s, 2, "loop") for s in range(4)}
     lowered = add_communication(generate("Interleaved1F1B", 2, 4, 4), 2, owners, 4)
     shape = Shape(2, 4, 4)
-    given("Interleaved1F1B", lowered, "compute_comms", shape, fsdp=False)
+    given("Interleaved1F1B", lowered, "compute_comms", shape)
     with pytest.raises(ScheduleError, match="hangs on a backend that matches messages"):
-        given("Interleaved1F1B", lowered, "compute_comms", shape, fsdp=False, in_order=True)
+        given("Interleaved1F1B", lowered, "compute_comms", shape, Lowering(in_order=True))
     for_nccl = add_communication(generate("Interleaved1F1B", 2, 4, 4), 2, owners, 4, in_order=True)
-    given("Interleaved1F1B", for_nccl, "compute_comms", shape, fsdp=False, in_order=True)
+    given("Interleaved1F1B", for_nccl, "compute_comms", shape, Lowering(in_order=True))
 
 
 def _in_order(body: object, *args: object) -> object:

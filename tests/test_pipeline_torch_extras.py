@@ -41,6 +41,7 @@ from plait.pipeline import (
 )
 from plait.pipeline.custom import custom_type
 from plait.pipeline.ordering import (
+    Lowering,
     Shape,
     check_pair_steps,
     check_placement,
@@ -81,22 +82,20 @@ def _torch_dualpipe_order(n_ranks: int, m: int) -> dict[int, list[Any]]:
 def test_dualpipe_pairs_are_torchs_overlap_actions(n_ranks: int, m: int) -> None:
     assert not dist.is_initialized()  # pure: no process group anywhere below
     torch_order = _torch_dualpipe_order(n_ranks, m)
-    order = generated("DualPipeV", Shape(n_ranks, 2 * n_ranks, m), fsdp=False)
+    order = generated("DualPipeV", Shape(n_ranks, 2 * n_ranks, m))
     for rank in range(n_ranks):
         theirs = [str(a) for a in torch_order[rank] if a.sub_actions is not None]
         assert [str(p) for p in order.pairs[rank]] == theirs
         assert [str(p) for p in dualpipe_v_pairs(n_ranks, m)[rank]] == theirs
     # Given as torch's action objects, the order keeps the same pairs.
-    loaded = given(
-        "Runtime", torch_order, "compute_only", Shape(n_ranks, 2 * n_ranks, m), fsdp=False
-    )
+    loaded = given("Runtime", torch_order, "compute_only", Shape(n_ranks, 2 * n_ranks, m))
     assert loaded.pairs == order.pairs and loaded.train == order.train
 
 
 def test_pair_steps_order_a_pair_as_torch_does() -> None:
     """Receives of both halves before the pair, their sends after it; deadlock-free."""
     for n_ranks, m, fsdp in [(2, 4, False), (2, 6, True), (4, 8, False), (3, 9, True)]:
-        order = generated("DualPipeV", Shape(n_ranks, 2 * n_ranks, m), fsdp=fsdp)
+        order = generated("DualPipeV", Shape(n_ranks, 2 * n_ranks, m), Lowering(fsdp=fsdp))
         check_pair_steps(order)
         for rank, actions in order.train.items():
             steps = pair_steps(actions, order.pairs.get(rank, ()))
@@ -155,14 +154,18 @@ def test_torch_csv_with_overlap_cells_keeps_its_pairs(tmp_path: Path) -> None:
     with open(tmp_path / "dual.csv", "w", newline="") as f:
         csv.writer(f).writerows(torch_order[r] for r in range(2))
     order = given(
-        "Runtime", load_csv_cells(tmp_path / "dual.csv"), "compute_only", Shape(2, 4, 5), fsdp=True
+        "Runtime",
+        load_csv_cells(tmp_path / "dual.csv"),
+        "compute_only",
+        Shape(2, 4, 5),
+        Lowering(fsdp=True),
     )
     assert {r: list(p) for r, p in order.pairs.items()} == dualpipe_v_pairs(2, 5)
     assert any(a.kind is K.UNSHARD for a in order.train[0])
 
 
 def test_placement_and_forward_only_orders() -> None:
-    order = forward_only("ForwardOnly", Shape(3, 3, 2), fsdp=False)
+    order = forward_only("ForwardOnly", Shape(3, 3, 2))
     assert [str(a) for a in order.compute[1]] == ["1F0", "1F1"] and order.eval == order.train
     assert check_placement("X", order.placement, Shape(3, 3, 2), 1, [1]) == [0, 1, 2]
     with pytest.raises(
@@ -170,7 +173,7 @@ def test_placement_and_forward_only_orders() -> None:
     ):
         check_placement("X", order.placement, Shape(3, 3, 2), 1, [2])
     with pytest.raises(ValueError, match="num_stages must be 3"):
-        forward_only("ForwardOnly", Shape(3, 6, 2), fsdp=False)
+        forward_only("ForwardOnly", Shape(3, 6, 2))
 
 
 def test_step_inputs_are_one_frozen_value() -> None:
@@ -351,7 +354,7 @@ def _fsdp_custom_body() -> list[str]:
     modules = split_model(model, 4, stages=ids)
     stages = [PipelineStage(mod, s, 4, "cpu") for mod, s in zip(modules, ids, strict=True)]
     runtime = _PipelineScheduleRuntime(stages, 4, loss_fn=F.mse_loss)
-    order = generated("DualPipeV", Shape(world, 4, 4), fsdp=True)  # with FSDP actions
+    order = generated("DualPipeV", Shape(world, 4, 4), Lowering(fsdp=True))  # with FSDP actions
     runtime._prepare_schedule_with_comms(order.train, format="compute_comms")
     seen: list[str] = []
     runtime.register_custom_function(K.REDUCE_GRAD, lambda a, ctx: seen.append(str(a)))

@@ -47,6 +47,7 @@ from plait.pipeline.validate import validate
 
 __all__ = [
     "CsvFormat",
+    "Lowering",
     "Order",
     "Pairs",
     "Placement",
@@ -83,6 +84,18 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class Lowering:
+    """How an order is lowered for the run that holds it: ``fsdp``, with FSDP actions, at
+    most ``max_active_stages`` stages unsharded at once
+    (:func:`~plait.pipeline.schedules.add_fsdp_actions`); ``in_order``, for a backend that
+    matches messages in posting order (:mod:`~plait.pipeline.lowering`)."""
+
+    fsdp: bool = False
+    in_order: bool = False
+    max_active_stages: int | None = None
+
+
+@dataclass(frozen=True)
 class Order:
     """Every pipeline rank's actions, in the forms a schedule needs.
 
@@ -99,42 +112,17 @@ class Order:
     pairs: dict[int, tuple[OverlappedPair, ...]]
 
 
-def generated(
-    name: str,
-    shape: Shape,
-    *,
-    fsdp: bool,
-    in_order: bool = False,
-    max_active_stages: int | None = None,
-) -> Order:
-    """The order of the schedule ``name`` (a key of SCHEDULES), lowered and checked;
-    ``fsdp``: add FSDP actions, at most ``max_active_stages`` stages unsharded at once
-    (:func:`~plait.pipeline.schedules.add_fsdp_actions`); ``in_order``: lowered for a
-    backend that matches messages in posting order (:mod:`~plait.pipeline.lowering`).
-    Raises ValueError for a shape the schedule cannot run."""
+def generated(name: str, shape: Shape, lowering: Lowering = Lowering()) -> Order:
+    """The order of the schedule ``name`` (a key of SCHEDULES), lowered as ``lowering``
+    says and checked. Raises ValueError for a shape the schedule cannot run."""
     spec = SCHEDULES[name]
     compute = generate(name, shape.n_ranks, shape.n_stages, shape.n_microbatches)
     placement = {s: stage_to_rank(s, shape.n_ranks, spec.style) for s in range(shape.n_stages)}
     pairs = {} if spec.pairs is None else spec.pairs(shape.n_ranks, shape.n_microbatches)
-    return install(
-        compute,
-        placement,
-        shape,
-        fsdp=fsdp,
-        pairs=pairs,
-        in_order=in_order,
-        max_active_stages=max_active_stages,
-    )
+    return install(compute, placement, shape, lowering, pairs)
 
 
-def forward_only(
-    name: str,
-    shape: Shape,
-    *,
-    fsdp: bool,
-    in_order: bool = False,
-    max_active_stages: int | None = None,
-) -> Order:
+def forward_only(name: str, shape: Shape, lowering: Lowering = Lowering()) -> Order:
     """torch's forward-only order: one stage per rank, every microbatch's forward in turn.
     Raises ValueError (naming ``name``) unless there are as many stages as ranks."""
     if shape.n_stages != shape.n_ranks:
@@ -145,9 +133,7 @@ def forward_only(
     m = range(shape.n_microbatches)
     compute = {r: [Action(r, K.FORWARD, i) for i in m] for r in range(shape.n_ranks)}
     placement = {s: s for s in range(shape.n_stages)}
-    return install(
-        compute, placement, shape, fsdp=fsdp, in_order=in_order, max_active_stages=max_active_stages
-    )
+    return install(compute, placement, shape, lowering)
 
 
 def given(
@@ -155,10 +141,7 @@ def given(
     actions: Mapping[int, Sequence[object | None]],
     format: CsvFormat,
     shape: Shape,
-    *,
-    fsdp: bool,
-    in_order: bool = False,
-    max_active_stages: int | None = None,
+    lowering: Lowering = Lowering(),
 ) -> Order:
     """An order handed over as data (rank -> actions), torch's
     ``_prepare_schedule_with_comms``: plait actions or pairs, or objects read by their text
@@ -167,7 +150,7 @@ def given(
 
     ``"compute_only"``: F / B / I / W only (ValueError naming a communication action
     found), lowered here; ``"compute_comms"``: already lowered (FSDP actions are added if
-    ``fsdp`` and there are none). The placement is read from the actions (each stage on
+    ``lowering.fsdp`` and there are none). The placement is read from the actions (each stage on
     the rank running most of them). Raises NotImplementedError for another format, and
     ScheduleError naming the rank and action if the order cannot run.
     """
@@ -189,15 +172,7 @@ def given(
     missing = [s for s in range(shape.n_stages) if s not in owners]
     if missing:
         raise ScheduleError(f"{name}: the schedule never runs stages {missing} of {shape.n_stages}")
-    return install(
-        schedule,
-        owners,
-        shape,
-        fsdp=fsdp,
-        pairs=pairs,
-        in_order=in_order,
-        max_active_stages=max_active_stages,
-    )
+    return install(schedule, owners, shape, lowering, pairs)
 
 
 def check_format(format: str) -> None:
@@ -212,36 +187,32 @@ def install(
     schedule: Schedule,
     placement: Placement,
     shape: Shape,
-    *,
-    fsdp: bool,
+    lowering: Lowering = Lowering(),
     pairs: Pairs | None = None,
-    in_order: bool = False,
-    max_active_stages: int | None = None,
 ) -> Order:
     """Adopt ``schedule`` (compute-only, or already lowered with communication actions):
-    lower it (adding FSDP actions if ``fsdp``), derive the forward-only order, check both,
-    and check that each of ``pairs`` is a forward followed, among its rank's compute
-    actions, by its backward. ``in_order``: the backend matches messages in posting order
-    (NCCL): a compute-only order is lowered for it, and one already lowered must pass
-    :func:`~plait.pipeline.in_order.check_in_order`."""
+    lower it as ``lowering`` says (adding FSDP actions if ``lowering.fsdp``), derive the
+    forward-only order, check both, and check that each of ``pairs`` is a forward followed,
+    among its rank's compute actions, by its backward. With ``lowering.in_order`` (the
+    backend matches messages in posting order, NCCL) a compute-only order is lowered for
+    it, and one already lowered must pass :func:`~plait.pipeline.in_order.check_in_order`."""
     compute = {r: [a for a in acts if a.kind.is_compute] for r, acts in schedule.items()}
     if any(a.kind.is_comm for acts in schedule.values() for a in acts):
         train = schedule
-        if fsdp and not any(a.kind.is_fsdp for acts in train.values() for a in acts):
-            train = add_fsdp_actions(train, max_active_stages)
+        if lowering.fsdp and not any(a.kind.is_fsdp for acts in train.values() for a in acts):
+            train = add_fsdp_actions(train, lowering.max_active_stages)
         forward_kinds = (K.FORWARD, K.SEND_F, K.RECV_F, K.UNSHARD, K.RESHARD)
         forwards = {r: [a for a in a_s if a.kind in forward_kinds] for r, a_s in train.items()}
         _check(train, placement, shape)
         simulate(forwards)  # a subsequence of a deadlock-free order: checked all the same
-        if in_order:  # lowered elsewhere: it must not hang or cross messages on NCCL
+        if lowering.in_order:  # lowered elsewhere: it must not hang or cross messages on NCCL
             for order in (train, forwards):
                 for first_step in (True, False):
                     check_in_order(order, placement, first_step=first_step)
     else:
-        bound = max_active_stages
-        train = _lower(compute, placement, shape, fsdp, in_order, pairs, bound)
+        train = _lower(compute, placement, shape, lowering, pairs)
         forwards = {r: [a for a in acts if a.kind is K.FORWARD] for r, acts in compute.items()}
-        forwards = _lower(forwards, placement, shape, fsdp, in_order, max_active_stages=bound)
+        forwards = _lower(forwards, placement, shape, lowering)
     checked = {r: tuple(ps) for r, ps in (pairs or {}).items() if ps}
     for rank, rank_pairs in checked.items():
         _check_pairs(rank, compute.get(rank, []), rank_pairs)
@@ -252,17 +223,15 @@ def _lower(
     compute: Schedule,
     placement: Placement,
     shape: Shape,
-    fsdp: bool,
-    in_order: bool,
+    lowering: Lowering,
     pairs: Pairs | None = None,
-    max_active_stages: int | None = None,
 ) -> Schedule:
     """Add communication (and FSDP) actions to ``compute`` and check the result."""
     schedule = add_communication(
-        compute, shape.n_ranks, placement, shape.n_stages, in_order=in_order, pairs=pairs
+        compute, shape.n_ranks, placement, shape.n_stages, in_order=lowering.in_order, pairs=pairs
     )
-    if fsdp:  # each rank lowers its own FSDP actions: they involve no other rank
-        schedule = add_fsdp_actions(schedule, max_active_stages)
+    if lowering.fsdp:  # each rank lowers its own FSDP actions: they involve no other rank
+        schedule = add_fsdp_actions(schedule, lowering.max_active_stages)
     _check(schedule, placement, shape)
     return schedule
 

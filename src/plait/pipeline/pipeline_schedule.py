@@ -61,6 +61,7 @@ from plait.pipeline.grad_sync import StageGradSync
 from plait.pipeline.microbatch import ChunkSpec, merge_chunks
 from plait.pipeline.ordering import (
     CsvFormat,
+    Lowering,
     Order,
     Shape,
     check_format,
@@ -138,7 +139,6 @@ class PipelineSchedule:
             raise TypeError(f"max_active_stages must be an int or None, got {max_active_stages!r}")
         if max_active_stages is not None and max_active_stages < 1:
             raise ValueError(f"max_active_stages must be >= 1 (or None), got {max_active_stages}")
-        self._max_active_stages = max_active_stages
         first = next(iter(self._stages.values()))
         self._shape = Shape(first.group_size, first.num_stages, n_microbatches)
         self._group_rank, self._group, self._device = first.group_rank, first.group, first.device
@@ -147,6 +147,7 @@ class PipelineSchedule:
         self._syncs = {
             i: sync for i, s in self._stages.items() if (sync := StageGradSync(s.submod)).active
         }
+        self._lowering = Lowering(bool(self._syncs), self._in_order, max_active_stages)
         self._custom: dict[str, CustomFunction] = {}
         self._order: Order | None = None
         self._agreement: Agreement | None = None
@@ -168,13 +169,7 @@ class PipelineSchedule:
         """This class's order (None: the classes whose order is given later)."""
         if self.name not in SCHEDULES:
             return None
-        return generated(
-            self.name,
-            self._shape,
-            fsdp=bool(self._syncs),
-            in_order=self._in_order,
-            max_active_stages=self._max_active_stages,
-        )
+        return generated(self.name, self._shape, self._lowering)
 
     def _adopt(self, order: Order) -> None:
         """Run ``order`` from now on: check this rank holds exactly its stages, connect them
@@ -207,18 +202,7 @@ class PipelineSchedule:
         :func:`~plait.pipeline.ordering.given` (torch's ``_Action`` lists work too, their
         ``OVERLAP_F_B`` pairs included). Raises ScheduleError (a ValueError) naming the
         rank and action if the order cannot run."""
-        fsdp = bool(self._syncs)
-        self._adopt(
-            given(
-                self.name,
-                actions,
-                format,
-                self._shape,
-                fsdp=fsdp,
-                in_order=self._in_order,
-                max_active_stages=self._max_active_stages,
-            )
-        )
+        self._adopt(given(self.name, actions, format, self._shape, self._lowering))
 
     def _load_csv(
         self, filename: str | os.PathLike[str], format: CsvFormat = "compute_only"

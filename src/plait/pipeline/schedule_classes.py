@@ -204,13 +204,7 @@ class _ScheduleForwardOnly(PipelineScheduleSingle):
     name = "ForwardOnly"
 
     def _generate(self) -> Order:
-        return forward_only(
-            self.name,
-            self._shape,
-            fsdp=bool(self._syncs),
-            in_order=self._in_order,
-            max_active_stages=self._max_active_stages,
-        )
+        return forward_only(self.name, self._shape, self._lowering)
 
     def step(
         self,
