@@ -447,6 +447,19 @@ def _reductions_per_step(stages: nn.Module) -> int:
     return count
 
 
+def _dp_pp_parity(mesh: Any, n_stages: int, parallelize: Any, step: Any, *, steps: int) -> None:
+    """``parallelize``'d on the (dp 2, pp) ``mesh`` and trained by ``step``, a stack of
+    ``n_stages`` layers trains like one process over ``steps`` batches of 16 rows."""
+    check_parity(
+        lambda: layer_stack(n_stages),
+        parallelize,
+        random_batches(steps, 16, 6, 6),
+        step=step,
+        data_rank=mesh["dp"].get_local_rank(),
+        data_world=2,
+    )
+
+
 def _pp_dp_body(name: str, kind: str) -> None:
     mesh = _dp_pp_mesh()
     pp_group, dp_mesh = mesh["pp"].get_group(), mesh["dp"]
@@ -477,14 +490,7 @@ def _pp_dp_body(name: str, kind: str) -> None:
         assert reductions == _reductions_per_step(model), calls
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
-    check_parity(
-        lambda: layer_stack(n_stages),
-        parallelize,
-        random_batches(3, 16, 6, 6),
-        step=step,
-        data_rank=mesh["dp"].get_local_rank(),
-        data_world=2,
-    )
+    _dp_pp_parity(mesh, n_stages, parallelize, step, steps=3)
 
 
 @pytest.mark.parametrize("kind", ["replicate", "fully_shard"])
@@ -610,14 +616,7 @@ def _bounded_residency_body(name: str, bound: int) -> None:
         assert len(calls["reduce_scatter_single"]) == units
         return torch.stack(losses).mean() if losses else torch.zeros(())
 
-    check_parity(
-        lambda: layer_stack(n_stages),
-        parallelize,
-        random_batches(2, 16, 6, 6),
-        step=step,
-        data_rank=mesh["dp"].get_local_rank(),
-        data_world=2,
-    )
+    _dp_pp_parity(mesh, n_stages, parallelize, step, steps=2)
     assert most == bound, f"{most} stages were full at once"  # never more, and one to compute
     with pytest.raises(ValueError, match="max_active_stages must be >= 1"):
         _build_schedule(
