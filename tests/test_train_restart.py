@@ -33,6 +33,7 @@ from plait.train.restart import (
     restart_summary,
     restarted,
 )
+from plait.train.snapshots import latest_snapshot
 
 from harness import run_on_ranks
 
@@ -107,6 +108,24 @@ def test_killed_worker_restarts_and_ends_like_the_uninterrupted_run(
     assert row["step"] == 2 and row["restart"] == 1
     assert row["redone"] == [3, 3] and row["redone_steps"] == 1
     assert re.search(r"\nrestarts +1: step 3 redone \(1 in all, ", done.stdout), done.stdout
+
+
+def test_a_restart_continues_from_the_snapshot_in_memory(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    # Snapshots after every step, no checkpoint before the last: rank 1 dies in step 5's
+    # forward, and the restart continues from the snapshot of step 4, nothing redone.
+    flags = ("--max-restarts", "1", "--ckpt-every", "0", "--snapshot-every", "1")
+    done = plait_train(tmp_path, *flags, PLAIT_TEST_KILL_RANK_AT_STEP="1:5")
+    assert "restart 1 of 1 (--max-restarts) after a failed worker: continuing from step 4\n" in (
+        done.stderr
+    )
+    assert_same_run(tmp_path, uninterrupted)
+    [row] = restart_rows(tmp_path)
+    assert row["step"] == 4 and row["redone_steps"] == 0
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000006"]
+    assert latest_snapshot(tmp_path) is None  # removed as the run ended
+    assert re.search(r"\nsnapshots +\d+ sync, training waited", done.stdout), done.stdout
 
 
 def test_kill_during_an_async_write_restarts_from_the_previous_checkpoint(

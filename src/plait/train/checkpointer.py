@@ -32,6 +32,7 @@ with a checkpoint still being written.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 import warnings
@@ -45,12 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait.train.checkpointing import (
-    checkpoint_state,
-    checkpoints_dir,
-    save_checkpoint,
-    write_checkpoint,
-)
+from plait.train.checkpointing import checkpoint_state, checkpoints_dir, write_checkpoint
 
 __all__ = ["Checkpointer", "SaveReport", "Stager", "WriteReport"]
 
@@ -60,19 +56,21 @@ class SaveReport:
     """One checkpoint, as the training thread saw it. ``blocked_s``: how long training
     waited (the whole write when synchronous; the wait for the previous write plus the
     staging copy when asynchronous); ``staged_bytes``: the staging copy's size (0 when
-    synchronous)."""
+    synchronous); ``snapshot``: a snapshot in memory (:mod:`plait.train.snapshots`)."""
 
     step: int
     path: Path
     background: bool
     blocked_s: float
     staged_bytes: int
+    snapshot: bool = False
 
     def record(self) -> dict[str, Any]:
-        """Its metrics.jsonl row (:mod:`plait.train.metrics`)."""
+        """Its metrics.jsonl row (:mod:`plait.train.metrics`): event ``checkpoint``, or
+        ``snapshot``."""
         return {
             "step": self.step,
-            "event": "checkpoint",
+            "event": "snapshot" if self.snapshot else "checkpoint",
             "checkpoint": self.path.name,
             "async": self.background,
             "blocked_s": self.blocked_s,
@@ -82,11 +80,13 @@ class SaveReport:
 
 @dataclass(frozen=True)
 class WriteReport:
-    """An asynchronous checkpoint's write, finished: how long the background thread took."""
+    """An asynchronous checkpoint's (or snapshot's) write, finished: how long the
+    background thread took."""
 
     step: int
     path: Path
     write_s: float
+    snapshot: bool = False
 
 
 class Stager:
@@ -209,8 +209,10 @@ def _register(arena: torch.Tensor) -> bool:
 
 class Checkpointer:
     """Saves this rank's checkpoints of ``modules`` and ``optimizer`` into ``run_dir``
-    (module docstring); ``background``: asynchronously. Collective: every rank saves at
-    the same steps. Call :meth:`close` (on every rank) before the session ends."""
+    (module docstring), and its snapshots into ``snapshots`` (a snapshot root,
+    :mod:`plait.train.snapshots`: only the newest kept); ``background``: asynchronously,
+    one write in flight whichever its kind. Collective: every rank saves at the same steps.
+    Call :meth:`close` (on every rank) before the session ends."""
 
     def __init__(
         self,
@@ -222,8 +224,9 @@ class Checkpointer:
         group: dist.ProcessGroup | None,
         *,
         background: bool,
+        snapshots: Path | None = None,
     ) -> None:
-        self.run_dir = Path(run_dir)
+        self.run_dir, self.snapshots = Path(run_dir), snapshots
         self.modules, self.optimizer = modules, optimizer
         self.config, self.keep, self.group = config, keep, group
         self.background = background
@@ -235,29 +238,32 @@ class Checkpointer:
         """The staging copy's size on this rank (0 when synchronous)."""
         return self.stager.nbytes
 
-    def save(self, step: int) -> tuple[SaveReport, list[WriteReport]]:
-        """Checkpoint step ``step``; returns its report, and the previous asynchronous
-        write if this save had to wait for it (re-raising its error if it failed)."""
+    def save(self, step: int, snapshot: bool = False) -> tuple[SaveReport, list[WriteReport]]:
+        """Checkpoint step ``step`` (``snapshot``: snapshot it); returns its report, and the
+        previous asynchronous write if this save had to wait for it (re-raising its error
+        if it failed)."""
         began = time.perf_counter()
+        root, keep = (self.snapshots, 1) if snapshot else (self.run_dir, self.keep)
+        if root is None:
+            raise ValueError("Checkpointer.save(snapshot=True): no snapshot root was given")
         if not self.background:
-            path = save_checkpoint(
-                self.run_dir, step, self.modules, self.optimizer, self.config, self.keep, self.group
-            )
-            return SaveReport(step, path, False, time.perf_counter() - began, 0), []
+            state = checkpoint_state(self.modules, self.optimizer, self.config["device"])
+            path = write_checkpoint(root, step, state, self.config, keep, self.group)
+            return SaveReport(step, path, False, time.perf_counter() - began, 0, snapshot), []
         finished = self.wait()
         state = checkpoint_state(self.modules, self.optimizer, self.config["device"])
         staged = self.stager.stage(state)
-        self._pending = _Background(lambda: self._write(step, staged))
+        self._pending = _Background(lambda: self._write(root, keep, step, staged, snapshot))
         blocked = time.perf_counter() - began
-        path = checkpoints_dir(self.run_dir) / f"step_{step:06d}"  # once written
-        return SaveReport(step, path, True, blocked, self.staged_bytes), finished
+        path = checkpoints_dir(root) / f"step_{step:06d}"  # once written
+        return SaveReport(step, path, True, blocked, self.staged_bytes, snapshot), finished
 
-    def _write(self, step: int, staged: dict[str, Any]) -> WriteReport:
+    def _write(
+        self, root: Path, keep: int, step: int, staged: dict[str, Any], snapshot: bool
+    ) -> WriteReport:
         began = time.perf_counter()
-        path = write_checkpoint(
-            self.run_dir, step, staged, self.config, self.keep, self.group, background=True
-        )
-        return WriteReport(step, path, time.perf_counter() - began)
+        path = write_checkpoint(root, step, staged, self.config, keep, self.group, background=True)
+        return WriteReport(step, path, time.perf_counter() - began, snapshot)
 
     def wait(self) -> list[WriteReport]:
         """Wait for the write in flight, if any; its report (its error, if it failed)."""
@@ -266,11 +272,15 @@ class Checkpointer:
 
     def close(self) -> list[WriteReport]:
         """Wait for the last write (the session's end: nothing is left being written),
-        then release the staging buffers."""
+        then release the staging buffers, and remove the snapshots (rank 0: the session's
+        last save is a checkpoint, newer than every snapshot)."""
         try:
-            return self.wait()
+            written = self.wait()
         finally:
             self.stager.close()
+        if self.snapshots is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            shutil.rmtree(self.snapshots, ignore_errors=True)
+        return written
 
 
 class _Background:

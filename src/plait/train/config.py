@@ -154,8 +154,8 @@ class ExecutionConfig(_Group):
 @dataclass(frozen=True)
 class RunConfig(_Group):
     """The run directory and what a session leaves in it: validation, checkpoints (how
-    often, how many kept, written in the background or not), resuming, restarting after a
-    failed worker, and where this session stops."""
+    often, how many kept, written in the background or not; snapshots in memory), resuming,
+    restarting after a failed worker, and where this session stops."""
 
     run_dir: str
     eval_every: int
@@ -163,6 +163,7 @@ class RunConfig(_Group):
     ckpt_every: int
     keep: int
     async_checkpoint: bool
+    snapshot_every: int
     resume: bool
     max_restarts: int
     stop_after: int
@@ -285,6 +286,8 @@ class TrainConfig:
     keep: int = 2
     # write checkpoints from a staged copy in a background thread (plait.train.checkpointer)
     async_checkpoint: bool = False
+    # also a checkpoint every N steps in this machine's memory (plait.train.snapshots)
+    snapshot_every: int = 0
     resume: bool = False
     # a failed worker restarts every worker from the latest intact checkpoint, this many
     # times at most (plait.train.restart); under torchrun, torchrun's --max-restarts

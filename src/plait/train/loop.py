@@ -26,11 +26,7 @@ from plait.experts import expert_load, update_expert_bias
 from plait.layout import DP_REPLICATE, DP_SHARD, PP
 from plait.mesh import collective_device, host_copy, mesh_coordinate
 from plait.train.checkpointer import Checkpointer
-from plait.train.checkpointing import (
-    CheckpointDamaged,
-    checkpoint_group,
-    load_checkpoint,
-)
+from plait.train.checkpointing import CheckpointDamaged, checkpoint_group, load_checkpoint
 from plait.train.compiled import CompileCounters
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.data import TokenData, load_data, record_fingerprint
@@ -60,7 +56,8 @@ from plait.train.parallelize import (
 from plait.train.report import imbalance
 from plait.train.reporter import CONFIG_FILE, Reporter
 from plait.train.resolve import gpt_config, llama_config
-from plait.train.restart import agreed_checkpoints, restart_count, restarted
+from plait.train.restart import restart_count, restarted, resumable
+from plait.train.snapshots import snapshot_root
 from plait.train.step import Stepper, make_stepper
 from plait.train.step_batch import StepBatch, global_loss, global_loss_tensor, step_batch
 from plait.train.tied import TiedCopies
@@ -295,6 +292,7 @@ class _Session:
             cfg.keep,
             self.checkpoint_group,
             background=cfg.async_checkpoint,
+            snapshots=snapshot_root(self.run_dir) if cfg.snapshot_every else None,
         )
         world = dist.get_world_size() if dist.is_initialized() else 1
         # Test-only (plait.train.faults): ranks counted over every replica group.
@@ -350,12 +348,14 @@ class _Session:
             **self.expert_record(load),
         }
 
-    def due(self, step: int, last: int) -> tuple[bool, bool]:
-        """Whether step ``step`` (of this session's ``last``) is followed by a validation and
-        by a checkpoint."""
+    def due(self, step: int, last: int) -> tuple[bool, str]:
+        """Whether step ``step`` (of this session's ``last``) is followed by a validation,
+        and by a ``"checkpoint"``, a ``"snapshot"`` (not both: the checkpoint) or ``""``."""
         cfg = self.cfg
         validate = step == cfg.steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
-        return validate, step == last or bool(cfg.ckpt_every and step % cfg.ckpt_every == 0)
+        if step == last or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+            return validate, "checkpoint"
+        return validate, "snapshot" if cfg.snapshot_every and step % cfg.snapshot_every == 0 else ""
 
     def expert_record(self, load: list[Any] | None = None) -> dict[str, Any]:
         """A step's expert load (``load``, tokens per expert per block; by default the
@@ -387,10 +387,10 @@ class _Session:
         return sum(m * n for m, n in zip(means, counts, strict=True)) / sum(counts)
 
     def resume(self) -> int:
-        """Load the newest intact checkpoint (warning about each damaged newer one); its
-        step. Refuses a checkpoint of another model before loading anything."""
+        """Load the newest intact checkpoint or snapshot (warning about each damaged newer
+        one); its step. Refuses a checkpoint of another model before loading anything."""
         damaged: list[str] = []
-        for path in reversed(agreed_checkpoints(self.run_dir, self.checkpoint_group)):
+        for path in reversed(resumable(self.run_dir, self.checkpoint_group)):
             try:
                 info = load_checkpoint(
                     path,
@@ -484,14 +484,14 @@ def train(cfg: TrainConfig) -> TrainResult:
         if held is not None:  # the step before, read while this one runs
             record(held)
         held = queued
-        validating, checkpointing = session.due(step, last)
-        if not queued.on_device or validating or checkpointing or step in (start + 1, last):
+        validating, saving = session.due(step, last)
+        if not queued.on_device or validating or saving or step in (start + 1, last):
             record(held)  # at once: on the CPU, before what follows it, the first step
             held = None
         if validating:
             validate(step)
-        if checkpointing:
-            report.checkpoint(*session.checkpointer.save(step))
+        if saving:
+            report.checkpoint(*session.checkpointer.save(step, saving == "snapshot"))
     # Never end with a checkpoint still being written (--async-checkpoint).
     report.written(max(start, last), session.checkpointer.close())
     if last < cfg.steps:

@@ -120,19 +120,23 @@ def summary_table(
 
 
 def _checkpoint_rows(records: list[dict[str, Any]], staged: list[int]) -> list[tuple[str, str]]:
-    """What the run's checkpoints cost training: how many, how long training waited for
-    each (median), and for asynchronous ones the background writes and the staging copy."""
-    saves = [r for r in records if r.get("event") == "checkpoint"]
-    if not saves:
-        return []
-    blocked = statistics.median(r["blocked_s"] for r in saves) * 1000
-    how = "async" if saves[-1]["async"] else "sync"
-    rows = [("checkpoints", f"{len(saves)} {how}, training waited {blocked:,.1f} ms each (median)")]
-    writes = [r["write_s"] for r in records if r.get("event") == "checkpoint_written"]
-    if writes:
-        write = f"{statistics.median(writes) * 1000:,.1f} ms each (median), in the background"
-        rows.append(("checkpoint writes", write))
-    if staged:
+    """What the run's checkpoints and snapshots cost training: how many, how long training
+    waited for each (median), and for asynchronous ones the background writes and the
+    staging copy (one for both)."""
+    rows = []
+    for event in ("checkpoint", "snapshot"):
+        saves = [r for r in records if r.get("event") == event]
+        if not saves:
+            continue
+        blocked = statistics.median(r["blocked_s"] for r in saves) * 1000
+        how = "async" if saves[-1]["async"] else "sync"
+        waited = f"{len(saves)} {how}, training waited {blocked:,.1f} ms each (median)"
+        rows.append((f"{event}s", waited))
+        writes = [r["write_s"] for r in records if r.get("event") == f"{event}_written"]
+        if writes:
+            write = f"{statistics.median(writes) * 1000:,.1f} ms each (median), in the background"
+            rows.append((f"{event} writes", write))
+    if rows and staged:
         most = max(staged) / 2**20
         rows.append(("checkpoint staging", f"{most:,.2f} MiB of host memory per rank (most)"))
     return rows

@@ -99,6 +99,8 @@ class Reporter:
         if self.enabled:
             row = saved.record()
             self.log.log(saved.step, {k: v for k, v in row.items() if k != "step"})
+            if saved.snapshot:  # as often as every step: the summary counts them
+                return
             how = "writing in the background" if saved.background else "written"
             self.progress.note(f"step {saved.step}: checkpoint {saved.path} ({how})")
 
@@ -107,7 +109,8 @@ class Reporter:
         if not self.enabled:
             return
         for done in written:
-            row = {"event": "checkpoint_written", "checkpoint": done.path.name}
+            event = "snapshot_written" if done.snapshot else "checkpoint_written"
+            row = {"event": event, "checkpoint": done.path.name}
             self.log.log(step, {**row, "write_s": done.write_s})
 
     def stopped(self, step: int) -> None:

@@ -264,6 +264,7 @@ _AT_LEAST_ZERO = (  # 0: auto, or off (see TrainConfig)
     "microbatches",
     "warmup",
     "ckpt_every",
+    "snapshot_every",
     "eval_every",
     "stop_after",
     "max_restarts",

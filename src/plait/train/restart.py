@@ -11,7 +11,8 @@ is killed, or its peers' ``--fault-timeout`` runs out), the agent stops the othe
 starts them all again, up to ``N`` times, with ``TORCHELASTIC_RESTART_COUNT`` set to the
 restart's number. A restarted worker (:func:`restart_count` > 0) continues the run as
 ``--resume`` would (:func:`restarted`): from the newest intact checkpoint of the same run
-directory (the step 0 of a fresh start if none was written yet), with the same data
+directory, or this machine's newer snapshot (``--snapshot-every``, :func:`resumable`; the
+step 0 of a fresh start if neither was written yet), with the same data
 positions, RNG states and learning-rate schedule, so the run ends with the weights and
 losses of an uninterrupted one. Only after the ``N``-th restart fails does the run fail.
 
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from plait.train.checkpointing import checkpoints_dir, list_checkpoints
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.metrics import read_metrics
+from plait.train.snapshots import snapshot_root
 
 __all__ = [
     "RESTART_EVENT",
@@ -50,6 +52,7 @@ __all__ = [
     "restart_record",
     "restart_summary",
     "restarted",
+    "resumable",
 ]
 
 RESTART_EVENT = "restart"
@@ -74,6 +77,18 @@ def agreed_checkpoints(run_dir: str | Path, group: dist.ProcessGroup | None = No
     return [root / name for name in names[0]]
 
 
+def resumable(run_dir: str | Path, group: dist.ProcessGroup | None = None) -> list[Path]:
+    """What a session can resume ``run_dir`` from, oldest first: its checkpoints and this
+    machine's snapshots of it (:mod:`plait.train.snapshots`), as rank 0 of ``group`` sees
+    them (collective when a process group is up, as :func:`agreed_checkpoints`). Of a
+    checkpoint and a snapshot of the same step the checkpoint comes last (tried first)."""
+    found = [
+        *agreed_checkpoints(snapshot_root(run_dir), group),
+        *agreed_checkpoints(run_dir, group),
+    ]
+    return sorted(found, key=lambda path: int(path.name.split("_")[1]))  # stable: ties kept
+
+
 def restart_count() -> int:
     """How many times the elastic agent has restarted this worker's group (0: the first
     attempt, or no agent)."""
@@ -82,10 +97,10 @@ def restart_count() -> int:
 
 def restarted(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` for this attempt: a restarted worker resumes from the run's latest
-    checkpoint (if there is one yet); the first attempt runs ``cfg`` as given."""
+    checkpoint or snapshot (if there is one yet); the first attempt runs ``cfg`` as given."""
     if restart_count() == 0:
         return cfg
-    return cfg.replace(resume=bool(agreed_checkpoints(cfg.run_dir)))
+    return cfg.replace(resume=bool(resumable(cfg.run_dir)))
 
 
 def check_torchrun_restarts(cfg: TrainConfig) -> TrainConfig:

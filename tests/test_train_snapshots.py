@@ -1,0 +1,125 @@
+"""``plait train --snapshot-every``: checkpoints in this machine's memory that a resumed or
+restarted session continues from, and what refuses them.
+
+In this process (one rank, a tiny model; faults injected with plait.train.faults' test
+variables). A restart after a killed worker, across processes, is in
+tests/test_train_restart.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.train.checkpointing import list_checkpoints, load_weights
+from plait.train.config import ConfigError, TrainConfig
+from plait.train.loop import model_config
+from plait.train.metrics import read_metrics
+from plait.train.model import GPT
+from plait.train.restart import resumable
+from plait.train.snapshots import check_snapshots, clear_snapshots, latest_snapshot, snapshot_root
+
+import train_helpers
+from train_helpers import run_train
+
+TINY = train_helpers.TINY.replace(
+    seq_len=16, n_layer=2, d_model=16, steps=6, batch_size=4, ckpt_every=0, snapshot_every=1
+)
+
+PATIENCE = 60  # seconds a background write may take before the test fails
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    """A run directory whose snapshots (in /dev/shm) are removed after the test."""
+    yield tmp_path / "run"
+    clear_snapshots(tmp_path / "run")
+
+
+def _settle(run_dir: Path, step: int) -> None:
+    """Wait until ``run_dir``'s snapshot of ``step`` is published (asynchronous: its write,
+    begun before the failure, outlives the session's exception in this process)."""
+    deadline = time.monotonic() + PATIENCE
+    while (latest := latest_snapshot(run_dir)) is None or latest.name != f"step_{step:06d}":
+        assert time.monotonic() < deadline, f"no snapshot of step {step} was published"
+        time.sleep(0.01)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    model = GPT(model_config(TINY.replace(vocab_size=256)))
+    load_weights(path, model)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_failed_session_resumes_from_its_snapshot_exactly(
+    tmp_path: Path, run_dir: Path, background: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = TINY.replace(async_checkpoint=background)
+    reference = run_train(cfg, 1, tmp_path / "reference")
+    assert latest_snapshot(tmp_path / "reference") is None  # removed as the run ended
+
+    monkeypatch.setenv("PLAIT_TEST_RAISE_RANK_AT_STEP", "0:5")
+    with pytest.raises(RuntimeError, match="test fault"):
+        run_train(cfg, 1, run_dir)
+    monkeypatch.delenv("PLAIT_TEST_RAISE_RANK_AT_STEP")
+    _settle(run_dir, 4)
+    # No checkpoint was due before step 6; the snapshot of step 4 is the newest, alone.
+    assert list_checkpoints(run_dir) == []
+    snapshot = latest_snapshot(run_dir)
+    assert snapshot is not None and snapshot.name == "step_000004"
+    assert [p.name for p in list_checkpoints(snapshot_root(run_dir))] == ["step_000004"]
+    assert resumable(run_dir) == [snapshot]
+
+    resumed = run_train(cfg.replace(resume=True), 1, run_dir)
+    assert resumed.start_step == 4
+    assert resumed.losses == reference.losses[4:]  # bitwise: the same steps 5 and 6
+    mine, theirs = (
+        _weights(d / "checkpoints" / "step_000006") for d in (run_dir, tmp_path / "reference")
+    )
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert latest_snapshot(run_dir) is None
+    events = [(r["step"], r["event"]) for r in read_metrics(run_dir) if "event" in r]
+    assert (3, "snapshot") in events and (6, "checkpoint") in events
+    assert (6, "snapshot") not in events  # a step due for both gets the checkpoint
+
+
+def test_a_checkpoint_outranks_a_snapshot_of_its_step(run_dir: Path) -> None:
+    for root, steps in ((snapshot_root(run_dir), (4, 5)), (run_dir, (2, 4))):
+        for step in steps:
+            (root / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    disk, memory = run_dir / "checkpoints", snapshot_root(run_dir) / "checkpoints"
+    expected = [disk / "step_000002", memory / "step_000004", disk / "step_000004"]
+    assert resumable(run_dir) == [*expected, memory / "step_000005"]
+
+
+def test_snapshots_are_refused_where_they_cannot_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = TrainConfig(snapshot_every=5)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    check_snapshots(cfg)  # one machine
+    check_snapshots(cfg.replace(snapshot_every=0, replica_groups=2))  # none asked for
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="16 workers run on several machines .8 on this one."):
+        check_snapshots(cfg)
+    with pytest.raises(ConfigError, match="--snapshot-every 5 with --replica-groups 2"):
+        check_snapshots(cfg.replace(replica_groups=2))
+
+
+def test_the_command_resumes_from_a_snapshot_and_will_not_start_over_it(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (snapshot_root(run_dir) / "checkpoints" / "step_000003").mkdir(parents=True)
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")  # a run that failed before any checkpoint
+    launched: list[TrainConfig] = []
+    monkeypatch.setattr("plait.train.cli.launch", launched.append)
+    assert main(["train", "--run-dir", str(run_dir)]) == 2
+    assert f"already holds a run's snapshot {snapshot_root(run_dir)}" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(run_dir), "--resume"]) == 0
+    assert [cfg.resume for cfg in launched] == [True]
