@@ -15,6 +15,9 @@ fault variables of :mod:`plait.train.faults`, so every mode meets the same kills
 
 * ``restart``: ``--max-restarts K``, synchronous checkpoints;
 * ``restart + async``: the same with ``--async-checkpoint``;
+* ``restart + snapshots``: ``restart`` with ``--snapshot-every`` (default 1): a snapshot in
+  this machine's memory after every step besides the checkpoints (:mod:`plait.train.snapshots`),
+  so a restart continues from the step before the kill;
 * ``manual --resume``: no restarts: each kill fails the run, and the drill starts it again
   at once with ``--resume`` (what a person, or a job scheduler, does by hand);
 * ``replica groups``: ``--replica-groups 2`` of 2 workers each (torchft, the ``ft``
@@ -38,13 +41,14 @@ synchronous run's, bit for bit.
 
 **Checkpoint cost.** Interleaved repeats of one run (a larger model, so that its state
 takes a noticeable time to write) with synchronous and with asynchronous checkpoints
-every ``--cost-every`` steps. What a checkpoint takes off training, measured within each
-run so that the shared machine's slow phases cancel: the time training waited for it (a
-synchronous save's whole write; an asynchronous one's staging copy, and any wait for the
-previous write), plus, for an asynchronous one, how much longer than the run's
-undisturbed steps (median) the steps took while its write went on in the background
-(the workers and that thread share the cores). Medians over every checkpoint of the
-repeats, the final one excluded.
+every ``--cost-every`` steps, and with snapshots instead (``--snapshot-every``, into this
+machine's memory, synchronous and asynchronous). What a save takes off training,
+measured within each run so that the shared machine's slow phases cancel: the time
+training waited for it (a synchronous save's whole write; an asynchronous one's staging
+copy, and any wait for the previous write), plus, for an asynchronous one, how much
+longer than the run's undisturbed steps (median) the steps took while its write went on
+in the background (the workers and that thread share the cores). Medians over every save
+of the repeats, the final checkpoint excluded.
 """
 
 from __future__ import annotations
@@ -267,11 +271,15 @@ def drill(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     reference = Run(work / "uninterrupted")
     train(reference, flags, {})
     reference_async = Run(work / "uninterrupted-async")
-    train(reference_async, [*flags, "--async-checkpoint"], {})
     async_flags = [*flags, "--async-checkpoint"]
+    train(reference_async, async_flags, {})
+    reference_snapshots = Run(work / "uninterrupted-snapshots")
+    snapshot_flags = [*flags, "--snapshot-every", str(args.snapshot_every)]
+    train(reference_snapshots, snapshot_flags, {})
     modes = [  # name, flags, restarting (else manual --resume), uninterrupted run
         ("restart", flags, True, reference),
         ("restart + async", async_flags, True, reference_async),
+        ("restart + snapshots", snapshot_flags, True, reference_snapshots),
         ("manual --resume", flags, False, reference),
     ]
     reference_replicas = Run(work / "uninterrupted-replicas")
@@ -309,14 +317,17 @@ def drill(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def checkpoint_costs(records: list[dict[str, Any]], last: int) -> list[float]:
-    """What each checkpoint before step ``last`` took off training, in seconds (module
-    docstring): the time training waited for it, plus, while an asynchronous one was
-    written, how much longer the steps took than the run's undisturbed steps (median)."""
+def checkpoint_costs(
+    records: list[dict[str, Any]], last: int, event: str = "checkpoint"
+) -> list[float]:
+    """What each checkpoint (``event``: or ``"snapshot"``) before step ``last`` took off
+    training, in seconds (module docstring): the time training waited for it, plus, while
+    an asynchronous one was written, how much longer the steps took than the run's
+    undisturbed steps (median)."""
     steps = {r["step"]: r["step_time"] for r in records if "loss" in r}
-    saves = [r for r in records if r.get("event") == "checkpoint" and r["step"] < last]
+    saves = [r for r in records if r.get("event") == event and r["step"] < last]
     written = {
-        r["checkpoint"]: r["write_s"] for r in records if r.get("event") == "checkpoint_written"
+        r["checkpoint"]: r["write_s"] for r in records if r.get("event") == f"{event}_written"
     }
     windows: dict[int, list[int]] = {}
     for save in saves:  # the steps trained while the write went on
@@ -341,28 +352,35 @@ def checkpoint_cost(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "--steps", str(args.cost_steps), "--ckpt-every", str(args.cost_every),
         "--eval-every", "0", "--eval-batches", "1",
     ]  # fmt: skip
-    variants = {"sync": [], "async": ["--async-checkpoint"]}
+    # Snapshots at the checkpoints' steps instead of them (into memory, not the run
+    # directory's file system); the last step is a checkpoint in every variant, not counted.
+    snapshots = ["--ckpt-every", "0", "--snapshot-every", str(args.cost_every)]
+    variants = {  # name: (flags, event)
+        "sync": ([], "checkpoint"),
+        "async": (["--async-checkpoint"], "checkpoint"),
+        "snapshot sync": (snapshots, "snapshot"),
+        "snapshot async": ([*snapshots, "--async-checkpoint"], "snapshot"),
+    }
     costs: dict[str, list[float]] = {name: [] for name in variants}
     waits: dict[str, list[float]] = {name: [] for name in variants}
-    writes: list[float] = []
+    writes: dict[str, list[float]] = {name: [] for name in variants}
     staged: list[int] = []
     for repeat in range(args.repeats):
-        for name, extra in variants.items():  # interleaved: a slow phase hits both alike
-            run = Run(work / f"cost-{repeat}-{name}")
+        for name, (extra, event) in variants.items():  # interleaved: a slow phase hits all
+            run = Run(work / f"cost-{repeat}-{name.replace(' ', '-')}")
             train(run, [*flags, *extra], {})
             records = read_metrics(run.run_dir)
-            costs[name] += checkpoint_costs(records, args.cost_steps)
-            saves = [r for r in records if r.get("event") == "checkpoint"]
+            costs[name] += checkpoint_costs(records, args.cost_steps, event)
+            saves = [r for r in records if r.get("event") == event]
             waits[name] += [r["blocked_s"] for r in saves if r["step"] < args.cost_steps]
             staged += [r["staged_bytes"] for r in saves if r["async"]]
-            if name == "async":
-                writes += [r["write_s"] for r in records if r.get("event") == "checkpoint_written"]
+            writes[name] += [r["write_s"] for r in records if r.get("event") == f"{event}_written"]
             shutil.rmtree(run.run_dir)
     return {
         "checkpoints": len(costs["sync"]),
         "cost ms": {name: statistics.median(c) * 1000 for name, c in costs.items()},
         "wait ms": {name: statistics.median(w) * 1000 for name, w in waits.items()},
-        "async write ms": statistics.median(writes) * 1000,
+        "write ms": {name: statistics.median(w) * 1000 for name, w in writes.items() if w},
         "staged MiB": max(staged) / 2**20,
     }
 
@@ -374,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trials", type=int, default=1, help="drills of --kills kills per mode")
     parser.add_argument("--ckpt-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0, help="draws the kills' moments")
+    parser.add_argument("--snapshot-every", type=int, default=1, help="of the snapshot mode")
     parser.add_argument("--d-model", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="of the checkpoint-cost runs")
@@ -430,13 +449,15 @@ def print_cost(cost: dict[str, Any], args: argparse.Namespace) -> None:
     )
     print("| checkpoints | off training, per checkpoint | training waited | written in |")
     print("| --- | ---: | ---: | ---: |")
-    print(f"| sync | {per['sync']:.0f} ms | {waits['sync']:.0f} ms | (the wait) |")
-    print(
-        f"| async | {per['async']:.0f} ms | {waits['async']:.0f} ms (staging "
-        f"{cost['staged MiB']:.1f} MiB per rank) | {cost['async write ms']:.0f} ms, "
-        "in the background |"
-    )
+    for name in per:
+        wait = f"{waits[name]:.0f} ms"
+        written = "(the wait)"
+        if name in cost["write ms"]:
+            wait += f" (staging {cost['staged MiB']:.1f} MiB per rank)"
+            written = f"{cost['write ms'][name]:.0f} ms, in the background"
+        print(f"| {name} | {per[name]:.0f} ms | {wait} | {written} |")
     print(f"\nasync / sync: {per['async'] / per['sync']:.2f}")
+    print(f"snapshot sync / sync: {per['snapshot sync'] / per['sync']:.2f}")
 
 
 if __name__ == "__main__":

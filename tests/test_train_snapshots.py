@@ -8,6 +8,7 @@ tests/test_train_restart.py.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +17,14 @@ import pytest
 import torch
 
 from plait.cli import main
+from plait.train.checkpointer import Checkpointer
 from plait.train.checkpointing import list_checkpoints, load_weights
 from plait.train.config import ConfigError, TrainConfig
+from plait.train.launch import WorkerFailed
 from plait.train.loop import model_config
 from plait.train.metrics import read_metrics
 from plait.train.model import GPT
+from plait.train.optimizer import build_optimizer
 from plait.train.restart import resumable
 from plait.train.snapshots import check_snapshots, clear_snapshots, latest_snapshot, snapshot_root
 
@@ -123,3 +127,33 @@ def test_the_command_resumes_from_a_snapshot_and_will_not_start_over_it(
     assert f"already holds a run's snapshot {snapshot_root(run_dir)}" in capsys.readouterr().err
     assert main(["train", "--run-dir", str(run_dir), "--resume"]) == 0
     assert [cfg.resume for cfg in launched] == [True]
+
+    def fails(cfg: TrainConfig) -> None:
+        raise WorkerFailed("plait train: worker rank 1 failed")
+
+    monkeypatch.setattr("plait.train.cli.launch", fails)  # the resumed run fails too
+    assert main(["train", "--run-dir", str(run_dir), "--resume"]) != 0
+    snapshot = snapshot_root(run_dir) / "checkpoints" / "step_000003"
+    assert f"the last snapshot is {snapshot} (in this machine's memory" in capsys.readouterr().err
+
+
+def test_a_memory_without_room_for_two_snapshots_is_refused_before_the_first(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = TINY.replace(vocab_size=256, device="cpu")
+    model = GPT(model_config(cfg))
+    state = sum(p.numel() * 4 * 3 for p in model.parameters())  # weights, Adam's 2 moments
+    root = snapshot_root(run_dir)
+    saver = Checkpointer(run_dir, [model], build_optimizer([model], cfg), cfg.to_dict(), 2, None,
+                         background=False, snapshots=root)  # fmt: skip
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    saver.optimizer.step()  # Adam's moments exist: the state is whole
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    usage = shutil.disk_usage(root.parent.parent)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=8 * state - 1))
+    with pytest.raises(ConfigError, match=r"snapshots of this machine's 4 rank\(s\) need"):
+        saver.save(1, snapshot=True)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=8 * state + 2**20))
+    saver2 = Checkpointer(run_dir, [model], saver.optimizer, cfg.to_dict(), 2, None,
+                          background=False, snapshots=root)  # fmt: skip
+    assert saver2.save(1, snapshot=True)[0].path == root / "checkpoints" / "step_000001"

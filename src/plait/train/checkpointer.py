@@ -32,6 +32,7 @@ with a checkpoint still being written.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -47,6 +48,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait.train.checkpointing import checkpoint_state, checkpoints_dir, write_checkpoint
+from plait.train.config import ConfigError
 
 __all__ = ["Checkpointer", "SaveReport", "Stager", "WriteReport"]
 
@@ -232,6 +234,7 @@ class Checkpointer:
         self.background = background
         self.stager = Stager(pin=config["device"] == "cuda")
         self._pending: _Background | None = None
+        self._room_checked = False
 
     @property
     def staged_bytes(self) -> int:
@@ -246,17 +249,38 @@ class Checkpointer:
         root, keep = (self.snapshots, 1) if snapshot else (self.run_dir, self.keep)
         if root is None:
             raise ValueError("Checkpointer.save(snapshot=True): no snapshot root was given")
+        state = checkpoint_state(self.modules, self.optimizer, self.config["device"])
+        if snapshot:
+            self._check_room(root, state)
         if not self.background:
-            state = checkpoint_state(self.modules, self.optimizer, self.config["device"])
             path = write_checkpoint(root, step, state, self.config, keep, self.group)
             return SaveReport(step, path, False, time.perf_counter() - began, 0, snapshot), []
-        finished = self.wait()
-        state = checkpoint_state(self.modules, self.optimizer, self.config["device"])
+        finished = self.wait()  # the previous write's staged copy is free then
         staged = self.stager.stage(state)
         self._pending = _Background(lambda: self._write(root, keep, step, staged, snapshot))
         blocked = time.perf_counter() - began
         path = checkpoints_dir(root) / f"step_{step:06d}"  # once written
         return SaveReport(step, path, True, blocked, self.staged_bytes, snapshot), finished
+
+    def _check_room(self, root: Path, state: dict[str, Any]) -> None:
+        """Before the first snapshot: ConfigError, with the fix, if ``root``'s file system
+        (memory) has no room for two snapshots of this machine's ranks (the newest is kept
+        until the next one is published), each the size of this rank's ``state``."""
+        if self._room_checked:
+            return
+        self._room_checked = True
+        root.mkdir(parents=True, exist_ok=True)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        need = 2 * ranks * sum(t.numel() * t.element_size() for _, t in _leaves(state, ()))
+        free = shutil.disk_usage(root).free
+        if free < need:
+            raise ConfigError(
+                f"--snapshot-every: {root.parent} has {free / 2**30:.2f} GiB free, and "
+                f"snapshots of this machine's {ranks} rank(s) need {need / 2**30:.2f} GiB "
+                "(two of each rank's state, the newest kept while the next is written): "
+                "give it more room (e.g. mount -o remount,size=... /dev/shm) or drop "
+                "--snapshot-every"
+            )
 
     def _write(
         self, root: Path, keep: int, step: int, staged: dict[str, Any], snapshot: bool

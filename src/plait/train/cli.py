@@ -240,8 +240,8 @@ def _resume_hint(run: RunConfig) -> str:
     snapshot = latest_snapshot(run.run_dir)
     if snapshot is not None and (latest is None or _step(snapshot) > _step(latest)):
         return (
-            f"\nthe last snapshot is {snapshot} (in this machine's memory; the last "
-            f"checkpoint: {latest}); continue from it here with: "
+            f"\nthe last snapshot is {snapshot} (in this machine's memory, newer than any "
+            f"checkpoint); continue from it on this machine with: "
             f"plait train --run-dir {run.run_dir} --resume"
         )
     if latest is None:

@@ -11,9 +11,12 @@ the newest kept. It outlives the workers (a killed or failed process, or a resta
 ``--max-restarts``), not the machine: a restart, or ``--resume`` on the same machine,
 continues from the newest of the run's checkpoints and snapshots
 (:func:`plait.train.restart.resumable`), a reboot or a lost machine from the newest
-checkpoint. A step due for both gets the checkpoint only. The run removes its snapshots
-when it ends (its last checkpoint is newer) and when a new run starts in the same run
-directory (they would be a former run's).
+checkpoint. A step due for both gets the checkpoint only. Snapshots hold up to two copies
+of each rank's state in memory (the newest is kept while the next is written): a file
+system without room for them is refused before the first
+(:class:`~plait.train.checkpointer.Checkpointer`). The run removes its snapshots when it
+ends (its last checkpoint is newer); a new run in a run directory that holds one is
+refused, as over a checkpoint (``--resume`` continues from it).
 
 One machine only: every rank must see every rank's snapshot files (they are one
 checkpoint), so a job over several machines (torchrun ``--nnodes``) is refused with the
