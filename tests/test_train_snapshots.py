@@ -2,8 +2,8 @@
 restarted session continues from, and what refuses them.
 
 In this process (one rank, a tiny model; faults injected with plait.train.faults' test
-variables). A restart after a killed worker, across processes, is in
-tests/test_train_restart.py.
+variables, or a snapshot's write patched to fail), against the uninterrupted run, bitwise.
+A restart after a killed worker, across processes, is in tests/test_train_restart.py.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from plait.cli import main
+from plait.train import checkpointing
 from plait.train.checkpointer import Checkpointer
 from plait.train.checkpointing import list_checkpoints, load_weights
 from plait.train.config import ConfigError, TrainConfig
@@ -157,3 +159,26 @@ def test_a_memory_without_room_for_two_snapshots_is_refused_before_the_first(
     saver2 = Checkpointer(run_dir, [model], saver.optimizer, cfg.to_dict(), 2, None,
                           background=False, snapshots=root)  # fmt: skip
     assert saver2.save(1, snapshot=True)[0].path == root / "checkpoints" / "step_000001"
+
+
+def test_a_snapshot_torn_by_a_failure_leaves_the_one_before(
+    tmp_path: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newest snapshot is removed only once the next is published: a failure while the
+    snapshot of step 4 is written (its data files there, not its manifest) leaves step 3's,
+    and the run resumed from it ends as the uninterrupted one."""
+    reference = run_train(TINY, 1, tmp_path / "reference")
+    manifest = checkpointing.write_manifest
+
+    def fails_at_4(path: Path, group: Any) -> None:
+        if path.name.endswith("step_000004"):
+            raise OSError("test: the machine failed writing snapshot 4")
+        manifest(path, group)
+
+    monkeypatch.setattr(checkpointing, "write_manifest", fails_at_4)
+    with pytest.raises(OSError, match="snapshot 4"):
+        run_train(TINY, 1, run_dir)
+    monkeypatch.setattr(checkpointing, "write_manifest", manifest)
+    assert [p.name for p in list_checkpoints(snapshot_root(run_dir))] == ["step_000003"]
+    resumed = run_train(TINY.replace(resume=True), 1, run_dir)
+    assert resumed.start_step == 3 and resumed.losses == reference.losses[3:]

@@ -2,8 +2,8 @@
 copy on a background thread while training goes on.
 
 Synchronous (the default): :meth:`Checkpointer.save` writes the checkpoint
-(:func:`~plait.train.checkpointing.save_checkpoint`) and returns once it is published;
-training waits for the whole write.
+(:func:`~plait.train.checkpointing.write_checkpoint` of the live state) and returns once
+it is published; training waits for the whole write.
 
 Asynchronous: :meth:`Checkpointer.save`, on the training thread, between two steps,
 

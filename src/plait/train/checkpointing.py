@@ -76,13 +76,13 @@ __all__ = [
     "check_settings",
     "checkpoint_group",
     "checkpoint_state",
+    "checkpoint_step",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_weights",
     "read_info",
     "save_as",
-    "save_checkpoint",
     "saved_names",
     "verify_checkpoint",
     "write_checkpoint",
@@ -114,7 +114,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of checkpoint ``path`` (``step_000040``: 40), read from its name."""
+    return int(path.name.split("_")[1])
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -302,21 +307,6 @@ def checkpoint_state(
         "optim": _optim_state(modules, optimizer, create=False),
         "rng": _rng_state(device),
     }
-
-
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    modules: Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    config: dict[str, Any],
-    keep: int,
-    group: dist.ProcessGroup | None = None,
-) -> Path:
-    """Save step ``step`` atomically (module docstring); collective over ``group`` (every
-    rank: see :func:`checkpoint_group`) when there is a process group."""
-    state = checkpoint_state(modules, optimizer, config["device"])
-    return write_checkpoint(run_dir, step, state, config, keep, group)
 
 
 def write_checkpoint(

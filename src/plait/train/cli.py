@@ -22,6 +22,7 @@ from plait.layout import CP
 from plait.train.checkpointing import (
     CheckpointDamaged,
     check_settings,
+    checkpoint_step,
     latest_checkpoint,
     read_info,
 )
@@ -238,7 +239,8 @@ def _resume_hint(run: RunConfig) -> str:
     for group in range(run.replica_groups if run.replica_groups > 1 else 0):
         latest = latest or latest_checkpoint(group_run_dir(run.run_dir, group))
     snapshot = latest_snapshot(run.run_dir)
-    if snapshot is not None and (latest is None or _step(snapshot) > _step(latest)):
+    last_step = -1 if latest is None else checkpoint_step(latest)
+    if snapshot is not None and checkpoint_step(snapshot) > last_step:
         return (
             f"\nthe last snapshot is {snapshot} (in this machine's memory, newer than any "
             f"checkpoint); continue from it on this machine with: "
@@ -250,10 +252,6 @@ def _resume_hint(run: RunConfig) -> str:
         f"\nthe last checkpoint is {latest}; continue from it with: "
         f"plait train --run-dir {run.run_dir} --resume"
     )
-
-
-def _step(checkpoint: Path) -> int:
-    return int(checkpoint.name.split("_")[1])
 
 
 def _describe(cfg: TrainConfig) -> str:

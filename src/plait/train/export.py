@@ -50,7 +50,7 @@ def _checkpoint_of(run_dir: Path, step: int | None) -> Path:
     if step is None:
         return found[-1]
     for path in found:
-        if int(path.name.split("_")[1]) == step:
+        if checkpointing.checkpoint_step(path) == step:
             return path
     steps = ", ".join(p.name.split("_")[1].lstrip("0") or "0" for p in found)
     raise ConfigError(f"--step {step}: {run_dir} has no checkpoint of it (it has steps {steps})")

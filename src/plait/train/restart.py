@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plait.train.checkpointing import checkpoints_dir, list_checkpoints
+from plait.train.checkpointing import checkpoint_step, checkpoints_dir, list_checkpoints
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.metrics import read_metrics
 from plait.train.snapshots import snapshot_root
@@ -86,7 +86,7 @@ def resumable(run_dir: str | Path, group: dist.ProcessGroup | None = None) -> li
         *agreed_checkpoints(snapshot_root(run_dir), group),
         *agreed_checkpoints(run_dir, group),
     ]
-    return sorted(found, key=lambda path: int(path.name.split("_")[1]))  # stable: ties kept
+    return sorted(found, key=checkpoint_step)  # stable: a tie keeps the snapshot first
 
 
 def restart_count() -> int:

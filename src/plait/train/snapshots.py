@@ -21,7 +21,7 @@ refused, as over a checkpoint (``--resume`` continues from it).
 One machine only: every rank must see every rank's snapshot files (they are one
 checkpoint), so a job over several machines (torchrun ``--nnodes``) is refused with the
 fix (:func:`check_snapshots`). Replica groups (``--replica-groups``) heal a restarted group
-from a live one, which loses no step: snapshots are refused there too.
+from a live one, which redoes only the step it died in: snapshots are refused there too.
 """
 
 from __future__ import annotations
