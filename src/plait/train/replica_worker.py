@@ -294,10 +294,10 @@ def _train(
         result.losses.append(loss)
         record = session.step_record(step, loss, norm, elapsed)
         report.step({**record, "groups_in_step": manager.num_participants()})
-        validating, checkpointing = session.due(step, last)
+        validating, saving = session.due(step, last)  # no snapshots (check_snapshots)
         if validating:
             validate(step)
-        if checkpointing:
+        if saving:
             report.checkpoint(*session.checkpointer.save(step))
     report.written(max(start, last), session.checkpointer.close())
     if last < cfg.steps:
