@@ -38,6 +38,7 @@ examples:
   plait train --run-dir runs/a --steps 600 --stop-after 200
   plait train --run-dir runs/a --resume
   plait train --run-dir runs/a --max-restarts 3 --async-checkpoint --ckpt-every 50
+  plait train --run-dir runs/a --max-restarts 3 --ckpt-every 500 --snapshot-every 10
   plait tokenizer train --data texts/ --vocab 8192 --out tok/tokenizer.json
   plait train --data texts/ --tokenizer tok/tokenizer.json
   plait train --init-from path/to/hf-model --tokenizer path/to/hf-model/tokenizer.json
