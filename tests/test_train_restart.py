@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ from plait.train.restart import (
     restart_summary,
     restarted,
 )
-from plait.train.snapshots import latest_snapshot
+from plait.train.snapshots import SNAPSHOT_DIR, latest_snapshot
 
 from harness import run_on_ranks
 
@@ -126,6 +127,54 @@ def test_a_restart_continues_from_the_snapshot_in_memory(
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000006"]
     assert latest_snapshot(tmp_path) is None  # removed as the run ended
     assert re.search(r"\nsnapshots +\d+ sync, training waited", done.stdout), done.stdout
+
+
+def two_machines(tmp_path: Path, name: str, **env: str) -> Path:
+    """``plait train`` under two torchrun agents, as two machines of one worker each (each
+    its own snapshot directory, PLAIT_SNAPSHOT_DIR), snapshotting every step and
+    checkpointing only at the end; its run directory. Fails the test, with the agents'
+    output, if either fails."""
+    run_dir = tmp_path / name
+    with socket.socket() as probe:  # a free port for the agents' rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    command += ["--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d"]
+    command += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name]
+    command += ["-m", "plait", "train", *FLAGS.split(), "--run-dir", str(run_dir)]
+    command += ["--ckpt-every", "0", "--snapshot-every", "1"]
+    agents = [
+        subprocess.Popen(
+            command,
+            env={**os.environ, UNSHARED_STORE: "1", **env, SNAPSHOT_DIR: str(run_dir) + f"-{i}"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=DEADLINE)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    for agent, output in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, output
+    for i in (0, 1):  # each machine's first rank removed its snapshots at the end
+        assert list(Path(str(run_dir) + f"-{i}").rglob("*.pt")) == []
+    (run_dir / "agents.log").write_text("".join(outputs))
+    return run_dir
+
+
+def test_two_machines_restart_from_their_snapshots(tmp_path: Path) -> None:
+    """Rank 1 dies in step 5: both agents restart their workers, and each rank continues
+    from its own machine's snapshot of step 4, as the uninterrupted run of the same two
+    machines trains (one thread per worker there, so not bitwise the 2-worker launch's)."""
+    reference = two_machines(tmp_path, "uninterrupted")
+    run_dir = two_machines(tmp_path, "killed", PLAIT_TEST_KILL_RANK_AT_STEP="1:5")
+    assert "rank 1 kills in step 5" in (run_dir / "agents.log").read_text()
+    assert [r["step"] for r in restart_rows(run_dir)] == [4]
+    assert_same_run(run_dir, reference)
 
 
 def test_kill_during_an_async_write_restarts_from_the_previous_checkpoint(

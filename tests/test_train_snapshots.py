@@ -12,15 +12,20 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from plait.cli import main
-from plait.train import checkpointing
+from plait.train import snapshots
 from plait.train.checkpointer import Checkpointer
-from plait.train.checkpointing import list_checkpoints, load_weights
+from plait.train.checkpointing import (
+    CheckpointDamaged,
+    checkpoint_state,
+    list_checkpoints,
+    load_weights,
+)
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.launch import WorkerFailed
 from plait.train.loop import model_config
@@ -28,9 +33,17 @@ from plait.train.metrics import read_metrics
 from plait.train.model import GPT
 from plait.train.optimizer import build_optimizer
 from plait.train.restart import resumable
-from plait.train.snapshots import check_snapshots, clear_snapshots, latest_snapshot, snapshot_root
+from plait.train.snapshots import (
+    check_snapshots,
+    clear_snapshots,
+    latest_snapshot,
+    load_snapshot,
+    snapshot_root,
+    write_snapshot,
+)
 
 import train_helpers
+from harness import run_on_ranks
 from train_helpers import run_train
 
 TINY = train_helpers.TINY.replace(
@@ -104,15 +117,10 @@ def test_a_checkpoint_outranks_a_snapshot_of_its_step(run_dir: Path) -> None:
     assert resumable(run_dir) == [*expected, memory / "step_000005"]
 
 
-def test_snapshots_are_refused_where_they_cannot_work(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_snapshots_are_refused_beside_replica_groups() -> None:
     cfg = TrainConfig(snapshot_every=5)
-    monkeypatch.setenv("WORLD_SIZE", "16")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
-    check_snapshots(cfg)  # one machine
+    check_snapshots(cfg)
     check_snapshots(cfg.replace(snapshot_every=0, replica_groups=2))  # none asked for
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    with pytest.raises(ConfigError, match="16 workers run on several machines .8 on this one."):
-        check_snapshots(cfg)
     with pytest.raises(ConfigError, match="--snapshot-every 5 with --replica-groups 2"):
         check_snapshots(cfg.replace(replica_groups=2))
 
@@ -165,20 +173,43 @@ def test_a_snapshot_torn_by_a_failure_leaves_the_one_before(
     tmp_path: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The newest snapshot is removed only once the next is published: a failure while the
-    snapshot of step 4 is written (its data files there, not its manifest) leaves step 3's,
-    and the run resumed from it ends as the uninterrupted one."""
+    snapshot of step 4 is written (its rank's file there, not yet published) leaves step
+    3's, and the run resumed from it ends as the uninterrupted one."""
     reference = run_train(TINY, 1, tmp_path / "reference")
-    manifest = checkpointing.write_manifest
 
-    def fails_at_4(path: Path, group: Any) -> None:
-        if path.name.endswith("step_000004"):
+    def fails_at_4(step: int) -> None:
+        if step == 4:
             raise OSError("test: the machine failed writing snapshot 4")
-        manifest(path, group)
 
-    monkeypatch.setattr(checkpointing, "write_manifest", fails_at_4)
+    monkeypatch.setattr(snapshots, "strike_in_checkpoint", fails_at_4)
     with pytest.raises(OSError, match="snapshot 4"):
         run_train(TINY, 1, run_dir)
-    monkeypatch.setattr(checkpointing, "write_manifest", manifest)
+    monkeypatch.undo()
+    assert (snapshot_root(run_dir) / "checkpoints" / ".tmp-step_000004" / "rank_00000.pt").exists()
     assert [p.name for p in list_checkpoints(snapshot_root(run_dir))] == ["step_000003"]
     resumed = run_train(TINY.replace(resume=True), 1, run_dir)
     assert resumed.start_step == 3 and resumed.losses == reference.losses[3:]
+
+
+def _one_rank_lost_its_snapshot(base: str) -> str:
+    """On 2 ranks, each its machine's first: write a snapshot, lose rank 1's file (its
+    machine replaced), and try to load it on both."""
+    rank = dist.get_rank()
+    cfg = TINY.replace(vocab_size=256, device="cpu")
+    model = GPT(model_config(cfg))
+    optimizer = build_optimizer([model], cfg)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    optimizer.step()  # the state a snapshot after a step holds
+    root = Path(base) / f"machine{rank}"
+    state = checkpoint_state([model], optimizer, "cpu")
+    path = write_snapshot(root, 7, state, cfg.to_dict(), dist.group.WORLD)
+    if rank == 1:
+        (path / "rank_00001.pt").unlink()
+    with pytest.raises(CheckpointDamaged) as error:
+        load_snapshot(path, [model], optimizer, "cpu", group=dist.group.WORLD)
+    return str(error.value)
+
+
+def test_a_snapshot_some_rank_lacks_is_loaded_by_none(tmp_path: Path) -> None:
+    for message in run_on_ranks(2, _one_rank_lost_its_snapshot, str(tmp_path), timeout=60):
+        assert "cannot be loaded here (rank 1: FileNotFoundError: " in message

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from plait.train.checkpointing import checkpoint_state, checkpoints_dir, write_checkpoint
 from plait.train.config import ConfigError
+from plait.train.snapshots import first_on_machine, write_snapshot
 
 __all__ = ["Checkpointer", "SaveReport", "Stager", "WriteReport"]
 
@@ -246,18 +247,18 @@ class Checkpointer:
         previous asynchronous write if this save had to wait for it (re-raising its error
         if it failed)."""
         began = time.perf_counter()
-        root, keep = (self.snapshots, 1) if snapshot else (self.run_dir, self.keep)
+        root = self.snapshots if snapshot else self.run_dir
         if root is None:
             raise ValueError("Checkpointer.save(snapshot=True): no snapshot root was given")
         state = checkpoint_state(self.modules, self.optimizer, self.config["device"])
         if snapshot:
             self._check_room(root, state)
         if not self.background:
-            path = write_checkpoint(root, step, state, self.config, keep, self.group)
+            path = self._write(root, step, state, snapshot, background=False).path
             return SaveReport(step, path, False, time.perf_counter() - began, 0, snapshot), []
         finished = self.wait()  # the previous write's staged copy is free then
         staged = self.stager.stage(state)
-        self._pending = _Background(lambda: self._write(root, keep, step, staged, snapshot))
+        self._pending = _Background(lambda: self._write(root, step, staged, snapshot))
         blocked = time.perf_counter() - began
         path = checkpoints_dir(root) / f"step_{step:06d}"  # once written
         return SaveReport(step, path, True, blocked, self.staged_bytes, snapshot), finished
@@ -283,10 +284,16 @@ class Checkpointer:
             )
 
     def _write(
-        self, root: Path, keep: int, step: int, staged: dict[str, Any], snapshot: bool
+        self, root: Path, step: int, state: dict[str, Any], snapshot: bool, background: bool = True
     ) -> WriteReport:
+        """Write ``state`` as the checkpoint, or the snapshot, of ``step`` under ``root``."""
         began = time.perf_counter()
-        path = write_checkpoint(root, step, staged, self.config, keep, self.group, background=True)
+        if snapshot:
+            path = write_snapshot(root, step, state, self.config, self.group, background=background)
+        else:
+            path = write_checkpoint(
+                root, step, state, self.config, self.keep, self.group, background=background
+            )
         return WriteReport(step, path, time.perf_counter() - began, snapshot)
 
     def wait(self) -> list[WriteReport]:
@@ -296,13 +303,13 @@ class Checkpointer:
 
     def close(self) -> list[WriteReport]:
         """Wait for the last write (the session's end: nothing is left being written),
-        then release the staging buffers, and remove the snapshots (rank 0: the session's
-        last save is a checkpoint, newer than every snapshot)."""
+        then release the staging buffers, and remove the snapshots (each machine's first
+        rank: the session's last save is a checkpoint, newer than every snapshot)."""
         try:
             written = self.wait()
         finally:
             self.stager.close()
-        if self.snapshots is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        if self.snapshots is not None and first_on_machine():
             shutil.rmtree(self.snapshots, ignore_errors=True)
         return written
 

@@ -39,27 +39,22 @@ unpickler that admits only DCP's metadata classes, and DCP entries that are not 
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -67,12 +62,12 @@ from plait import spmd
 from plait.train.config import DEFAULTS, ConfigError, flag
 from plait.train.faults import strike_in_checkpoint
 from plait.train.manifest import CheckpointDamaged, verify_manifest, write_manifest
+from plait.train.safe_dcp import SafeFileSystemReader, TensorsOnlyPlanner
 
 __all__ = [
     "CheckpointDamaged",
     "CheckpointInfo",
-    "SafeFileSystemReader",
-    "TensorsOnlyPlanner",
+    "barrier",
     "check_settings",
     "checkpoint_group",
     "checkpoint_state",
@@ -282,7 +277,9 @@ def _single_process_is_fine() -> Iterator[None]:
         yield
 
 
-def _barrier(group: dist.ProcessGroup | None, what: str, background: bool = False) -> None:
+def barrier(group: dist.ProcessGroup | None, what: str, background: bool = False) -> None:
+    """Wait for every rank of ``group`` (a checkpoint group) at ``what``; ``background``:
+    off the training thread (its barriers wait plainly, without the divergence checker)."""
     if group is None:
         return
     work = dist.barrier(group=group, async_op=True)
@@ -332,7 +329,7 @@ def write_checkpoint(
         tmp.mkdir(parents=True)
         info = {"step": step, "world_size": _world_size(), "config": config}
         _write_json(tmp / _INFO, info)
-    _barrier(group, f"the start of checkpoint {final.name}", background)
+    barrier(group, f"the start of checkpoint {final.name}", background)
     with _single_process_is_fine():  # returns on every rank once all files are written
         dcp_save(state, checkpoint_id=str(tmp), process_group=group)
     strike_in_checkpoint(step)  # test-only (plait.train.faults): a kill mid-write
@@ -341,7 +338,7 @@ def write_checkpoint(
         _publish(tmp, final)
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
-    _barrier(group, f"the end of checkpoint {final.name}", background)
+    barrier(group, f"the end of checkpoint {final.name}", background)
     return final
 
 
@@ -392,7 +389,20 @@ def load_checkpoint(
     """
     verify_checkpoint(path, group)
     check_settings(path, expected or {})
-    info = read_info(path)
+    return load_state(read_info(path), modules, optimizer, device, partial(_dcp_load, path, group))
+
+
+def load_state(
+    info: CheckpointInfo,
+    modules: Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    device: str,
+    read: Callable[[dict[str, Any]], None],
+) -> CheckpointInfo:
+    """Fill ``modules`` and ``optimizer`` from a saved state (``info``: what was saved):
+    ``read`` loads it, in place, into the live state it is given (the model's tensors, the
+    optimizer's, created where missing, and with the saving run's world size the RNG
+    states: the shape :func:`checkpoint_state` saves); then tied copies and RNGs follow."""
     state: dict[str, Any] = {
         "model": _model_state(modules),
         "optim": _optim_state(modules, optimizer, create=True),
@@ -400,7 +410,7 @@ def load_checkpoint(
     same_world = info.world_size == _world_size()
     if same_world:
         state["rng"] = _rng_state(device)
-    _dcp_load(path, state, group)
+    read(state)
     for m in modules:
         m.load_state_dict({name: state["model"][key] for name, key in _keys(m).items()})
     _copy_optim_state(modules, optimizer)
@@ -413,7 +423,7 @@ def load_checkpoint(
     return info
 
 
-def _dcp_load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def _dcp_load(path: Path, group: dist.ProcessGroup | None, state: dict[str, Any]) -> None:
     reader = SafeFileSystemReader(str(path))
     # Read once up front, so a refused metadata file raises its own clear error here
     # rather than inside DCP's collective plan (which wraps it in a rank report).
@@ -430,60 +440,5 @@ def load_weights(path: Path, module: nn.Module, *, verify: bool = True) -> None:
     if verify:
         verify_checkpoint(path)
     state = {"model": _model_state([module])}
-    _dcp_load(path, state, None)
+    _dcp_load(path, None, state)
     module.load_state_dict({name: state["model"][key] for name, key in _keys(module).items()})
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only what DCP's metadata is made of: its dataclasses, torch sizes, dtypes
-    and memory formats, and plain containers."""
-
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
-    _ALLOWED = frozenset(
-        {
-            ("collections", "OrderedDict"),
-            ("torch", "Size"),
-            ("torch.serialization", "_get_layout"),  # maps a name to a torch.layout
-            ("pathlib", "PosixPath"),  # DCP records the checkpoint's path
-            ("pathlib", "WindowsPath"),
-            ("builtins", "set"),
-            ("builtins", "frozenset"),
-        }
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(self._ALLOWED_MODULES) or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint does not "
-            "contain: refusing to load it (the file may have been tampered with)"
-        )
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, with its metadata read by :class:`_MetadataUnpickler`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
-        # What DCP's own reader also fills in before the plan is made.
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class TensorsOnlyPlanner(DefaultLoadPlanner):
-    """DCP's planner, refusing non-tensor entries (DCP would ``torch.load`` them with
-    ``weights_only=False``, which can run arbitrary code)."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        raise RuntimeError(
-            f"checkpoint entry {read_item.dest_index.fqn!r} is not a tensor; plait checkpoints "
-            "hold tensors only, refusing to unpickle it"
-        )

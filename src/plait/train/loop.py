@@ -26,7 +26,7 @@ from plait.experts import expert_load, update_expert_bias
 from plait.layout import DP_REPLICATE, DP_SHARD, PP
 from plait.mesh import collective_device, host_copy, mesh_coordinate
 from plait.train.checkpointer import Checkpointer
-from plait.train.checkpointing import CheckpointDamaged, checkpoint_group, load_checkpoint
+from plait.train.checkpointing import CheckpointDamaged, checkpoint_group
 from plait.train.compiled import CompileCounters
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.data import TokenData, load_data, record_fingerprint
@@ -56,7 +56,7 @@ from plait.train.parallelize import (
 from plait.train.report import imbalance
 from plait.train.reporter import CONFIG_FILE, Reporter
 from plait.train.resolve import gpt_config, llama_config
-from plait.train.restart import restart_count, restarted, resumable
+from plait.train.restart import load_resumable, restart_count, restarted, resumable
 from plait.train.snapshots import snapshot_root
 from plait.train.step import Stepper, make_stepper
 from plait.train.step_batch import StepBatch, global_loss, global_loss_tensor, step_batch
@@ -392,14 +392,9 @@ class _Session:
         damaged: list[str] = []
         for path in reversed(resumable(self.run_dir, self.checkpoint_group)):
             try:
-                info = load_checkpoint(
-                    path,
-                    self.modules,
-                    self.optimizer,
-                    self.cfg.device,
-                    expected=model_settings(self.cfg),
-                    group=self.checkpoint_group,
-                )
+                parts = (path, self.run_dir, self.modules, self.optimizer, self.cfg.device)
+                expected = model_settings(self.cfg)
+                info = load_resumable(*parts, expected=expected, group=self.checkpoint_group)
             except CheckpointDamaged as error:
                 damaged.append(str(error))
                 _warn(f"{error}; falling back to the previous checkpoint")

@@ -32,21 +32,31 @@ redone), and one ``restart`` row at the step the attempt resumes from says what 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
-from plait.train.checkpointing import checkpoint_step, checkpoints_dir, list_checkpoints
+from plait.train.checkpointing import (
+    CheckpointInfo,
+    checkpoint_step,
+    checkpoints_dir,
+    list_checkpoints,
+    load_checkpoint,
+)
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.metrics import read_metrics
-from plait.train.snapshots import snapshot_root
+from plait.train.snapshots import load_snapshot, snapshot_root
 
 __all__ = [
     "RESTART_EVENT",
     "UNSHARED_STORE",
     "agreed_checkpoints",
     "check_torchrun_restarts",
+    "load_resumable",
     "redone_steps",
     "restart_count",
     "restart_record",
@@ -87,6 +97,24 @@ def resumable(run_dir: str | Path, group: dist.ProcessGroup | None = None) -> li
         *agreed_checkpoints(run_dir, group),
     ]
     return sorted(found, key=checkpoint_step)  # stable: a tie keeps the snapshot first
+
+
+def load_resumable(
+    path: Path,
+    run_dir: str | Path,
+    modules: Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    device: str,
+    *,
+    expected: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> CheckpointInfo:
+    """Load ``path``, one of :func:`resumable`'s, as what it is: a snapshot of ``run_dir``
+    (:func:`~plait.train.snapshots.load_snapshot`) or a checkpoint
+    (:func:`~plait.train.checkpointing.load_checkpoint`); told apart by where it is, the
+    same on every rank (a rank whose machine lacks the snapshot still takes part)."""
+    load = load_snapshot if path.is_relative_to(snapshot_root(run_dir)) else load_checkpoint
+    return load(path, modules, optimizer, device, expected=expected, group=group)
 
 
 def restart_count() -> int:

@@ -1,57 +1,91 @@
-"""Snapshots (``--snapshot-every N``): a checkpoint every ``N`` steps in this machine's
+"""Snapshots (``--snapshot-every N``): each rank's state every ``N`` steps in its machine's
 memory, for a restart to continue from with at most ``N`` steps redone.
 
-A checkpoint to the run directory (``--ckpt-every``) is durable but costs a write to
-storage, so runs take one every few hundred steps, and a failed worker then costs every
-step since. A snapshot is the same checkpoint (:func:`~plait.train.checkpointing.write_checkpoint`:
-the same files, manifest and atomic publication; synchronous, or staged and written in the
-background with ``--async-checkpoint``) written to a directory in shared memory
-(:func:`snapshot_root`: ``/dev/shm``, a RAM file system, when the machine has one), only
-the newest kept. It outlives the workers (a killed or failed process, or a restart by
-``--max-restarts``), not the machine: a restart, or ``--resume`` on the same machine,
-continues from the newest of the run's checkpoints and snapshots
-(:func:`plait.train.restart.resumable`), a reboot or a lost machine from the newest
-checkpoint. A step due for both gets the checkpoint only. Snapshots hold up to two copies
-of each rank's state in memory (the newest is kept while the next is written): a file
-system without room for them is refused before the first
+A checkpoint to the run directory (``--ckpt-every``) is durable and reshardable, but costs
+a write to shared storage, so runs take one every few hundred steps, and a failed worker
+then costs every step since. A snapshot is what a restart needs and no more: each rank
+writes the tensors it holds of the checkpoint's state (its parameter shards, optimizer
+state and RNG states: :func:`~plait.train.checkpointing.checkpoint_state`) with
+``torch.save`` into one file of
+its own, in a directory in shared memory on its machine (:func:`snapshot_root`:
+``/dev/shm``, a RAM file system, or ``PLAIT_SNAPSHOT_DIR``), synchronously or, with
+``--async-checkpoint``, from the staged copy in the background; no rank reads another's
+file, so a job over several machines snapshots as one does. A snapshot is written into a
+``.tmp-`` directory that each machine's first rank renames into place once every rank's
+file is written (:func:`write_snapshot`), and only the newest is kept.
+
+It outlives the workers (a killed or failed process, a restart by ``--max-restarts``, on
+every machine of the job), not its machine. A restart, or ``--resume`` on the same
+machines, continues from the newest of the run's checkpoints and snapshots
+(:func:`plait.train.restart.resumable`); a snapshot is loaded only when every rank finds
+its file, of the same world size and shapes (:func:`load_snapshot`, collective: all load,
+or none and the previous is tried), so a replaced machine, or another layout, falls back
+to the newest checkpoint. A step due for both gets the checkpoint. Snapshots hold up to
+two copies of each rank's state in memory (the newest is kept while the next is
+written): a file system without room for them is refused before the first
 (:class:`~plait.train.checkpointer.Checkpointer`). The run removes its snapshots when it
 ends (its last checkpoint is newer); a new run in a run directory that holds one is
-refused, as over a checkpoint (``--resume`` continues from it).
-
-One machine only: every rank must see every rank's snapshot files (they are one
-checkpoint), so a job over several machines (torchrun ``--nnodes``) is refused with the
-fix (:func:`check_snapshots`). Replica groups (``--replica-groups``) heal a restarted group
-from a live one, which redoes only the step it died in: snapshots are refused there too.
+refused, as over a checkpoint. Replica groups (``--replica-groups``) heal a restarted group
+from a live one, which redoes only the step it died in: snapshots are refused there
+(:func:`check_snapshots`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from plait.train.checkpointing import latest_checkpoint
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from plait.train.checkpointing import (
+    CheckpointDamaged,
+    CheckpointInfo,
+    barrier,
+    check_settings,
+    checkpoints_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    load_state,
+    read_info,
+)
 from plait.train.config import ConfigError, TrainConfig
+from plait.train.faults import strike_in_checkpoint
 
 __all__ = [
     "SHARED_MEMORY",
+    "SNAPSHOT_DIR",
     "check_snapshots",
     "clear_snapshots",
+    "first_on_machine",
     "latest_snapshot",
+    "load_snapshot",
     "snapshot_root",
+    "write_snapshot",
 ]
 
 #: Where snapshots go when the machine has it: a file system in memory (Linux).
 SHARED_MEMORY = Path("/dev/shm")
+#: The environment variable naming another directory for them (a machine-local disk, say).
+SNAPSHOT_DIR = "PLAIT_SNAPSHOT_DIR"
+_INFO = "plait.json"  # as a checkpoint's: read_info and check_settings read it
 
 
 def snapshot_root(run_dir: str | Path) -> Path:
-    """The directory of ``run_dir``'s snapshots (its ``checkpoints/`` holds them, as a run
-    directory's does): named by the run directory's absolute path, under
-    :data:`SHARED_MEMORY`, or the temporary directory on a machine without one."""
-    base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
+    """The directory of ``run_dir``'s snapshots on this machine (its ``checkpoints/`` holds
+    them, as a run directory's does): named by the run directory's absolute path, under
+    ``$PLAIT_SNAPSHOT_DIR``, else :data:`SHARED_MEMORY`, else the temporary directory."""
+    base = Path(os.environ.get(SNAPSHOT_DIR) or "")
+    if not os.environ.get(SNAPSHOT_DIR):
+        base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
     digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
     return base / "plait-snapshots" / digest
 
@@ -67,24 +101,154 @@ def clear_snapshots(run_dir: str | Path) -> None:
 
 
 def check_snapshots(cfg: TrainConfig) -> None:
-    """Refuse ``--snapshot-every`` where snapshots cannot work (module docstring): with
-    ``--replica-groups``, and over several machines (torchrun's ``LOCAL_WORLD_SIZE`` below
-    its ``WORLD_SIZE``)."""
-    if not cfg.snapshot_every:
-        return
-    if cfg.replica_groups > 1:
+    """Refuse ``--snapshot-every`` with ``--replica-groups`` (module docstring)."""
+    if cfg.snapshot_every and cfg.replica_groups > 1:
         raise ConfigError(
             f"--snapshot-every {cfg.snapshot_every} with --replica-groups "
             f"{cfg.replica_groups}: a restarted replica group heals from a live one and "
-            "loses no step, so snapshots add nothing: drop --snapshot-every"
+            "redoes only the step it died in, so snapshots add nothing: drop --snapshot-every"
         )
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    if local < world:
-        raise ConfigError(
-            f"--snapshot-every {cfg.snapshot_every}: snapshots live in one machine's memory, "
-            f"and this job's {world} workers run on several machines ({local} on this one), "
-            "each of which would hold a part of every snapshot and lose it with the machine: "
-            "drop --snapshot-every and checkpoint more often to a shared --run-dir "
-            "(--ckpt-every, with --async-checkpoint to keep training going while it writes)"
-        )
+
+
+def first_on_machine() -> bool:
+    """Whether this process is its machine's first rank (torchrun's ``LOCAL_RANK`` 0, or
+    the only process): the one that publishes and removes the machine's snapshots."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _rank() -> tuple[int, int, bool]:
+    """This rank, the world size, and whether it is its machine's first rank."""
+    if not dist.is_initialized():
+        return 0, 1, True
+    return dist.get_rank(), dist.get_world_size(), first_on_machine()
+
+
+def _rank_file(directory: Path, rank: int) -> Path:
+    return directory / f"rank_{rank:05d}.pt"
+
+
+def _local(value: Any) -> Any:
+    """``value`` (nested dicts of tensors) with each DTensor's local shard in its place."""
+    if isinstance(value, dict):
+        return {key: _local(item) for key, item in value.items()}
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _as_bytes(value: Any) -> Any:
+    """``value`` (nested dicts of tensors) with each tensor as ``(bytes, dtype, shape)``:
+    ``torch.save`` refuses tensors that view one storage as different dtypes (a staged
+    copy's arena, :class:`~plait.train.checkpointer.Stager`), and saves byte views of it
+    once."""
+    if isinstance(value, dict):
+        return {key: _as_bytes(item) for key, item in value.items()}
+    return (value.reshape(-1).view(torch.uint8), str(value.dtype), list(value.shape))
+
+
+def _from_bytes(value: Any) -> Any:
+    """The inverse of :func:`_as_bytes` (tensors viewing what was loaded)."""
+    if isinstance(value, dict):
+        return {key: _from_bytes(item) for key, item in value.items()}
+    data, dtype, shape = value
+    return data.view(getattr(torch, dtype.removeprefix("torch."))).view(shape)
+
+
+def write_snapshot(
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    config: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    *,
+    background: bool = False,
+) -> Path:
+    """Write this rank's ``state`` (:func:`~plait.train.checkpointing.checkpoint_state`, or
+    a staged copy of it) as the snapshot of ``step`` under ``root`` (:func:`snapshot_root`);
+    collective over ``group``, every rank's checkpoint group (``background``: off the
+    training thread). Each machine's first rank prepares the ``.tmp-`` directory and,
+    once every rank's file is written, renames it into place and removes the older ones."""
+    rank, world, first = _rank()
+    final = checkpoints_dir(root) / f"step_{step:06d}"
+    tmp = final.with_name(f".tmp-{final.name}")
+    if first:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a failed write
+        tmp.mkdir(parents=True)
+        info = {"step": step, "world_size": world, "config": config}
+        (tmp / _INFO).write_text(json.dumps(info))
+    barrier(group, f"the start of snapshot {final.name}", background)
+    torch.save(_as_bytes(_local(state)), _rank_file(tmp, rank))
+    strike_in_checkpoint(step)  # test-only (plait.train.faults): a kill mid-write
+    barrier(group, f"every rank's file of snapshot {final.name}", background)
+    if first:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in list_checkpoints(root)[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(group, f"the end of snapshot {final.name}", background)
+    return final
+
+
+def load_snapshot(
+    path: Path,
+    modules: Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    device: str,
+    *,
+    expected: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> CheckpointInfo:
+    """Load snapshot ``path`` into ``modules`` and ``optimizer`` (in place; collective over
+    ``group``): every rank reads its own file, and unless every rank found its file, of
+    this world size, of the model settings ``expected`` and of the live tensors' shapes,
+    every rank raises :class:`~plait.train.checkpointing.CheckpointDamaged` (nothing
+    loaded)."""
+    rank, world, _ = _rank()
+    saved: dict[str, Any] | None = None
+    info, problem = CheckpointInfo(0, world, {}), ""
+    try:
+        check_settings(path, expected or {})  # another model's: ConfigError
+        info = read_info(path)
+        if info.world_size != world:
+            problem = f"written by {info.world_size} ranks, not {world}"
+        else:
+            raw = torch.load(_rank_file(path, rank), map_location="cpu", weights_only=True)
+            saved = _from_bytes(raw)
+    except Exception as error:  # whatever it is: every rank must reach the agreement
+        problem = f"rank {rank}: {type(error).__name__}: {error}"
+
+    def read(state: dict[str, Any]) -> None:
+        nonlocal problem
+        if saved is not None and not problem:
+            problem = _shape_problem(_local(state), saved, rank)
+        problems = [problem]
+        if group is not None:
+            problems = [""] * world
+            dist.all_gather_object(problems, problem, group=group)
+        if any(problems):
+            found = "; ".join(p for p in problems if p)
+            raise CheckpointDamaged(f"snapshot {path} cannot be loaded here ({found})")
+        _copy(_local(state), saved)
+
+    return load_state(info, modules, optimizer, device, read)
+
+
+def _shape_problem(live: Any, saved: Any, rank: int, key: str = "") -> str:
+    """What differs between the live state and the saved one ("" if nothing)."""
+    if isinstance(live, dict):
+        if not isinstance(saved, dict) or set(live) - set(saved):
+            return f"rank {rank}: {key or 'the state'} has entries the snapshot lacks"
+        for name, item in live.items():
+            found = _shape_problem(item, saved[name], rank, f"{key}.{name}".lstrip("."))
+            if found:
+                return found
+        return ""
+    if not isinstance(saved, torch.Tensor) or saved.shape != live.shape:
+        return f"rank {rank}: {key} is shaped {tuple(live.shape)} here, not as saved"
+    return ""
+
+
+def _copy(live: Any, saved: Any) -> None:
+    if isinstance(live, dict):
+        for name, item in live.items():
+            _copy(item, saved[name])
+    else:
+        live.copy_(saved)

@@ -165,9 +165,9 @@ FLAGS: dict[str, list[tuple[str, str]]] = {
         ),
         (
             "snapshot_every",
-            "also checkpoint every N steps into this machine's memory (/dev/shm), the newest "
-            "kept, for --max-restarts and --resume here to continue from (0: none); one "
-            "machine only",
+            "also save each rank's state every N steps into its machine's memory (/dev/shm, "
+            "or $PLAIT_SNAPSHOT_DIR), the newest kept, for --max-restarts and --resume on "
+            "the same machines to continue from (0: none)",
         ),
         ("resume", "continue the run in --run-dir from its latest intact checkpoint"),
         (
