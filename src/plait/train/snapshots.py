@@ -83,8 +83,9 @@ def snapshot_root(run_dir: str | Path) -> Path:
     """The directory of ``run_dir``'s snapshots on this machine (its ``checkpoints/`` holds
     them, as a run directory's does): named by the run directory's absolute path, under
     ``$PLAIT_SNAPSHOT_DIR``, else :data:`SHARED_MEMORY`, else the temporary directory."""
-    base = Path(os.environ.get(SNAPSHOT_DIR) or "")
-    if not os.environ.get(SNAPSHOT_DIR):
+    if configured := os.environ.get(SNAPSHOT_DIR):
+        base = Path(configured)
+    else:
         base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
     digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
     return base / "plait-snapshots" / digest
