@@ -129,11 +129,14 @@ def test_a_restart_continues_from_the_snapshot_in_memory(
     assert re.search(r"\nsnapshots +\d+ sync, training waited", done.stdout), done.stdout
 
 
-def two_machines(tmp_path: Path, name: str, **env: str) -> Path:
+def two_machines(
+    tmp_path: Path, name: str, second: dict[str, str] | None = None, **env: str
+) -> Path:
     """``plait train`` under two torchrun agents, as two machines of one worker each (each
     its own snapshot directory, PLAIT_SNAPSHOT_DIR), snapshotting every step and
-    checkpointing only at the end; its run directory. Fails the test, with the agents'
-    output, if either fails."""
+    checkpointing only at the end, ``env`` in both agents' environment and ``second`` in
+    the second's only; its run directory. Fails the test, with the agents' output, if
+    either fails."""
     run_dir = tmp_path / name
     with socket.socket() as probe:  # a free port for the agents' rendezvous
         probe.bind(("127.0.0.1", 0))
@@ -146,7 +149,13 @@ def two_machines(tmp_path: Path, name: str, **env: str) -> Path:
     agents = [
         subprocess.Popen(
             command,
-            env={**os.environ, UNSHARED_STORE: "1", **env, SNAPSHOT_DIR: str(run_dir) + f"-{i}"},
+            env={
+                **os.environ,
+                UNSHARED_STORE: "1",
+                **env,
+                **((second or {}) if i else {}),
+                SNAPSHOT_DIR: str(run_dir) + f"-{i}",
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -167,12 +176,17 @@ def two_machines(tmp_path: Path, name: str, **env: str) -> Path:
 
 
 def test_two_machines_restart_from_their_snapshots(tmp_path: Path) -> None:
-    """Rank 1 dies in step 5: both agents restart their workers, and each rank continues
-    from its own machine's snapshot of step 4, as the uninterrupted run of the same two
-    machines trains (one thread per worker there, so not bitwise the 2-worker launch's)."""
+    """Rank 1 dies in step 5, and its machine comes back empty (replaced): both agents
+    restart their workers (the other one without counting a restart: torch's agent does
+    not count a new rendezvous), rank 0 continues from its machine's snapshot of step 4 and
+    rank 1 from the copy of its file that rank 0's machine keeps, as the uninterrupted run
+    of the same two machines trains (one thread per worker there, so not bitwise the
+    2-worker launch's)."""
     reference = two_machines(tmp_path, "uninterrupted")
-    run_dir = two_machines(tmp_path, "killed", PLAIT_TEST_KILL_RANK_AT_STEP="1:5")
-    assert "rank 1 kills in step 5" in (run_dir / "agents.log").read_text()
+    lost = {"PLAIT_TEST_LOSE_SNAPSHOTS_AT_ATTEMPT": "1"}
+    run_dir = two_machines(tmp_path, "replaced", lost, PLAIT_TEST_KILL_RANK_AT_STEP="1:5")
+    log = (run_dir / "agents.log").read_text()
+    assert "rank 1 kills in step 5" in log and "this machine's snapshots are lost" in log
     assert [r["step"] for r in restart_rows(run_dir)] == [4]
     assert_same_run(run_dir, reference)
 

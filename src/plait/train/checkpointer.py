@@ -266,13 +266,17 @@ class Checkpointer:
     def _check_room(self, root: Path, state: dict[str, Any]) -> None:
         """Before the first snapshot: ConfigError, with the fix, if ``root``'s file system
         (memory) has no room for two snapshots of this machine's ranks (the newest is kept
-        until the next one is published), each the size of this rank's ``state``."""
+        until the next one is published), each the size of this rank's ``state``, and as
+        much again on a job over several machines (the copies this machine keeps)."""
         if self._room_checked:
             return
         self._room_checked = True
         root.mkdir(parents=True, exist_ok=True)
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        need = 2 * ranks * sum(t.numel() * t.element_size() for _, t in _leaves(state, ()))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        copies = 2 if ranks < world else 1  # several machines: the previous one's kept here
+        state_bytes = sum(t.numel() * t.element_size() for _, t in _leaves(state, ()))
+        need = 2 * copies * ranks * state_bytes
         free = shutil.disk_usage(root).free
         if free < need:
             raise ConfigError(

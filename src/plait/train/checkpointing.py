@@ -134,10 +134,13 @@ def verify_checkpoint(path: Path, group: dist.ProcessGroup | None = None) -> Non
     verify_manifest(path, group)
 
 
-def check_settings(path: Path, expected: Mapping[str, Any]) -> None:
+def check_settings(
+    path: Path, expected: Mapping[str, Any], config: Mapping[str, Any] | None = None
+) -> None:
     """Raise ``ConfigError`` naming each setting in ``expected`` (e.g. the model's
-    ``d_model``) that checkpoint ``path`` was saved with a different value of."""
-    config = read_info(path).config
+    ``d_model``) that checkpoint ``path`` was saved with a different value of (its
+    configuration ``config``, by default read from it)."""
+    config = read_info(path).config if config is None else config
     # A setting newer than the checkpoint had, when it was saved, its default value.
     saved = {k: config.get(k, getattr(DEFAULTS, k, None)) for k in expected}
     wrong = [(k, saved[k], v) for k, v in expected.items() if saved[k] != v]

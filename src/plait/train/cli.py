@@ -44,7 +44,7 @@ from plait.train.loop import CONFIG_FILE, model_settings
 from plait.train.metrics import FILENAME as METRICS_FILENAME
 from plait.train.replicas import group_run_dir, metrics_run_dir, replicas_config
 from plait.train.resolve import resolve
-from plait.train.restart import check_torchrun_restarts, restarted
+from plait.train.restart import check_torchrun_restarts, mark_torchrun_job, restarted
 from plait.train.sample import sample_command
 from plait.train.snapshots import check_snapshots, latest_snapshot
 from plait.train.tokenizer_command import tokenizer_command
@@ -201,6 +201,8 @@ def _train(
     check_snapshots(cfg)
     if under_torchrun():  # torchrun's --max-restarts; a restarted worker resumes
         cfg = restarted(check_torchrun_restarts(cfg))
+        if cfg.max_restarts:
+            mark_torchrun_job(cfg.run_dir)
     elif not cfg.run_dir:
         cfg = cfg.replace(run_dir=default_run_dir())
     _check_paths(cfg)

@@ -11,7 +11,9 @@ inherit it::
     PLAIT_TEST_STALL_RANK_AT_STEP="1:5"         rank 1 sleeps PLAIT_TEST_STALL_SECONDS
                                                 (default 5) in step 5, then goes on
     PLAIT_TEST_KILL_RANK_IN_CHECKPOINT="1:4"    rank 1 SIGKILLs itself while writing the
-                                                checkpoint of step 4
+                                                checkpoint (or snapshot) of step 4
+    PLAIT_TEST_LOSE_SNAPSHOTS_AT_ATTEMPT="1"    in attempt 1, this machine's snapshots are
+                                                gone (its workers only: a replaced machine)
 
 The value is ``RANK:STEP`` (global rank; step as the progress output counts them, from 1),
 or ``RANK:STEP:ATTEMPT`` to strike in that attempt of a run that restarts
@@ -29,16 +31,18 @@ the reaction.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["FaultInjector", "attempt", "strike_in_checkpoint"]
+__all__ = ["FaultInjector", "attempt", "lose_snapshots", "strike_in_checkpoint"]
 
 _VARIABLES = {
     "kill": "PLAIT_TEST_KILL_RANK_AT_STEP",
@@ -47,6 +51,7 @@ _VARIABLES = {
     "stall": "PLAIT_TEST_STALL_RANK_AT_STEP",
 }
 _IN_CHECKPOINT = "PLAIT_TEST_KILL_RANK_IN_CHECKPOINT"
+_LOSE_SNAPSHOTS = "PLAIT_TEST_LOSE_SNAPSHOTS_AT_ATTEMPT"
 
 
 @dataclass(frozen=True)
@@ -137,3 +142,12 @@ def strike_in_checkpoint(step: int) -> None:
     if step in _steps_planned(_IN_CHECKPOINT, rank, attempt()):
         _announce(f"rank {rank} is killed writing the checkpoint of step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def lose_snapshots(root: Path) -> None:
+    """Remove this machine's snapshot directory ``root`` if ``PLAIT_TEST_LOSE_SNAPSHOTS_AT_ATTEMPT``
+    names this attempt: the machine of a restarted worker was replaced, its memory empty
+    (set for one machine's workers only)."""
+    if os.environ.get(_LOSE_SNAPSHOTS) == str(attempt()) and root.exists():
+        _announce(f"this machine's snapshots are lost ({root})")
+        shutil.rmtree(root, ignore_errors=True)

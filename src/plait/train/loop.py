@@ -56,7 +56,7 @@ from plait.train.parallelize import (
 from plait.train.report import imbalance
 from plait.train.reporter import CONFIG_FILE, Reporter
 from plait.train.resolve import gpt_config, llama_config
-from plait.train.restart import load_resumable, restart_count, restarted, resumable
+from plait.train.restart import agreed_restart_count, load_resumable, restarted, resumable
 from plait.train.snapshots import snapshot_root
 from plait.train.step import Stepper, make_stepper
 from plait.train.step_batch import StepBatch, global_loss, global_loss_tensor, step_batch
@@ -426,7 +426,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     ``cfg.steps``, so resuming later continues as if never stopped). A restarted worker
     (:mod:`plait.train.restart`) resumes as with ``cfg.resume``, and records the restart."""
     cfg = restarted(cfg)
-    restart = restart_count()
+    restart = agreed_restart_count()
     session = _Session(cfg)
     start = session.resume() if cfg.resume else 0
     last = cfg.stop_after or cfg.steps

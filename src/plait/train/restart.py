@@ -48,6 +48,7 @@ from plait.train.checkpointing import (
     load_checkpoint,
 )
 from plait.train.config import ConfigError, TrainConfig
+from plait.train.faults import lose_snapshots
 from plait.train.metrics import read_metrics
 from plait.train.snapshots import load_snapshot, snapshot_root
 
@@ -55,8 +56,10 @@ __all__ = [
     "RESTART_EVENT",
     "UNSHARED_STORE",
     "agreed_checkpoints",
+    "agreed_restart_count",
     "check_torchrun_restarts",
     "load_resumable",
+    "mark_torchrun_job",
     "redone_steps",
     "restart_count",
     "restart_record",
@@ -68,6 +71,8 @@ __all__ = [
 RESTART_EVENT = "restart"
 _RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by the elastic agent for its workers
 _MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+_RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun: its --rdzv-id (a fresh uuid standalone)
+_JOB_FILE = "torchrun_job"  # in a run directory: the id of the torchrun job running it
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the workers share the agent's store
 #: Set for the elastic agent, each attempt's workers get a store of their own.
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -92,11 +97,23 @@ def resumable(run_dir: str | Path, group: dist.ProcessGroup | None = None) -> li
     machine's snapshots of it (:mod:`plait.train.snapshots`), as rank 0 of ``group`` sees
     them (collective when a process group is up, as :func:`agreed_checkpoints`). Of a
     checkpoint and a snapshot of the same step the checkpoint comes last (tried first)."""
-    found = [
-        *agreed_checkpoints(snapshot_root(run_dir), group),
-        *agreed_checkpoints(run_dir, group),
-    ]
+    found = [*_any_machines_snapshots(run_dir, group), *agreed_checkpoints(run_dir, group)]
     return sorted(found, key=checkpoint_step)  # stable: a tie keeps the snapshot first
+
+
+def _any_machines_snapshots(run_dir: str | Path, group: dist.ProcessGroup | None) -> list[Path]:
+    """The snapshots of ``run_dir`` that any rank's machine holds (collective when a
+    process group is up), named under this machine's snapshot root: a machine that lost
+    them (replaced) still takes part, and :func:`~plait.train.snapshots.load_snapshot`
+    fetches its ranks' files from the machine that keeps a copy."""
+    root = snapshot_root(run_dir)
+    lose_snapshots(root)  # test-only (plait.train.faults): a replaced machine's empty memory
+    found = [p.name for p in list_checkpoints(root)]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        every: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(every, found, group=group)
+        found = sorted(set().union(*every))
+    return [checkpoints_dir(root) / name for name in found]
 
 
 def load_resumable(
@@ -123,10 +140,42 @@ def restart_count() -> int:
     return int(os.environ.get(_RESTART_COUNT, "0") or 0)
 
 
+def agreed_restart_count() -> int:
+    """:func:`restart_count`, the largest over the ranks (collective when a process group
+    is up): torchrun's agents on machines whose workers did not fail restart them for the
+    new rendezvous without counting it, so only the failed machine's workers know."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return restart_count()
+    counts: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(counts, restart_count())
+    return max(counts)
+
+
+def mark_torchrun_job(run_dir: str | Path) -> None:
+    """Under torchrun, rank 0 records its job's id (``TORCHELASTIC_RUN_ID``) in
+    ``run_dir``: a worker that torchrun's agent restarts for a new rendezvous, which it does
+    not count (``TORCHELASTIC_RESTART_COUNT`` stays 0: pytorch's elastic agent), then knows
+    from it that it continues this job's run (:func:`restarted`)."""
+    job = os.environ.get(_RUN_ID)
+    if job and os.environ.get("RANK", "0") == "0":
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run_dir) / _JOB_FILE).write_text(job)
+
+
+def _this_job_ran(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` was run by this torchrun job already (:func:`mark_torchrun_job`)."""
+    job = os.environ.get(_RUN_ID)
+    try:
+        return bool(job) and (Path(run_dir) / _JOB_FILE).read_text() == job
+    except OSError:
+        return False
+
+
 def restarted(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` for this attempt: a restarted worker resumes from the run's latest
-    checkpoint or snapshot (if there is one yet); the first attempt runs ``cfg`` as given."""
-    if restart_count() == 0:
+    """``cfg`` for this attempt: a restarted worker (counted, or of a torchrun job that
+    ran in ``cfg.run_dir`` before) resumes from the run's latest checkpoint or snapshot (if
+    there is one yet); the first attempt runs ``cfg`` as given."""
+    if restart_count() == 0 and not _this_job_ran(cfg.run_dir):
         return cfg
     return cfg.replace(resume=bool(resumable(cfg.run_dir)))
 

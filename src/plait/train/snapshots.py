@@ -1,28 +1,32 @@
 """Snapshots (``--snapshot-every N``): each rank's state every ``N`` steps in its machine's
-memory, for a restart to continue from with at most ``N`` steps redone.
+memory, and a copy on the next machine, for a restart to continue from with at most ``N``
+steps redone.
 
 A checkpoint to the run directory (``--ckpt-every``) is durable and reshardable, but costs
 a write to shared storage, so runs take one every few hundred steps, and a failed worker
 then costs every step since. A snapshot is what a restart needs and no more: each rank
 writes the tensors it holds of the checkpoint's state (its parameter shards, optimizer
 state and RNG states: :func:`~plait.train.checkpointing.checkpoint_state`) with
-``torch.save`` into one file of
-its own, in a directory in shared memory on its machine (:func:`snapshot_root`:
-``/dev/shm``, a RAM file system, or ``PLAIT_SNAPSHOT_DIR``), synchronously or, with
-``--async-checkpoint``, from the staged copy in the background; no rank reads another's
-file, so a job over several machines snapshots as one does. A snapshot is written into a
-``.tmp-`` directory that each machine's first rank renames into place once every rank's
-file is written (:func:`write_snapshot`), and only the newest is kept.
+``torch.save`` into one file of its own, in a directory in shared memory on its machine
+(:func:`snapshot_root`: ``/dev/shm``, a RAM file system, or ``PLAIT_SNAPSHOT_DIR``),
+synchronously or, with ``--async-checkpoint``, from the staged copy in the background.
+On a job over several machines (torchrun's ``LOCAL_WORLD_SIZE`` below the world) each rank
+also sends its file to the rank of the same local rank on the next machine, which keeps it
+beside its own (FT-FSDP's replication, over the checkpoint group). A snapshot is written
+into a ``.tmp-`` directory that each machine's first rank renames into place once every
+rank's files are written (:func:`write_snapshot`), and only the newest is kept.
 
 It outlives the workers (a killed or failed process, a restart by ``--max-restarts``, on
-every machine of the job), not its machine. A restart, or ``--resume`` on the same
-machines, continues from the newest of the run's checkpoints and snapshots
-(:func:`plait.train.restart.resumable`); a snapshot is loaded only when every rank finds
-its file, of the same world size and shapes (:func:`load_snapshot`, collective: all load,
-or none and the previous is tried), so a replaced machine, or another layout, falls back
-to the newest checkpoint. A step due for both gets the checkpoint. Snapshots hold up to
-two copies of each rank's state in memory (the newest is kept while the next is
-written): a file system without room for them is refused before the first
+every machine of the job), and one machine: a restart, or ``--resume`` on the same
+machines, continues from the newest of the run's checkpoints and the snapshots any machine
+holds (:func:`plait.train.restart.resumable`). Each rank loads its own file, or, if its
+machine lost it (replaced), the copy the next machine keeps, sent to it; a snapshot is
+loaded only when every rank has its file, of the same world size, model and shapes
+(:func:`load_snapshot`, collective: all load, or none and the previous is tried), so two
+lost neighbours, or another layout, fall back to the newest checkpoint. A step due for
+both gets the checkpoint. Snapshots hold up to two copies of each rank's state in memory
+(the newest is kept while the next is written; on several machines twice that, with the
+copies kept): a file system without room for them is refused before the first
 (:class:`~plait.train.checkpointer.Checkpointer`). The run removes its snapshots when it
 ends (its last checkpoint is newer); a new run in a run directory that holds one is
 refused, as over a checkpoint. Replica groups (``--replica-groups``) heal a restarted group
@@ -33,6 +37,7 @@ from a live one, which redoes only the step it died in: snapshots are refused th
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -55,7 +60,6 @@ from plait.train.checkpointing import (
     latest_checkpoint,
     list_checkpoints,
     load_state,
-    read_info,
 )
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.faults import strike_in_checkpoint
@@ -128,6 +132,35 @@ def _rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank_{rank:05d}.pt"
 
 
+def _replica_file(directory: Path, rank: int) -> Path:
+    """Where the next machine keeps rank ``rank``'s file."""
+    return directory / f"replica_{rank:05d}.pt"
+
+
+def _peers(rank: int, world: int) -> tuple[int, int]:
+    """The rank of the same local rank on the next machine, which keeps a copy of this
+    rank's snapshot file, and the one on the previous machine, whose copy this rank keeps
+    (both ``rank`` itself on one machine). Machines of ``LOCAL_WORLD_SIZE`` ranks each, in
+    rank order, as torchrun numbers them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if local >= world or world % local:
+        return rank, rank
+    return (rank + local) % world, (rank - local) % world
+
+
+def _from_every_rank(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, value, group=group)
+    return every
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
 def _local(value: Any) -> Any:
     """``value`` (nested dicts of tensors) with each DTensor's local shard in its place."""
     if isinstance(value, dict):
@@ -176,7 +209,18 @@ def write_snapshot(
         info = {"step": step, "world_size": world, "config": config}
         (tmp / _INFO).write_text(json.dumps(info))
     barrier(group, f"the start of snapshot {final.name}", background)
-    torch.save(_as_bytes(_local(state)), _rank_file(tmp, rank))
+    buffer = io.BytesIO()
+    torch.save(_as_bytes(_local(state)), buffer)
+    _rank_file(tmp, rank).write_bytes(buffer.getbuffer())
+    keeper, source = _peers(rank, world)
+    if keeper != rank:  # several machines: a copy on the next one, and the previous one's here
+        sizes = _from_every_rank(buffer.getbuffer().nbytes, group)
+        sent = dist.isend(torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8), keeper, group)
+        copy = torch.empty(sizes[source], dtype=torch.uint8)
+        dist.recv(copy, source, group=group)
+        if sent is not None:
+            sent.wait()
+        _replica_file(tmp, source).write_bytes(copy.numpy().tobytes())
     strike_in_checkpoint(step)  # test-only (plait.train.faults): a kill mid-write
     barrier(group, f"every rank's file of snapshot {final.name}", background)
     if first:
@@ -198,21 +242,41 @@ def load_snapshot(
     group: dist.ProcessGroup | None = None,
 ) -> CheckpointInfo:
     """Load snapshot ``path`` into ``modules`` and ``optimizer`` (in place; collective over
-    ``group``): every rank reads its own file, and unless every rank found its file, of
+    ``group``). Every rank reads its own file, or, if its machine lost it (a replaced
+    machine), receives the copy the next machine keeps; unless every rank has its file, of
     this world size, of the model settings ``expected`` and of the live tensors' shapes,
     every rank raises :class:`~plait.train.checkpointing.CheckpointDamaged` (nothing
     loaded)."""
     rank, world, _ = _rank()
+    mine, info_text = _read(_rank_file(path, rank)), _read(path / _INFO)
+    keeper, source = _peers(rank, world)
+    if keeper != rank:  # several machines: fetch a lost file from the keeper
+        kept = _read(_replica_file(path, source))
+        every = _from_every_rank((mine is not None, None if kept is None else len(kept)), group)
+        infos = _from_every_rank(info_text, group)  # every rank takes part, whatever it has
+        info_text = info_text or next(filter(None, infos), None)
+        sent = None
+        if not every[source][0] and kept is not None:
+            sent = dist.isend(torch.frombuffer(bytearray(kept), dtype=torch.uint8), source, group)
+        if mine is None and every[keeper][1] is not None:
+            received = torch.empty(every[keeper][1], dtype=torch.uint8)
+            dist.recv(received, keeper, group=group)
+            mine = received.numpy().tobytes()
+        if sent is not None:
+            sent.wait()
     saved: dict[str, Any] | None = None
     info, problem = CheckpointInfo(0, world, {}), ""
     try:
-        check_settings(path, expected or {})  # another model's: ConfigError
-        info = read_info(path)
+        if info_text is None or mine is None:
+            raise FileNotFoundError(f"no file of rank {rank} on its machine or the next")
+        raw = json.loads(info_text)
+        info = CheckpointInfo(int(raw["step"]), int(raw["world_size"]), dict(raw["config"]))
+        check_settings(path, expected or {}, info.config)  # another model's: ConfigError
         if info.world_size != world:
             problem = f"written by {info.world_size} ranks, not {world}"
         else:
-            raw = torch.load(_rank_file(path, rank), map_location="cpu", weights_only=True)
-            saved = _from_bytes(raw)
+            raw_state = torch.load(io.BytesIO(mine), map_location="cpu", weights_only=True)
+            saved = _from_bytes(raw_state)
     except Exception as error:  # whatever it is: every rank must reach the agreement
         problem = f"rank {rank}: {type(error).__name__}: {error}"
 
@@ -220,10 +284,7 @@ def load_snapshot(
         nonlocal problem
         if saved is not None and not problem:
             problem = _shape_problem(_local(state), saved, rank)
-        problems = [problem]
-        if group is not None:
-            problems = [""] * world
-            dist.all_gather_object(problems, problem, group=group)
+        problems = [problem] if group is None else _from_every_rank(problem, group)
         if any(problems):
             found = "; ".join(p for p in problems if p)
             raise CheckpointDamaged(f"snapshot {path} cannot be loaded here ({found})")
