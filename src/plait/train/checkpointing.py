@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,7 @@ from plait.train.safe_dcp import SafeFileSystemReader, TensorsOnlyPlanner
 __all__ = [
     "CheckpointDamaged",
     "CheckpointInfo",
+    "Loader",
     "barrier",
     "check_settings",
     "checkpoint_group",
@@ -393,6 +394,22 @@ def load_checkpoint(
     verify_checkpoint(path, group)
     check_settings(path, expected or {})
     return load_state(read_info(path), modules, optimizer, device, partial(_dcp_load, path, group))
+
+
+class Loader(Protocol):
+    """What loads a saved state into a session: :func:`load_checkpoint`, and
+    :func:`~plait.train.snapshots.load_snapshot` with the same contract."""
+
+    def __call__(
+        self,
+        path: Path,
+        modules: Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        device: str,
+        *,
+        expected: Mapping[str, Any] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> CheckpointInfo: ...
 
 
 def load_state(

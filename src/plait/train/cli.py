@@ -168,10 +168,7 @@ def _check_paths(cfg: TrainConfig) -> None:
         raise ConfigError(f"--chat-template {cfg.chat_template}: no such file")
     if not cfg.run_dir:
         return
-    latest = latest_checkpoint(cfg.run_dir)
-    for group in range(cfg.replica_groups if cfg.replica_groups > 1 else 0):
-        latest = latest or latest_checkpoint(group_run_dir(cfg.run_dir, group))
-    snapshot = latest_snapshot(cfg.run_dir)  # on this machine, of a run that failed
+    latest, snapshot = _latest_saves(cfg.run)  # a snapshot: of a run that failed here
     if cfg.resume and latest is None and snapshot is None:
         raise ConfigError(f"--resume: {cfg.run_dir} holds no complete checkpoint to continue from")
     if not cfg.resume and (latest or snapshot) is not None:
@@ -235,12 +232,18 @@ def _session_step_times(metrics: Path, offset: int) -> list[float]:
     return [float(row["step_time"]) for row in rows if "step_time" in row]
 
 
-def _resume_hint(run: RunConfig) -> str:
-    """How to continue the failed run ``run`` from its last checkpoint ("" if none)."""
+def _latest_saves(run: RunConfig) -> tuple[Path | None, Path | None]:
+    """The run's newest checkpoint (the run directory's, else a replica group's first) and
+    this machine's newest snapshot of it."""
     latest = latest_checkpoint(run.run_dir)
     for group in range(run.replica_groups if run.replica_groups > 1 else 0):
         latest = latest or latest_checkpoint(group_run_dir(run.run_dir, group))
-    snapshot = latest_snapshot(run.run_dir)
+    return latest, latest_snapshot(run.run_dir)
+
+
+def _resume_hint(run: RunConfig) -> str:
+    """How to continue the failed run ``run`` from its last checkpoint ("" if none)."""
+    latest, snapshot = _latest_saves(run)
     last_step = -1 if latest is None else checkpoint_step(latest)
     if snapshot is not None and checkpoint_step(snapshot) > last_step:
         return (

@@ -56,7 +56,7 @@ from plait.train.parallelize import (
 from plait.train.report import imbalance
 from plait.train.reporter import CONFIG_FILE, Reporter
 from plait.train.resolve import gpt_config, llama_config
-from plait.train.restart import agreed_restart_count, load_resumable, restarted, resumable
+from plait.train.restart import agreed_restart_count, loader_of, restarted, resumable
 from plait.train.snapshots import snapshot_root
 from plait.train.step import Stepper, make_stepper
 from plait.train.step_batch import StepBatch, global_loss, global_loss_tensor, step_batch
@@ -392,9 +392,12 @@ class _Session:
         damaged: list[str] = []
         for path in reversed(resumable(self.run_dir, self.checkpoint_group)):
             try:
-                parts = (path, self.run_dir, self.modules, self.optimizer, self.cfg.device)
+                load = loader_of(path, self.run_dir)
                 expected = model_settings(self.cfg)
-                info = load_resumable(*parts, expected=expected, group=self.checkpoint_group)
+                info = load(
+                    path, self.modules, self.optimizer, self.cfg.device,
+                    expected=expected, group=self.checkpoint_group,
+                )  # fmt: skip
             except CheckpointDamaged as error:
                 damaged.append(str(error))
                 _warn(f"{error}; falling back to the previous checkpoint")

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["MANIFEST", "CheckpointDamaged", "verify_manifest", "write_manifest"]
+__all__ = ["MANIFEST", "CheckpointDamaged", "from_every_rank", "verify_manifest", "write_manifest"]
 
 MANIFEST = "manifest.json"
 _FORMAT = 1
@@ -55,7 +55,9 @@ def _my_share(items: list[T], group: dist.ProcessGroup | None) -> list[T]:
     return items[dist.get_rank(group) :: dist.get_world_size(group)]
 
 
-def _from_every_rank(value: T, group: dist.ProcessGroup | None) -> list[T]:
+def from_every_rank(value: T, group: dist.ProcessGroup | None) -> list[T]:
+    """``value`` of every rank of ``group``, in rank order (collective); ``[value]`` alone
+    without a group (one process, or a caller whose group is None by design)."""
     if group is None:
         return [value]
     every: list[Any] = [None] * dist.get_world_size(group)
@@ -72,7 +74,7 @@ def write_manifest(directory: Path, group: dist.ProcessGroup | None = None) -> N
         for name in _my_share(_files(directory), group)
     }
     files: dict[str, Any] = {}
-    for entries in _from_every_rank(mine, group):
+    for entries in from_every_rank(mine, group):
         files.update(entries)
     if group is not None and dist.get_rank(group) != 0:
         return
@@ -120,7 +122,7 @@ def verify_manifest(directory: Path, group: dist.ProcessGroup | None = None) -> 
     files = _read(directory)  # every rank reads the same manifest: all raise, or none
     names = sorted(files)
     mine = [p for name in _my_share(names, group) if (p := _problem(directory, name, files[name]))]
-    problems = [p for found in _from_every_rank(mine, group) for p in found]
+    problems = [p for found in from_every_rank(mine, group) for p in found]
     if problems:
         listed = "; ".join(problems[:4]) + ("; ..." if len(problems) > 4 else "")
         raise CheckpointDamaged(f"checkpoint {directory} is damaged, refusing to load it: {listed}")

@@ -32,16 +32,13 @@ redone), and one ``restart`` row at the step the attempt resumes from says what 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from plait.train.checkpointing import (
-    CheckpointInfo,
+    Loader,
     checkpoint_step,
     checkpoints_dir,
     list_checkpoints,
@@ -49,6 +46,7 @@ from plait.train.checkpointing import (
 )
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.faults import lose_snapshots
+from plait.train.manifest import from_every_rank
 from plait.train.metrics import read_metrics
 from plait.train.snapshots import load_snapshot, snapshot_root
 
@@ -58,7 +56,7 @@ __all__ = [
     "agreed_checkpoints",
     "agreed_restart_count",
     "check_torchrun_restarts",
-    "load_resumable",
+    "loader_of",
     "mark_torchrun_job",
     "redone_steps",
     "restart_count",
@@ -109,29 +107,17 @@ def _any_machines_snapshots(run_dir: str | Path, group: dist.ProcessGroup | None
     root = snapshot_root(run_dir)
     lose_snapshots(root)  # test-only (plait.train.faults): a replaced machine's empty memory
     found = [p.name for p in list_checkpoints(root)]
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        every: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]
-        dist.all_gather_object(every, found, group=group)
-        found = sorted(set().union(*every))
+    if dist.is_initialized():
+        found = sorted(set().union(*from_every_rank(found, group or dist.group.WORLD)))
     return [checkpoints_dir(root) / name for name in found]
 
 
-def load_resumable(
-    path: Path,
-    run_dir: str | Path,
-    modules: Sequence[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    device: str,
-    *,
-    expected: Mapping[str, Any] | None = None,
-    group: dist.ProcessGroup | None = None,
-) -> CheckpointInfo:
-    """Load ``path``, one of :func:`resumable`'s, as what it is: a snapshot of ``run_dir``
+def loader_of(path: Path, run_dir: str | Path) -> Loader:
+    """How to load ``path``, one of :func:`resumable`'s: as a snapshot of ``run_dir``
     (:func:`~plait.train.snapshots.load_snapshot`) or a checkpoint
-    (:func:`~plait.train.checkpointing.load_checkpoint`); told apart by where it is, the
+    (:func:`~plait.train.checkpointing.load_checkpoint`), told apart by where it is, the
     same on every rank (a rank whose machine lacks the snapshot still takes part)."""
-    load = load_snapshot if path.is_relative_to(snapshot_root(run_dir)) else load_checkpoint
-    return load(path, modules, optimizer, device, expected=expected, group=group)
+    return load_snapshot if path.is_relative_to(snapshot_root(run_dir)) else load_checkpoint
 
 
 def restart_count() -> int:
@@ -144,11 +130,9 @@ def agreed_restart_count() -> int:
     """:func:`restart_count`, the largest over the ranks (collective when a process group
     is up): torchrun's agents on machines whose workers did not fail restart them for the
     new rendezvous without counting it, so only the failed machine's workers know."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized():
         return restart_count()
-    counts: list[int] = [0] * dist.get_world_size()
-    dist.all_gather_object(counts, restart_count())
-    return max(counts)
+    return max(from_every_rank(restart_count(), dist.group.WORLD))
 
 
 def mark_torchrun_job(run_dir: str | Path) -> None:

@@ -63,6 +63,7 @@ from plait.train.checkpointing import (
 )
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.faults import strike_in_checkpoint
+from plait.train.manifest import from_every_rank
 
 __all__ = [
     "SHARED_MEMORY",
@@ -148,12 +149,6 @@ def _peers(rank: int, world: int) -> tuple[int, int]:
     return (rank + local) % world, (rank - local) % world
 
 
-def _from_every_rank(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, value, group=group)
-    return every
-
-
 def _read(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -214,7 +209,7 @@ def write_snapshot(
     _rank_file(tmp, rank).write_bytes(buffer.getbuffer())
     keeper, source = _peers(rank, world)
     if keeper != rank:  # several machines: a copy on the next one, and the previous one's here
-        sizes = _from_every_rank(buffer.getbuffer().nbytes, group)
+        sizes = from_every_rank(buffer.getbuffer().nbytes, group)
         sent = dist.isend(torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8), keeper, group)
         copy = torch.empty(sizes[source], dtype=torch.uint8)
         dist.recv(copy, source, group=group)
@@ -253,14 +248,15 @@ def load_snapshot(
     keeper, source = _peers(rank, world)
     if keeper != rank:  # several machines: fetch a lost file from the keeper
         kept = _read(_replica_file(path, source))
-        every = _from_every_rank((mine is not None, None if kept is None else len(kept)), group)
-        infos = _from_every_rank(info_text, group)  # every rank takes part, whatever it has
-        info_text = info_text or next(filter(None, infos), None)
-        sent = None
+        # Per rank: whether it has its file, the size of the copy it keeps, the info it read.
+        found = (mine is not None, None if kept is None else len(kept), info_text)
+        every = from_every_rank(found, group)
+        info_text = info_text or next(filter(None, (text for *_, text in every)), None)
+        sent, size = None, every[keeper][1]
         if not every[source][0] and kept is not None:
             sent = dist.isend(torch.frombuffer(bytearray(kept), dtype=torch.uint8), source, group)
-        if mine is None and every[keeper][1] is not None:
-            received = torch.empty(every[keeper][1], dtype=torch.uint8)
+        if mine is None and size is not None:
+            received = torch.empty(size, dtype=torch.uint8)
             dist.recv(received, keeper, group=group)
             mine = received.numpy().tobytes()
         if sent is not None:
@@ -283,13 +279,14 @@ def load_snapshot(
 
     def read(state: dict[str, Any]) -> None:
         nonlocal problem
+        live = _local(state)
         if saved is not None and not problem:
-            problem = _shape_problem(_local(state), saved, rank)
-        problems = [problem] if group is None else _from_every_rank(problem, group)
+            problem = _shape_problem(live, saved, rank)
+        problems = from_every_rank(problem, group)
         if any(problems):
             found = "; ".join(p for p in problems if p)
             raise CheckpointDamaged(f"snapshot {path} cannot be loaded here ({found})")
-        _copy(_local(state), saved)
+        _copy(live, saved)
 
     return load_state(info, modules, optimizer, device, read)
 
