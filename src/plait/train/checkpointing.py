@@ -77,6 +77,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "load_weights",
+    "publishing",
     "read_info",
     "save_as",
     "saved_names",
@@ -325,25 +326,44 @@ def write_checkpoint(
     the checkpoints beyond the newest ``keep`` deleted. Collective over ``group``.
     ``background``: called off the training thread (``--async-checkpoint``), whose
     divergence checker it must not share, so its barriers wait plainly."""
-    root = checkpoints_dir(run_dir)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-{final.name}"
-    if _is_rank0():
+    with publishing(run_dir, step, config, group, _is_rank0(), keep, background) as tmp:
+        with _single_process_is_fine():  # returns on every rank once all files are written
+            dcp_save(state, checkpoint_id=str(tmp), process_group=group)
+        strike_in_checkpoint(step)  # test-only (plait.train.faults): a kill mid-write
+        write_manifest(tmp, group)  # the last file: it describes all the others
+    return checkpoints_dir(run_dir) / f"step_{step:06d}"
+
+
+@contextmanager
+def publishing(
+    root: str | Path,
+    step: int,
+    config: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    leader: bool,
+    keep: int,
+    background: bool,
+) -> Iterator[Path]:
+    """Save step ``step`` under ``root`` atomically (a checkpoint, or a machine's snapshot):
+    the ``leader`` (rank 0; a machine's first rank for a snapshot) prepares the ``.tmp-``
+    directory with ``plait.json``; every rank writes its files into the directory it is
+    given; then, once every rank is done, the leader renames it into place and deletes all
+    but the newest ``keep``. Collective over ``group`` (``background``: as
+    :func:`barrier`). A body that raises leaves the ``.tmp-`` directory unpublished."""
+    final = checkpoints_dir(root) / f"step_{step:06d}"
+    tmp = final.with_name(f".tmp-{final.name}")
+    if leader:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save
         tmp.mkdir(parents=True)
-        info = {"step": step, "world_size": _world_size(), "config": config}
-        _write_json(tmp / _INFO, info)
-    barrier(group, f"the start of checkpoint {final.name}", background)
-    with _single_process_is_fine():  # returns on every rank once all files are written
-        dcp_save(state, checkpoint_id=str(tmp), process_group=group)
-    strike_in_checkpoint(step)  # test-only (plait.train.faults): a kill mid-write
-    write_manifest(tmp, group)  # the last file: it describes all the others
-    if _is_rank0():
+        _write_json(tmp / _INFO, {"step": step, "world_size": _world_size(), "config": config})
+    barrier(group, f"the start of {final}", background)
+    yield tmp
+    barrier(group, f"every rank's files of {final}", background)
+    if leader:
         _publish(tmp, final)
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old)
-    barrier(group, f"the end of checkpoint {final.name}", background)
-    return final
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(group, f"the end of {final}", background)
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -54,12 +54,11 @@ from torch.distributed.tensor import DTensor
 from plait.train.checkpointing import (
     CheckpointDamaged,
     CheckpointInfo,
-    barrier,
     check_settings,
     checkpoints_dir,
     latest_checkpoint,
-    list_checkpoints,
     load_state,
+    publishing,
 )
 from plait.train.config import ConfigError, TrainConfig
 from plait.train.faults import strike_in_checkpoint
@@ -193,17 +192,19 @@ def write_snapshot(
     """Write this rank's ``state`` (:func:`~plait.train.checkpointing.checkpoint_state`, or
     a staged copy of it) as the snapshot of ``step`` under ``root`` (:func:`snapshot_root`);
     collective over ``group``, every rank's checkpoint group (``background``: off the
-    training thread). Each machine's first rank prepares the ``.tmp-`` directory and,
-    once every rank's file is written, renames it into place and removes the older ones."""
+    training thread). Each machine's first rank publishes its machine's directory and keeps
+    only the newest (:func:`~plait.train.checkpointing.publishing`)."""
     rank, world, first = _rank()
-    final = checkpoints_dir(root) / f"step_{step:06d}"
-    tmp = final.with_name(f".tmp-{final.name}")
-    if first:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a failed write
-        tmp.mkdir(parents=True)
-        info = {"step": step, "world_size": world, "config": config}
-        (tmp / _INFO).write_text(json.dumps(info))
-    barrier(group, f"the start of snapshot {final.name}", background)
+    with publishing(root, step, config, group, first, 1, background) as tmp:
+        _write_files(tmp, rank, world, state, group)
+        strike_in_checkpoint(step)  # test-only (plait.train.faults): a kill mid-write
+    return checkpoints_dir(root) / f"step_{step:06d}"
+
+
+def _write_files(
+    tmp: Path, rank: int, world: int, state: dict[str, Any], group: dist.ProcessGroup | None
+) -> None:
+    """This rank's file of a snapshot in ``tmp``, and the previous machine's copy."""
     buffer = io.BytesIO()
     torch.save(_as_bytes(_local(state)), buffer)
     _rank_file(tmp, rank).write_bytes(buffer.getbuffer())
@@ -217,15 +218,6 @@ def write_snapshot(
             sent.wait()
         with open(_replica_file(tmp, source), "wb") as f:
             copy.numpy().tofile(f)
-    strike_in_checkpoint(step)  # test-only (plait.train.faults): a kill mid-write
-    barrier(group, f"every rank's file of snapshot {final.name}", background)
-    if first:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in list_checkpoints(root)[:-1]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(group, f"the end of snapshot {final.name}", background)
-    return final
 
 
 def load_snapshot(
